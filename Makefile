@@ -1,0 +1,35 @@
+# Two entry points: `make run` (set up and serve the default model) and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+HOST ?= 127.0.0.1
+PORT ?= 8000
+MODEL ?= default
+
+.PHONY: setup run test lint fast-blas clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+# Debian/Ubuntu: install OpenBLAS so MLX's float32 path is fast (best effort; never fails setup).
+fast-blas:
+	@bash scripts/install-openblas.sh || true
+
+setup: $(STAMP) fast-blas
+
+run: setup
+	$(VENV)/bin/mlx-kvserve run --model $(MODEL) --host $(HOST) --port $(PORT)
+
+test: setup
+	$(PY) -m mlx_kvserve.blas_exec $(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check mlx_kvserve tests scripts
+	$(VENV)/bin/ruff format --check mlx_kvserve tests scripts
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,117 @@
+"""Command line: `mlx-kvserve run | convert | config show`. MLX is imported only inside commands,
+after the process has had its chance to re-execute with a fast BLAS."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import click
+
+from . import blas
+from .config import Config, as_dict, load_config
+from .errors import KVServeError
+
+log = logging.getLogger("mlx_kvserve")
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _load(config_path: str | None, overrides: dict) -> Config:
+    try:
+        return load_config(config_path, overrides)
+    except KVServeError as exc:
+        raise click.ClickException(exc.message) from None
+
+
+@click.group()
+@click.version_option(package_name="mlx-kvserve")
+def cli() -> None:
+    """A local OpenAI-compatible LLM server whose KV cache outlives requests and restarts."""
+
+
+def _config_options(fn):
+    fn = click.option(
+        "--config", "config_path", type=click.Path(exists=True, dir_okay=False), help="TOML config file."
+    )(fn)
+    fn = click.option("--model", help="'default', a Hugging Face repo id, an MLX folder or a .gguf file.")(fn)
+    fn = click.option(
+        "--dtype", type=click.Choice(["float32", "float16", "bfloat16", "keep"]), help="dtype for .gguf conversion."
+    )(fn)
+    fn = click.option("--host", help="Address to bind (default 127.0.0.1).")(fn)
+    fn = click.option("--port", type=int, help="Port to bind (default 8000).")(fn)
+    return fn
+
+
+def _overrides(model, dtype, host, port) -> dict:
+    return {"server": {"host": host, "port": port}, "model": {"path": model, "dtype": dtype}}
+
+
+@cli.command()
+@_config_options
+def run(config_path, model, dtype, host, port) -> None:
+    """Load the model and serve the OpenAI API."""
+    blas.reexec_with_fast_blas()
+    config = _load(config_path, _overrides(model, dtype, host, port))
+    _setup_logging(config.server.log_level)
+    import uvicorn
+
+    from .engine.engine import Engine
+    from .models.loader import load_model
+    from .server.app import create_app
+
+    log.info("BLAS in use: %s", blas.blas_in_use())
+    try:
+        loaded = load_model(config.model.path, config.models_path(), config.model.dtype, config.model.served_name)
+    except KVServeError as exc:
+        raise click.ClickException(exc.message) from None
+    app = create_app(Engine(loaded, config))
+    uvicorn.run(
+        app,
+        host=config.server.host,
+        port=config.server.port,
+        log_level=config.server.log_level,
+        timeout_graceful_shutdown=config.server.shutdown_timeout_s,
+    )
+
+
+@cli.command()
+@click.argument("src", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("dst", type=click.Path(file_okay=False, path_type=Path))
+@click.option(
+    "--dtype", type=click.Choice(["float32", "float16", "bfloat16", "keep"]), default="float32", show_default=True
+)
+def convert(src: Path, dst: Path, dtype: str) -> None:
+    """Convert a llama-family GGUF file into an MLX model folder."""
+    blas.reexec_with_fast_blas()
+    from .models.gguf import convert_gguf
+
+    try:
+        convert_gguf(src, dst, dtype, progress=lambda msg: click.echo(msg, err=True))  # type: ignore[arg-type]
+    except KVServeError as exc:
+        raise click.ClickException(exc.message) from None
+
+
+@cli.group("config")
+def config_group() -> None:
+    """Inspect configuration."""
+
+
+@config_group.command("show")
+@_config_options
+def config_show(config_path, model, dtype, host, port) -> None:
+    """Print the effective configuration (file + flags + defaults) as JSON."""
+    config = _load(config_path, _overrides(model, dtype, host, port))
+    click.echo(json.dumps(as_dict(config), indent=2))
+
+
+def main() -> None:
+    cli(prog_name="mlx-kvserve")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""Configuration: frozen dataclasses, loaded from TOML, overridden by CLI flags, validated once.
+
+Every key lives in exactly one section dataclass; `config.example.toml` documents each one.
+Errors raise ConfigError naming the offending key as `section.key`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, get_type_hints
+
+from .errors import ConfigError
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+
+
+def parse_bytes(value: int | str, key: str = "size") -> int:
+    """Parse a byte size: an integer, or a string like "512MiB", "2GiB", "1.5GB", "4096"."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a byte size, got {value!r}", param=key)
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"{key}: must be >= 0, got {value}", param=key)
+        return value
+    if not isinstance(value, str) or not (m := _SIZE_RE.match(value)):
+        raise ConfigError(f"{key}: expected a byte size like 2GiB, got {value!r}", param=key)
+    number, unit = float(m.group(1)), (m.group(2) or "").upper()
+    binary = "I" in unit
+    base = unit[:1] if unit not in ("", "B") else unit
+    scale = 1024 ** "BKMGT".index(base) if binary else _SIZE_UNITS[base]
+    return int(number * scale)
+
+
+def default_home() -> Path:
+    """Root of everything the server keeps on disk (`MLX_KVSERVE_HOME` overrides)."""
+    if env := os.environ.get("MLX_KVSERVE_HOME"):
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "mlx-kvserve"
+
+
+def _default_model_dtype() -> str:
+    # Linux CPU: MLX's float32 path is far faster than its quantized or half-precision ones.
+    return "float32" if sys.platform.startswith("linux") else "keep"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_queue: int = 16  # requests waiting for the worker; one more gets 429
+    max_body_bytes: int = 4 * 1024 * 1024
+    shutdown_timeout_s: float = 30.0  # how long in-flight requests may run after SIGTERM
+    log_level: str = "info"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = "default"  # "default", a Hugging Face repo id, an MLX folder or a .gguf file
+    dtype: str = field(default_factory=_default_model_dtype)  # for .gguf conversion
+    models_dir: str = ""  # where converted models are cached; "" = <home>/models
+    served_name: str = ""  # id reported by /v1/models; "" = derived from path
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_tokens: int = 512  # default completion limit when the request names none
+    temperature: float = 0.7
+    top_p: float = 1.0
+    prefill_step_size: int = 512
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    enabled: bool = True
+    block_size: int = 64
+    ram_max_bytes: int = 0  # 0 = a quarter of physical memory
+
+
+@dataclass(frozen=True)
+class SSDConfig:
+    enabled: bool = True
+    cache_dir: str = ""  # "" = <home>/kv
+
+
+@dataclass(frozen=True)
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    ssd: SSDConfig = field(default_factory=SSDConfig)
+
+    def models_path(self) -> Path:
+        return Path(self.model.models_dir).expanduser() if self.model.models_dir else default_home() / "models"
+
+    def ssd_path(self) -> Path:
+        return Path(self.ssd.cache_dir).expanduser() if self.ssd.cache_dir else default_home() / "kv"
+
+
+_SECTIONS = {f.name: f.type for f in fields(Config)}
+_BYTE_KEYS = {"max_body_bytes", "ram_max_bytes", "max_bytes", "min_free_bytes"}
+
+
+def _coerce(section: str, key: str, value: Any, expected: type) -> Any:
+    name = f"{section}.{key}"
+    if key in _BYTE_KEYS:
+        return parse_bytes(value, name)
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if expected is bool and not isinstance(value, bool):
+        raise ConfigError(f"{name}: expected true or false, got {value!r}", param=name)
+    if expected is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(f"{name}: expected an integer, got {value!r}", param=name)
+    if not isinstance(value, expected):
+        raise ConfigError(f"{name}: expected {expected.__name__}, got {value!r}", param=name)
+    return value
+
+
+def _build_section(section: str, cls: type, values: dict[str, Any]) -> Any:
+    hints = get_type_hints(cls)
+    unknown = sorted(set(values) - set(hints))
+    if unknown:
+        raise ConfigError(f"{section}.{unknown[0]}: unknown key", param=f"{section}.{unknown[0]}")
+    kwargs = {k: _coerce(section, k, v, hints[k]) for k, v in values.items()}
+    return cls(**kwargs)
+
+
+def _check(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}", param=key)
+
+
+def validate(config: Config) -> Config:
+    """Check value ranges; raises ConfigError naming the key. Returns the config unchanged."""
+    s, g, c = config.server, config.generation, config.cache
+    _check(0 <= s.port <= 65535, "server.port", f"must be 0..65535, got {s.port}")
+    _check(s.max_queue >= 1, "server.max_queue", f"must be >= 1, got {s.max_queue}")
+    _check(s.max_body_bytes >= 1024, "server.max_body_bytes", "must be at least 1KiB")
+    _check(s.shutdown_timeout_s >= 0, "server.shutdown_timeout_s", "must be >= 0")
+    levels = ("critical", "error", "warning", "info", "debug")
+    _check(s.log_level in levels, "server.log_level", f"must be one of {', '.join(levels)}")
+    dtypes = ("float32", "float16", "bfloat16", "keep")
+    _check(config.model.dtype in dtypes, "model.dtype", f"must be one of {', '.join(dtypes)}")
+    _check(bool(config.model.path), "model.path", "must not be empty")
+    _check(g.max_tokens >= 1, "generation.max_tokens", f"must be >= 1, got {g.max_tokens}")
+    _check(g.temperature >= 0, "generation.temperature", "must be >= 0")
+    _check(0 < g.top_p <= 1, "generation.top_p", "must be in (0, 1]")
+    _check(g.prefill_step_size >= 1, "generation.prefill_step_size", "must be >= 1")
+    _check(c.block_size >= 1, "cache.block_size", f"must be >= 1, got {c.block_size}")
+    return config
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, Any]] | None = None) -> Config:
+    """Read the TOML file at `path` (if any), apply `overrides` ({section: {key: value}}, values
+    of None ignored) and validate. Raises ConfigError for unreadable files or bad keys/values."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+    for section, values in (overrides or {}).items():
+        data.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
+    unknown = sorted(set(data) - set(_SECTIONS))
+    if unknown:
+        raise ConfigError(f"[{unknown[0]}]: unknown section", param=unknown[0])
+    sections = {}
+    for name, cls in get_type_hints(Config).items():
+        values = data.get(name, {})
+        if not isinstance(values, dict):
+            raise ConfigError(f"[{name}]: expected a table", param=name)
+        sections[name] = _build_section(name, cls, values)
+    return validate(Config(**sections))
+
+
+def as_dict(config: Config) -> dict[str, Any]:
+    return dataclasses.asdict(config)

@@ -1,0 +1,67 @@
+"""What the HTTP side hands the worker, and what the worker sends back.
+
+Events travel from the worker thread to the request's owner through `GenerationRequest.emit`
+(the server wraps an asyncio queue in it). Errors are sent as values, never raised across threads.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """New text (possibly empty while a stop string may be forming) and the tokens behind it."""
+
+    text: str
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class Finished:
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    usage: Usage
+    first_token_s: float  # seconds from start of work to the first generated token
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: Exception
+
+
+Event = TextDelta | Finished | Failed
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str
+    prompt_tokens: list[int]
+    params: SamplingParams
+    emit: Callable[[Event], None]
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        """Ask the worker to stop this request at the next token (safe from any thread)."""
+        self.cancelled.set()

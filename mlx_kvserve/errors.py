@@ -1,0 +1,60 @@
+"""One exception tree for the whole project; the server maps it to HTTP status in one place."""
+
+from __future__ import annotations
+
+
+class KVServeError(Exception):
+    """Base of every error this project raises on purpose."""
+
+    status_code = 500
+    error_type = "server_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class ConfigError(KVServeError):
+    """A configuration file or flag is invalid; the message names the key."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class ModelLoadError(KVServeError):
+    """A model could not be found, fetched or converted."""
+
+
+class InvalidRequestError(KVServeError):
+    """The request is understood but cannot be served as asked (400)."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class ValidationError(InvalidRequestError):
+    """A request field has the wrong type, a missing or an unknown value (422)."""
+
+    status_code = 422
+
+
+class NotFoundError(InvalidRequestError):
+    status_code = 404
+
+
+class PayloadTooLargeError(InvalidRequestError):
+    status_code = 413
+
+
+class OverloadedError(KVServeError):
+    """The request queue is full; the client should retry later (429)."""
+
+    status_code = 429
+    error_type = "rate_limit_error"
+
+
+class ShuttingDownError(KVServeError):
+    status_code = 503
+    error_type = "server_error"

@@ -1,0 +1,83 @@
+"""Resolve a model argument (default / hub id / MLX folder / .gguf file) and load it via mlx-lm."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import ModelLoadError
+from .default import DEFAULT_MODEL_NAME, ensure_default_model
+from .gguf import convert_gguf, is_converted
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to serve. `name` is the id clients see; `context_length` bounds prompt+completion."""
+
+    name: str
+    path: Path
+    model: Any  # mlx.nn.Module
+    tokenizer: Any  # mlx_lm TokenizerWrapper
+    config: dict[str, Any]
+    context_length: int
+
+
+def _gguf_folder(src: Path, models_dir: Path, dtype: str) -> Path:
+    digest = hashlib.sha256(str(src.resolve()).encode()).hexdigest()[:12]
+    return models_dir / f"{src.stem}-{digest}-{dtype}"
+
+
+def resolve_model_path(spec: str, models_dir: Path, dtype: str) -> tuple[str, Path]:
+    """(served name, local MLX folder) for a model spec, converting or downloading as needed."""
+    if spec == "default":
+        return DEFAULT_MODEL_NAME, ensure_default_model(models_dir, dtype)  # type: ignore[arg-type]
+    local = Path(spec).expanduser()
+    if local.suffix == ".gguf":
+        if not local.is_file():
+            raise ModelLoadError(f"GGUF file not found: {local}")
+        dst = _gguf_folder(local, models_dir, dtype)
+        if not is_converted(local, dst, dtype):
+            convert_gguf(local, dst, dtype)  # type: ignore[arg-type]
+        return local.stem, dst
+    if local.is_dir():
+        if not (local / "config.json").exists():
+            raise ModelLoadError(f"{local} is not an MLX model folder (no config.json)")
+        return local.name, local
+    if spec.count("/") == 1 and not spec.startswith((".", "/")):
+        from huggingface_hub import snapshot_download  # mlx-lm's own dependency
+
+        try:
+            path = snapshot_download(
+                spec, allow_patterns=["*.json", "*.safetensors", "*.py", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+            )
+        except Exception as exc:  # the hub client raises many unrelated types
+            raise ModelLoadError(f"cannot download {spec} from the Hugging Face hub: {exc}") from exc
+        return spec, Path(path)
+    raise ModelLoadError(f"model {spec!r} is not a folder, a .gguf file or a hub id (owner/name)")
+
+
+def context_length(config: dict[str, Any]) -> int:
+    for key in ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length"):
+        if isinstance(config.get(key), int):
+            return config[key]
+    text = config.get("text_config") or {}
+    return int(text.get("max_position_embeddings", 4096))
+
+
+def load_model(spec: str, models_dir: Path, dtype: str, served_name: str = "") -> LoadedModel:
+    from mlx_lm.utils import load
+
+    name, path = resolve_model_path(spec, models_dir, dtype)
+    log.info("loading model %s from %s", name, path)
+    try:
+        model, tokenizer = load(str(path))
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"cannot load model from {path}: {exc}") from exc
+    config = json.loads((path / "config.json").read_text())
+    return LoadedModel(served_name or name, path, model, tokenizer, config, context_length(config))

@@ -1,0 +1,206 @@
+"""The Starlette application: OpenAI routes, /health, error mapping, lifespan."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..engine.engine import Engine
+from ..engine.request import Event, Failed, Finished, GenerationRequest, TextDelta
+from ..errors import InvalidRequestError, KVServeError, NotFoundError, PayloadTooLargeError, ValidationError
+from . import openai as oa
+
+log = logging.getLogger(__name__)
+_DISCONNECT_POLL_S = 0.2
+
+
+def error_response(exc: KVServeError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if exc.status_code == 429 else None
+    body = oa.error_body(exc.message, exc.error_type, exc.param, exc.code)
+    return JSONResponse(body, status_code=exc.status_code, headers=headers)
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLargeError(f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLargeError(f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidRequestError(f"request body is not valid JSON: {exc}") from None
+
+
+class CompletionHandler:
+    """Turns one HTTP request into a GenerationRequest and its events into an OpenAI response."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        gen = engine.config.generation
+        self.defaults = oa.Defaults(gen.max_tokens, gen.temperature, gen.top_p)
+
+    def check_model(self, name: str | None) -> None:
+        if name not in (None, "", "default", self.engine.model_name):
+            raise NotFoundError(
+                f"model {name!r} not found; this server serves {self.engine.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    async def tokens(self, req: oa.CompletionRequest) -> list[int]:
+        if req.kind == "chat":
+            try:
+                return await run_in_threadpool(self.engine.chat_tokens, req.messages)
+            except Exception as exc:  # jinja raises its own types for templates that reject input
+                raise InvalidRequestError(
+                    f"the chat template rejected these messages: {exc}", param="messages"
+                ) from None
+        if isinstance(req.prompt, list):
+            vocab = self.engine.loaded.config.get("vocab_size", 0)
+            if vocab and any(not 0 <= t < vocab for t in req.prompt):
+                raise ValidationError(f"token ids in 'prompt' must be in [0, {vocab})", param="prompt")
+            return req.prompt
+        return await run_in_threadpool(self.engine.text_tokens, req.prompt)
+
+    async def __call__(self, request: Request, kind: str) -> Response:
+        body = await read_json(request, self.engine.config.server.max_body_bytes)
+        req = oa.parse_request(body, kind, self.defaults)
+        self.check_model(req.model)
+        prompt = await self.tokens(req)
+        budget = oa.completion_budget(req, len(prompt), self.engine.context_length, self.defaults.max_tokens)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        gen_req = GenerationRequest(
+            request_id=oa.new_id(kind),
+            prompt_tokens=prompt,
+            params=req.sampling(budget),
+            emit=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
+        )
+        self.engine.submit(gen_req)
+        if req.stream:
+            return StreamingResponse(self._stream(req, gen_req, events), media_type="text/event-stream")
+        return await self._collect(request, req, gen_req, events)
+
+    async def _collect(self, request: Request, req, gen_req: GenerationRequest, events: asyncio.Queue) -> Response:
+        pieces: list[str] = []
+        try:
+            while True:
+                try:
+                    ev = await asyncio.wait_for(events.get(), _DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        gen_req.cancel()
+                        return Response(status_code=499)
+                    continue
+                if isinstance(ev, TextDelta):
+                    pieces.append(ev.text)
+                elif isinstance(ev, Finished):
+                    text = "".join(pieces)
+                    body = oa.response_body(
+                        req, gen_req.request_id, self.engine.model_name, text, ev.finish_reason, ev.usage
+                    )
+                    return JSONResponse(body)
+                else:
+                    return _failure_response(ev)
+        finally:
+            gen_req.cancel()  # no-op when finished; stops the worker if this task was cancelled
+
+    async def _stream(self, req, gen_req: GenerationRequest, events: asyncio.Queue) -> AsyncIterator[str]:
+        rid, model = gen_req.request_id, self.engine.model_name
+        try:
+            yield _sse(oa.chunk_body(req, rid, model, "" if req.kind == "chat" else None, None, first=True))
+            while True:
+                ev = await events.get()
+                if isinstance(ev, TextDelta):
+                    if ev.text:
+                        yield _sse(oa.chunk_body(req, rid, model, ev.text, None))
+                elif isinstance(ev, Finished):
+                    yield _sse(oa.chunk_body(req, rid, model, None, ev.finish_reason))
+                    if req.include_usage:
+                        yield _sse(oa.usage_chunk(req, rid, model, ev.usage))
+                    break
+                else:
+                    err = _as_kvserve_error(ev.error)
+                    yield _sse(oa.error_body(err.message, err.error_type, err.param, err.code))
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            gen_req.cancel()  # the client went away or the stream ended: free the worker
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _as_kvserve_error(exc: Exception) -> KVServeError:
+    if isinstance(exc, KVServeError):
+        return exc
+    return KVServeError(f"generation failed: {type(exc).__name__}: {exc}")
+
+
+def _failure_response(ev: Failed) -> JSONResponse:
+    return error_response(_as_kvserve_error(ev.error))
+
+
+def create_app(engine: Engine) -> Starlette:
+    handler = CompletionHandler(engine)
+
+    async def chat(request: Request) -> Response:
+        return await handler(request, "chat")
+
+    async def completions(request: Request) -> Response:
+        return await handler(request, "text")
+
+    async def models(request: Request) -> Response:
+        card = {
+            "id": engine.model_name,
+            "object": "model",
+            "created": int(engine.started_at),
+            "owned_by": "mlx-kvserve",
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(request: Request) -> Response:
+        return JSONResponse(engine.health())
+
+    async def on_kvserve_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, KVServeError)
+        return error_response(exc)
+
+    async def on_unexpected(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s", request.url.path)
+        return error_response(KVServeError(f"internal error: {type(exc).__name__}"))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        engine.start()
+        log.info("serving %s (context %d tokens)", engine.model_name, engine.context_length)
+        try:
+            yield
+        finally:
+            log.info("shutting down: stopping the worker")
+            await run_in_threadpool(engine.stop, engine.config.server.shutdown_timeout_s)
+
+    routes = [
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+    ]
+    handlers = {KVServeError: on_kvserve_error, Exception: on_unexpected}
+    return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)

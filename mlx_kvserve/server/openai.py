@@ -1,0 +1,243 @@
+"""OpenAI request parsing and response shapes. Pure functions: no I/O, no MLX.
+
+Parsing raises ValidationError (422) for wrong types or values and InvalidRequestError (400)
+for requests that cannot be served as asked; every message names the field.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from ..engine.request import SamplingParams, Usage
+from ..errors import InvalidRequestError, ValidationError
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_STOP_STRINGS = 8
+
+
+@dataclass(frozen=True)
+class Defaults:
+    max_tokens: int
+    temperature: float
+    top_p: float
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    """A parsed chat or text completion request (the prompt is not tokenized yet)."""
+
+    kind: str  # "chat" | "text"
+    model: str | None
+    messages: list[dict[str, str]] | None
+    prompt: str | list[int] | None
+    max_tokens: int | None  # None: as many as the context allows, up to the server default
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    return_block_hashes: bool = False
+
+    def sampling(self, max_tokens: int) -> SamplingParams:
+        return SamplingParams(max_tokens, self.temperature, self.top_p, self.seed, self.stop)
+
+
+def _field(body: dict[str, Any], name: str, kinds: tuple[type, ...], what: str, default: Any = None) -> Any:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        raise ValidationError(f"'{name}' must be {what}, got {type(value).__name__}", param=name)
+    return value
+
+
+def _number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
+    value = float(_field(body, name, (int, float), "a number", default))
+    if not low <= value <= high:
+        raise ValidationError(f"'{name}' must be between {low} and {high}, got {value}", param=name)
+    return value
+
+
+def _content_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValidationError(f"{where}.content[{i}] must be a text part", param=f"{where}.content")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise ValidationError(f"{where}.content must be a string or a list of text parts", param=f"{where}.content")
+
+
+def parse_messages(raw: Any) -> list[dict[str, str]]:
+    if not isinstance(raw, list) or not raw:
+        raise ValidationError("'messages' must be a non-empty array", param="messages")
+    messages = []
+    for i, msg in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise ValidationError(f"{where} must be an object", param="messages")
+        role = msg.get("role")
+        if role not in ROLES:
+            raise ValidationError(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", param="messages")
+        content = msg.get("content")
+        if content is None and role == "assistant":
+            content = ""
+        messages.append({"role": role, "content": _content_text(content, where)})
+    return messages
+
+
+def _parse_stop(body: dict[str, Any]) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise ValidationError("'stop' must be a non-empty string or an array of them", param="stop")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ValidationError(f"'stop' may hold at most {MAX_STOP_STRINGS} strings", param="stop")
+    return tuple(stop)
+
+
+def _parse_prompt(body: dict[str, Any]) -> str | list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValidationError("'prompt' must not be empty", param="prompt")
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt
+    raise ValidationError("'prompt' must be a non-empty string or an array of token ids", param="prompt")
+
+
+def parse_request(body: Any, kind: str, defaults: Defaults) -> CompletionRequest:
+    if not isinstance(body, dict):
+        raise ValidationError("request body must be a JSON object")
+    n = _field(body, "n", (int,), "an integer", 1)
+    if n != 1:
+        raise ValidationError("only n=1 is supported", param="n")
+    max_tokens = _field(body, "max_completion_tokens", (int,), "an integer")
+    if max_tokens is None:
+        max_tokens = _field(body, "max_tokens", (int,), "an integer")
+    if max_tokens is not None and max_tokens < 1:
+        raise ValidationError(f"'max_tokens' must be at least 1, got {max_tokens}", param="max_tokens")
+    stream_options = _field(body, "stream_options", (dict,), "an object", {})
+    ext = _field(body, "kvserve", (dict,), "an object", {})
+    return CompletionRequest(
+        kind=kind,
+        model=_field(body, "model", (str,), "a string"),
+        messages=parse_messages(body.get("messages")) if kind == "chat" else None,
+        prompt=_parse_prompt(body) if kind == "text" else None,
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", defaults.temperature, 0.0, 2.0),
+        top_p=_number(body, "top_p", defaults.top_p, 0.0, 1.0) or defaults.top_p,
+        seed=_field(body, "seed", (int,), "an integer"),
+        stop=_parse_stop(body),
+        stream=_field(body, "stream", (bool,), "a boolean", False),
+        include_usage=bool(_field(stream_options, "include_usage", (bool,), "a boolean", False)),
+        return_block_hashes=bool(_field(ext, "return_block_hashes", (bool,), "a boolean", False)),
+    )
+
+
+def completion_budget(req: CompletionRequest, num_prompt: int, context: int, default_max: int) -> int:
+    """How many tokens may be generated. Raises InvalidRequestError when the prompt alone fills the
+    context or an explicit max_tokens would overflow it."""
+    room = context - num_prompt
+    if room < 1:
+        raise InvalidRequestError(
+            f"prompt has {num_prompt} tokens; the model's context is {context} tokens",
+            param="messages" if req.kind == "chat" else "prompt",
+            code="context_length_exceeded",
+        )
+    if req.max_tokens is None:
+        return min(default_max, room)
+    if req.max_tokens > room:
+        raise InvalidRequestError(
+            f"max_tokens {req.max_tokens} + prompt {num_prompt} tokens exceeds the context of {context} tokens",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return req.max_tokens
+
+
+def new_id(kind: str) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+def usage_body(usage: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+def public_finish_reason(reason: str) -> str:
+    # A request cut short by shutdown ends like one that ran out of tokens.
+    return "length" if reason == "cancelled" else reason
+
+
+def response_body(req: CompletionRequest, rid: str, model: str, text: str, reason: str, usage: Usage) -> dict:
+    reason = public_finish_reason(reason)
+    if req.kind == "chat":
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": reason,
+        }
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        obj = "text_completion"
+    return {
+        "id": rid,
+        "object": obj,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": usage_body(usage),
+    }
+
+
+def chunk_body(
+    req: CompletionRequest, rid: str, model: str, text: str | None, reason: str | None, first: bool = False
+) -> dict:
+    """One streamed chunk: text (None for none) and, on the last content chunk, the finish reason."""
+    reason = public_finish_reason(reason) if reason else None
+    if req.kind == "chat":
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if text is not None:
+            delta["content"] = text
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
+
+
+def usage_chunk(req: CompletionRequest, rid: str, model: str, usage: Usage) -> dict:
+    obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
+    return {
+        "id": rid,
+        "object": obj,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [],
+        "usage": usage_body(usage),
+    }
+
+
+def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}

@@ -1,0 +1,93 @@
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import tinymodel  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return tinymodel.build_mlx_model(tmp_path_factory.mktemp("tiny") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def smollm_dir() -> Path:
+    """The real default model, fetched and converted once into the user's model cache."""
+    from mlx_kvserve.config import default_home
+    from mlx_kvserve.models.default import ensure_default_model
+
+    return ensure_default_model(default_home() / "models", "float32")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`mlx-kvserve run` in a child process on a free port, with its own home directory."""
+
+    def __init__(self, model: Path | str, home: Path, *extra: str, config: Path | None = None):
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "mlx_kvserve", "run", "--model", str(model), "--port", str(self.port)]
+        if config:
+            cmd += ["--config", str(config)]
+        env = dict(os.environ, MLX_KVSERVE_HOME=str(home), PYTHONUNBUFFERED="1")
+        self.log_path = home / f"server-{self.port}.log"
+        home.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen([*cmd, *extra], cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 180.0) -> "ServerProcess":
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"server not ready after {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text()
+
+    def stop(self, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture
+def start_server(tmp_path):
+    started: list[ServerProcess] = []
+
+    def start(model, *extra, config=None, home=None) -> ServerProcess:
+        server = ServerProcess(model, home or tmp_path / "home", *extra, config=config)
+        started.append(server)
+        return server.wait_ready()
+
+    yield start
+    for server in started:
+        server.stop()
