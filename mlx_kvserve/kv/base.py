@@ -1,0 +1,29 @@
+"""Shared types of the KV tiers. Payloads are opaque here: whatever the block<->cache adapter
+produced, with a byte size; nothing in kv/ except blocks.py knows mlx-lm's cache classes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+
+@dataclass
+class Block:
+    """One full block of KV. `ref_count` counts in-flight requests using it ("in use"); a block in
+    use is never evicted. `last_access` is a monotonic counter, not wall time."""
+
+    block_hash: bytes
+    parent_hash: bytes
+    token_ids: tuple[int, ...]
+    payload: Any
+    nbytes: int
+    ref_count: int = 0
+    last_access: int = 0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+class MatchResult(NamedTuple):
+    """The longest verified cached prefix: its blocks (referenced; release them) and token count."""
+
+    blocks: list[Block]
+    num_tokens: int

@@ -1,0 +1,69 @@
+"""Blocks <-> mlx-lm prompt cache. The only module that knows mlx-lm's cache classes.
+
+A block payload is a list with one (keys, values) pair per layer, each of shape
+(1, kv_heads, block_size, head_dim), copied out of the cache so that it owns its memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+Payload = list[tuple[mx.array, mx.array]]
+
+
+class CacheSupport(NamedTuple):
+    supported: bool
+    reason: str  # why block caching is off ("" when supported)
+    kv_dtype: str
+
+
+def cache_support(model: Any) -> CacheSupport:
+    """Whether this model's cache is plain attention KV that can be cut into blocks."""
+    cache = make_prompt_cache(model)
+    kinds = sorted({type(c).__name__ for c in cache})
+    if any(type(c) is not KVCache for c in cache):
+        return CacheSupport(False, f"model cache is {', '.join(kinds)}, not plain attention KV", "")
+    dtype = _kv_dtype(model)
+    return CacheSupport(True, "", dtype)
+
+
+def _kv_dtype(model: Any) -> str:
+    from mlx.utils import tree_flatten
+
+    for name, value in tree_flatten(model.parameters()):
+        if name.endswith(("norm.weight", "layernorm.weight")):
+            return str(value.dtype).removeprefix("mlx.core.")
+    return "unknown"
+
+
+def cache_length(prompt_cache: list[Any]) -> int:
+    return prompt_cache[0].offset if prompt_cache else 0
+
+
+def slice_blocks(prompt_cache: list[KVCache], start: int, end: int, block_size: int) -> list[tuple[Payload, int]]:
+    """Copy blocks start..end-1 (block indices) out of the cache: [(payload, nbytes)]."""
+    out: list[tuple[Payload, int]] = []
+    arrays: list[mx.array] = []
+    for i in range(start, end):
+        lo, hi = i * block_size, (i + 1) * block_size
+        payload = [(mx.contiguous(c.keys[..., lo:hi, :]), mx.contiguous(c.values[..., lo:hi, :])) for c in prompt_cache]
+        arrays.extend(a for pair in payload for a in pair)
+        out.append(payload)
+    mx.eval(arrays)
+    return [(p, sum(k.nbytes + v.nbytes for k, v in p)) for p in out]
+
+
+def assemble(model: Any, payloads: list[Payload]) -> list[KVCache]:
+    """A fresh prompt cache holding the given blocks in order (empty list: an empty cache)."""
+    prompt_cache = make_prompt_cache(model)
+    if not payloads:
+        return prompt_cache
+    for layer, cache in enumerate(prompt_cache):
+        cache.keys = mx.concatenate([p[layer][0] for p in payloads], axis=2)
+        cache.values = mx.concatenate([p[layer][1] for p in payloads], axis=2)
+        cache.offset = cache.keys.shape[2]
+    mx.eval([c.keys for c in prompt_cache] + [c.values for c in prompt_cache])
+    return prompt_cache

@@ -1,0 +1,94 @@
+"""Chained blake3 block hashes and the namespace they live in.
+
+h_0 = namespace hash; h_i = blake3(h_{i-1} || u32 count || token ids of block i as u32 LE).
+The namespace frames each of its parts with its length, so no two different namespaces (model
+fingerprint, KV dtype, cache layout version, block size) can produce the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+from blake3 import blake3
+
+LAYOUT_VERSION = 1
+HASH_BYTES = 32
+
+
+def framed(*parts: bytes) -> bytes:
+    """Concatenate parts, each prefixed by its length (u64 LE), so boundaries are unambiguous."""
+    return b"".join(struct.pack("<Q", len(p)) + p for p in parts)
+
+
+def namespace_hash(model_fingerprint: str, kv_dtype: str, block_size: int, layout: int = LAYOUT_VERSION) -> bytes:
+    parts = (
+        b"mlx-kvserve",
+        model_fingerprint.encode(),
+        kv_dtype.encode(),
+        str(layout).encode(),
+        str(block_size).encode(),
+    )
+    return blake3(framed(*parts)).digest()
+
+
+class BlockHasher:
+    """Hashes the full blocks of a token sequence inside one namespace."""
+
+    def __init__(self, namespace: bytes, block_size: int):
+        if block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        self.namespace = namespace
+        self.block_size = block_size
+
+    def hash_blocks(self, tokens: Sequence[int], num_blocks: int | None = None) -> list[bytes]:
+        """Chained hashes of the first `num_blocks` full blocks (default: all full blocks)."""
+        bs = self.block_size
+        n = len(tokens) // bs if num_blocks is None else min(num_blocks, len(tokens) // bs)
+        data = np.asarray(tokens[: n * bs], dtype="<u4").tobytes()
+        width = bs * 4
+        count = struct.pack("<I", bs)
+        hashes, parent = [], self.namespace
+        for i in range(n):
+            parent = blake3(parent + count + data[i * width : (i + 1) * width]).digest()
+            hashes.append(parent)
+        return hashes
+
+
+def _file_digest(path: Path) -> str:
+    hasher = blake3(max_threads=blake3.AUTO)
+    hasher.update_mmap(str(path))
+    return hasher.hexdigest()
+
+
+def model_fingerprint(model_dir: Path, memo_file: Path | None = None) -> str:
+    """A hash of the model's config and weight files' contents, stable across restarts.
+
+    Hashing weights costs about a second per GB, so per-file digests are memoized in `memo_file`
+    keyed by (path, size, mtime): a restart with unchanged files reads only the memo.
+    """
+    memo: dict[str, str] = {}
+    if memo_file is not None:
+        try:
+            memo = json.loads(memo_file.read_text())
+        except (OSError, ValueError):
+            memo = {}
+    files = sorted(p for p in model_dir.iterdir() if p.suffix in (".json", ".safetensors") and p.is_file())
+    parts, changed = [], False
+    for path in files:
+        st = path.stat()
+        key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+        if key not in memo:
+            memo[key] = _file_digest(path)
+            changed = True
+        parts.append(framed(path.name.encode(), memo[key].encode()))
+    if memo_file is not None and changed:
+        memo_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo_file.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(memo))
+        os.replace(tmp, memo_file)
+    return blake3(b"".join(parts)).hexdigest()

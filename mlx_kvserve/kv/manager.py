@@ -1,0 +1,133 @@
+"""KVManager: the block index over the tiers (RAM now; the SSD tier plugs in as `next_tier`).
+
+Contract:
+- `lookup(tokens)` returns the longest chain of cached blocks whose token ids equal the
+  prompt's, and references each returned block (in use: never evicted) until `release`.
+- A hash hit whose token ids differ is a collision: counted, treated as a miss.
+- `cache_block` is two-phase: phase 1 registers the block in RAM under the lock; phase 2,
+  outside the lock, hands it to the next tier (disk I/O never happens under the lock).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from .base import Block, MatchResult
+from .hashing import BlockHasher
+from .ram import RAMStore
+
+log = logging.getLogger(__name__)
+
+
+class NextTier(Protocol):
+    def on_new_block(self, block: Block) -> None: ...
+    def on_evicted(self, blocks: list[Block]) -> None: ...
+
+
+class KVManager:
+    def __init__(self, hasher: BlockHasher, ram: RAMStore, next_tier: NextTier | None = None):
+        self.hasher = hasher
+        self.block_size = hasher.block_size
+        self.next_tier = next_tier
+        self._lock = threading.Lock()  # guards _ram, _tick and _stats
+        self._ram = ram
+        self._tick = 0
+        self._stats = dict.fromkeys(
+            ("lookups", "hits", "hit_tokens", "misses", "collisions", "evictions", "inserts", "dedup"), 0
+        )
+
+    def _next_tick(self) -> int:
+        self._tick += 1
+        return self._tick
+
+    def lookup(self, tokens: Sequence[int], max_tokens: int | None = None) -> MatchResult:
+        """Longest verified cached prefix of `tokens`, at most `max_tokens` long (in whole blocks)."""
+        limit = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
+        bs = self.block_size
+        hashes = self.hasher.hash_blocks(tokens, limit // bs)
+        found: list[Block] = []
+        with self._lock:
+            self._stats["lookups"] += 1
+            for i, block_hash in enumerate(hashes):
+                block = self._ram.get(block_hash)
+                if block is None:
+                    self._stats["misses"] += 1
+                    break
+                if block.token_ids != tuple(tokens[i * bs : (i + 1) * bs]):
+                    self._stats["collisions"] += 1
+                    log.warning("block hash collision at block %d (%s); treated as a miss", i, block_hash.hex()[:16])
+                    break
+                block.ref_count += 1
+                self._ram.touch(block, self._next_tick())
+                found.append(block)
+            self._stats["hits"] += len(found)
+            self._stats["hit_tokens"] += len(found) * bs
+        return MatchResult(found, len(found) * bs)
+
+    def release(self, blocks: Sequence[Block]) -> None:
+        """Drop one reference from each block (the request that looked them up is done)."""
+        with self._lock:
+            for block in blocks:
+                assert block.ref_count > 0, "release without a matching lookup"
+                block.ref_count -= 1
+            evicted = self._ram.evict_to_budget()
+            self._stats["evictions"] += len(evicted)
+        if evicted and self.next_tier is not None:
+            self.next_tier.on_evicted(evicted)
+
+    def cache_block(
+        self, block_hash: bytes, parent_hash: bytes, token_ids: Sequence[int], payload: Any, nbytes: int
+    ) -> bool:
+        """Register a new full block. Returns False when it was already cached (or collides)."""
+        ids = tuple(token_ids)
+        with self._lock:  # phase 1: RAM registration
+            existing = self._ram.get(block_hash)
+            if existing is not None:
+                key = "dedup" if existing.token_ids == ids else "collisions"
+                self._stats[key] += 1
+                return False
+            block = Block(block_hash, parent_hash, ids, payload, nbytes)
+            self._ram.insert(block, self._next_tick())
+            self._stats["inserts"] += 1
+            evicted = self._ram.evict_to_budget()
+            self._stats["evictions"] += len(evicted)
+        if self.next_tier is not None:  # phase 2: outside the lock
+            self.next_tier.on_new_block(block)
+            if evicted:
+                self.next_tier.on_evicted(evicted)
+        return True
+
+    def new_blocks(self, tokens: Sequence[int], start_block: int, end_block: int) -> list[tuple[int, bytes, bytes]]:
+        """(index, hash, parent hash) of blocks start..end-1 of `tokens` not yet in RAM."""
+        hashes = self.hasher.hash_blocks(tokens, end_block)
+        with self._lock:
+            return [
+                (i, hashes[i], hashes[i - 1] if i else self.hasher.namespace)
+                for i in range(start_block, len(hashes))
+                if hashes[i] not in self._ram
+            ]
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            out = {f"kv_{k}": v for k, v in self._stats.items()}
+            out["kv_ram_bytes"] = self._ram.used_bytes
+            out["kv_ram_blocks"] = len(self._ram)
+            out["kv_ram_max_bytes"] = self._ram.max_bytes
+            out["kv_in_use_blocks"] = sum(1 for b in self._ram if b.ref_count > 0)
+        return out
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the RAM tier's books do not balance."""
+        with self._lock:
+            blocks = list(self._ram)
+            assert sum(b.nbytes for b in blocks) == self._ram.used_bytes, "ram bytes do not add up"
+            assert all(b.ref_count >= 0 for b in blocks), "negative reference count"
+            assert all(len(b.token_ids) == self.block_size for b in blocks), "block of wrong size"
+            over = self._ram.used_bytes - self._ram.max_bytes
+            if over > 0:
+                assert all(b.ref_count > 0 for b in blocks), "over budget while unreferenced blocks remain"
+            ticks = [b.last_access for b in blocks]
+            assert ticks == sorted(ticks), "LRU order does not follow last access"

@@ -1,0 +1,62 @@
+"""The RAM hot tier: a byte-budgeted LRU of blocks. Not thread-safe: KVManager's lock guards it."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+
+from .base import Block
+
+
+class RAMStore:
+    """Blocks by hash in LRU order (oldest first). `evict_to_budget` drops least recently used
+    blocks that are not in use until the total fits `max_bytes`; blocks in use are skipped, so
+    the store may stay over budget while requests hold them. Evicting 0 blocks is always safe."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._blocks: OrderedDict[bytes, Block] = OrderedDict()
+        self.used_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        return block_hash in self._blocks
+
+    def __iter__(self) -> Iterator[Block]:
+        return iter(list(self._blocks.values()))
+
+    def get(self, block_hash: bytes) -> Block | None:
+        return self._blocks.get(block_hash)
+
+    def touch(self, block: Block, tick: int) -> None:
+        block.last_access = tick
+        self._blocks.move_to_end(block.block_hash)
+
+    def insert(self, block: Block, tick: int) -> None:
+        """Add a block as most recently used. The caller checked it is not present."""
+        assert block.block_hash not in self._blocks
+        block.last_access = tick
+        self._blocks[block.block_hash] = block
+        self.used_bytes += block.nbytes
+
+    def remove(self, block_hash: bytes) -> Block | None:
+        block = self._blocks.pop(block_hash, None)
+        if block is not None:
+            self.used_bytes -= block.nbytes
+        return block
+
+    def evict_to_budget(self, max_bytes: int | None = None) -> list[Block]:
+        """Evict unreferenced LRU blocks until used_bytes <= budget; return what was evicted."""
+        budget = self.max_bytes if max_bytes is None else max_bytes
+        evicted: list[Block] = []
+        if self.used_bytes <= budget:
+            return evicted
+        for block in list(self._blocks.values()):
+            if self.used_bytes <= budget:
+                break
+            if block.ref_count == 0:
+                self.remove(block.block_hash)
+                evicted.append(block)
+        return evicted
