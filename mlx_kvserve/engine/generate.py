@@ -41,7 +41,8 @@ class Generator:
             self.prefix_cache.release(prepared)
             raise
         usage = Usage(len(req.prompt_tokens), outcome.num_tokens, prepared.match.num_tokens)
-        req.emit(Finished(outcome.finish_reason, usage, outcome.first_token_s))
+        completion = tuple(generated[: outcome.num_tokens])
+        req.emit(Finished(outcome.finish_reason, usage, outcome.first_token_s, completion))
         self.prefix_cache.finish(prepared, req.prompt_tokens + generated)
 
     def _decode(

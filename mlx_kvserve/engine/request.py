@@ -44,6 +44,7 @@ class Finished:
     finish_reason: str  # "stop" | "length" | "cancelled"
     usage: Usage
     first_token_s: float  # seconds from start of work to the first generated token
+    token_ids: tuple[int, ...] = ()  # the completion's tokens (eos not included)
 
 
 @dataclass(frozen=True)

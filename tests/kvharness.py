@@ -1,0 +1,51 @@
+"""Drive the engine's Generator directly (no server) with a fresh block cache."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from mlx_kvserve.engine.generate import Generator
+from mlx_kvserve.engine.prefix_cache import PrefixCache
+from mlx_kvserve.engine.request import Finished, GenerationRequest, SamplingParams, TextDelta
+from mlx_kvserve.kv.hashing import BlockHasher, namespace_hash
+from mlx_kvserve.kv.manager import KVManager
+from mlx_kvserve.kv.ram import RAMStore
+
+
+def make_generator(model, tokenizer, block_size: int, ram_bytes: int = 1 << 30) -> Generator:
+    manager = KVManager(
+        BlockHasher(namespace_hash("test-model", "float32", block_size), block_size), RAMStore(ram_bytes)
+    )
+    return Generator(model, tokenizer, PrefixCache(model, manager))
+
+
+def greedy(generator: Generator, prompt: list[int], max_tokens: int) -> tuple[tuple[int, ...], str, int]:
+    """(completion token ids, text, cached tokens) of a greedy run through the engine."""
+    events: list = []
+    req = GenerationRequest("test", list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0), events.append)
+    generator.run(req)
+    done = events[-1]
+    assert isinstance(done, Finished), events
+    text = "".join(e.text for e in events if isinstance(e, TextDelta))
+    return done.token_ids, text, done.usage.cached_tokens
+
+
+def final_logits(generator: Generator, prompt: list[int]) -> tuple[mx.array, int]:
+    """Logits after `prompt`, computed on top of whatever the block cache holds for it, plus the
+    number of tokens served from cache. The cold reference is the same call on an empty cache."""
+    prepared = generator.prefix_cache.prepare(prompt)
+    try:
+        cached = prepared.match.num_tokens
+        logits = generator.model(mx.array(prompt[cached:])[None], cache=prepared.prompt_cache)[0, -1]
+        mx.eval(logits)
+        return logits.astype(mx.float32), cached
+    finally:
+        generator.prefix_cache.release(prepared)
+
+
+def cold_logits(model, prompt: list[int]) -> mx.array:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    logits = model(mx.array(prompt)[None], cache=make_prompt_cache(model))[0, -1]
+    mx.eval(logits)
+    return logits.astype(mx.float32)

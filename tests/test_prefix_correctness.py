@@ -1,0 +1,89 @@
+"""A cache hit must give exactly the output of a cold run (greedy) and allclose final logits.
+Never weaken these tests: they are the product's correctness guarantee."""
+
+import mlx.core as mx
+import pytest
+from kvharness import cold_logits, final_logits, greedy, make_generator
+from mlx_lm.utils import load
+
+ATOL = 1e-3
+RTOL = 1e-3
+
+
+def _check_case(model, tokenizer, block_size, warm_prompts, prompt, max_tokens, expect_cached):
+    cold_gen = make_generator(model, tokenizer, block_size)
+    cold_ids, cold_text, cached = greedy(cold_gen, prompt, max_tokens)
+    assert cached == 0
+    reference = cold_logits(model, prompt)
+
+    warm_gen = make_generator(model, tokenizer, block_size)
+    for warm in warm_prompts:
+        greedy(warm_gen, warm, max_tokens)
+    logits, cached_for_logits = final_logits(warm_gen, prompt)
+    hit_ids, hit_text, cached = greedy(warm_gen, prompt, max_tokens)
+    assert cached == expect_cached == cached_for_logits
+    assert hit_ids == cold_ids
+    assert hit_text == cold_text
+    assert mx.allclose(logits, reference, atol=ATOL, rtol=RTOL).item(), mx.abs(logits - reference).max().item()
+    warm_gen.prefix_cache.manager.check_integrity()
+    return cold_ids
+
+
+def _cases(tokenizer, block_size):
+    text = " ".join(f"Fact {i}: the river number {i} flows into the sea near town {i * 7}." for i in range(40))
+    base = tokenizer.encode(text)
+    bs = block_size
+    mid = base[: 6 * bs + bs // 2]  # ends mid-block
+    exact = base[: 6 * bs]  # ends on a block boundary: the last block must still be prefilled
+    other = base[: 3 * bs] + tokenizer.encode(" A completely different ending follows here, with more words.")
+    return [
+        ("full chain", [mid], mid, 6 * bs),
+        ("partial chain", [mid], other, 3 * bs),
+        ("mid-block", [base[: 4 * bs]], mid, 4 * bs),
+        ("block boundary", [exact], exact, 5 * bs),
+    ]
+
+
+def _run_all(model, tokenizer, block_size, max_tokens):
+    for name, warm, prompt, expect in _cases(tokenizer, block_size):
+        try:
+            _check_case(model, tokenizer, block_size, warm, prompt, max_tokens, expect)
+        except AssertionError as exc:
+            raise AssertionError(f"case {name!r}: {exc}") from exc
+
+
+def _conversation(model, tokenizer, block_size, max_tokens):
+    """Turn 2 extends turn 1's prompt and its generated tokens: the hit includes decode-time KV."""
+    gen = make_generator(model, tokenizer, block_size)
+    turn1 = tokenizer.encode(" ".join(f"Line {i} of the story about a lighthouse keeper." for i in range(12)))
+    ids1, _, _ = greedy(gen, turn1, max_tokens)
+    turn2 = turn1 + list(ids1) + tokenizer.encode(" And then the keeper said:")
+    expect = ((len(turn1) + len(ids1)) // block_size) * block_size
+    cold_gen = make_generator(model, tokenizer, block_size)
+    cold_ids, _, _ = greedy(cold_gen, turn2, max_tokens)
+    logits, cached = final_logits(gen, turn2)
+    hit_ids, _, cached2 = greedy(gen, turn2, max_tokens)
+    assert cached == cached2 == expect > len(turn1) // block_size * block_size
+    assert hit_ids == cold_ids
+    reference = cold_logits(model, turn2)
+    assert mx.allclose(logits, reference, atol=ATOL, rtol=RTOL).item(), mx.abs(logits - reference).max().item()
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return load(str(tiny_model_dir))
+
+
+def test_tiny_hits_match_cold(tiny):
+    _run_all(*tiny, block_size=16, max_tokens=24)
+
+
+def test_tiny_conversation_turn2_reuses_generated_tokens(tiny):
+    _conversation(*tiny, block_size=16, max_tokens=40)
+
+
+@pytest.mark.slow
+def test_smollm_hits_match_cold(smollm_dir):
+    model, tokenizer = load(str(smollm_dir))
+    _run_all(model, tokenizer, block_size=32, max_tokens=12)
+    _conversation(model, tokenizer, block_size=32, max_tokens=40)
