@@ -1,0 +1,202 @@
+"""`mlx-kvserve service install | uninstall | status | logs`: the click side of the service backends."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from pathlib import Path
+from types import ModuleType
+
+import click
+
+from ..config import Config, load_config
+from ..errors import KVServeError
+from . import (
+    PLATFORMS,
+    ServiceSpec,
+    Step,
+    build_spec,
+    current_platform,
+    health_url,
+    launchd,
+    probe_health,
+    run_command,
+    systemd,
+    tail_lines,
+    writer_drain_s,
+)
+
+_BACKENDS: dict[str, ModuleType] = {"macos": launchd, "linux": systemd}
+_LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_LINGER_NOTE = (
+    "note: systemd stops user services when you log out; to keep the server running, "
+    "run `loginctl enable-linger $USER` once."
+)
+
+
+def _backend(platform: str | None) -> ModuleType:
+    platform = platform or current_platform()
+    if platform not in _BACKENDS:
+        raise click.ClickException(f"no service manager support on {platform}; try --platform macos|linux --dry-run")
+    return _BACKENDS[platform]
+
+
+def _label(backend: ModuleType, label: str | None) -> str:
+    label = label or backend.DEFAULT_LABEL
+    if not _LABEL_RE.match(label):
+        raise click.BadParameter(f"{label!r}: use letters, digits, '.', '_' and '-'", param_hint="--label")
+    return label
+
+
+def _load(config_path: Path | None, overrides: dict) -> Config:
+    try:
+        return load_config(config_path, overrides)
+    except KVServeError as exc:
+        raise click.ClickException(exc.message) from None
+
+
+def _show(step: Step) -> str:
+    note = "  # fails harmlessly when not loaded" if step.may_fail else ""
+    return shlex.join(step.args) + note
+
+
+def _run_steps(steps: list[Step]) -> None:
+    """Run each step in order; stop at the first unexpected failure with its command and output."""
+    for step in steps:
+        result = run_command(step.args)
+        if result.returncode != 0 and not step.may_fail:
+            output = (result.stderr or result.stdout or "").strip()
+            raise click.ClickException(f"`{shlex.join(step.args)}` failed (exit {result.returncode}): {output}")
+
+
+_platform_option = click.option(
+    "--platform", type=click.Choice(PLATFORMS), help="Service manager to target (default: this machine's)."
+)
+_label_option = click.option(
+    "--label", help=f"Service name (default: {launchd.DEFAULT_LABEL} on macOS, {systemd.DEFAULT_LABEL} on Linux)."
+)
+
+
+@click.group("service")
+def service_group() -> None:
+    """Run the server at login: a launchd LaunchAgent on macOS, a systemd user unit on Linux."""
+
+
+@service_group.command("install")
+@click.option(
+    "--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="TOML config file."
+)
+@click.option("--model", help="'default', a Hugging Face repo id, an MLX folder or a .gguf file.")
+@_label_option
+@click.option("--port", type=int, help="Port to bind (default: from the config, else 8000).")
+@click.option("--dry-run", is_flag=True, help="Print the service file and the commands; change nothing.")
+@_platform_option
+def install(
+    config_path: Path | None,
+    model: str | None,
+    label: str | None,
+    port: int | None,
+    dry_run: bool,
+    platform: str | None,
+) -> None:
+    """Write the service file, then load and start the service (replacing a running one)."""
+    backend = _backend(platform)
+    label = _label(backend, label)
+    config = _load(config_path, {"server": {"port": port}, "model": {"path": model}})
+    home = Path.home()
+    path = backend.service_path(label, home)
+    spec = build_spec(
+        label,
+        backend.log_path(label, home),
+        config,
+        config_path=config_path,
+        model=model,
+        port=port,
+        drain_s=writer_drain_s(config),
+    )
+    content = backend.render_file(spec)
+    steps = backend.install_steps(spec, path, os.getuid())
+    if dry_run:
+        _print_plan(path, content, spec, steps)
+        return
+    for folder in (path.parent, spec.log_path.parent, spec.working_dir):
+        folder.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(content)
+    _run_steps(steps)
+    click.echo(f"installed {path}\nlogs: {spec.log_path}\ncheck: mlx-kvserve service status --label {label}")
+    if backend is systemd:
+        click.echo(_LINGER_NOTE)
+
+
+def _print_plan(path: Path, content: bytes, spec: ServiceSpec, steps: list[Step]) -> None:
+    click.echo(f"# would write {path}:")
+    click.echo(content.decode(), nl=False)
+    folders = dict.fromkeys(str(p) for p in (path.parent, spec.log_path.parent, spec.working_dir))
+    click.echo(f"# would create folders: {', '.join(folders)}")
+    click.echo("# would run:")
+    for step in steps:
+        click.echo(_show(step))
+
+
+@service_group.command("uninstall")
+@_label_option
+@_platform_option
+def uninstall(label: str | None, platform: str | None) -> None:
+    """Stop the service (letting the server drain), unload it and remove its file. Logs are kept."""
+    backend = _backend(platform)
+    label = _label(backend, label)
+    path = backend.service_path(label, Path.home())
+    before, after = backend.uninstall_steps(label, os.getuid())
+    _run_steps(before)
+    existed = path.exists()
+    path.unlink(missing_ok=True)
+    _run_steps(after)
+    click.echo(f"removed {path}" if existed else f"nothing installed at {path}")
+
+
+@service_group.command("status")
+@_label_option
+@_platform_option
+@click.pass_context
+def status(ctx: click.Context, label: str | None, platform: str | None) -> None:
+    """What the service manager says, and whether the server answers /health. Exits 1 unless healthy."""
+    backend = _backend(platform)
+    label = _label(backend, label)
+    path = backend.service_path(label, Path.home())
+    if not path.exists():
+        click.echo(f"not installed: no {path}")
+        ctx.exit(1)
+    result = run_command(backend.status_command(label, os.getuid()))
+    click.echo(backend.summarise_status(result.stdout or result.stderr or ""))
+    try:
+        url = health_url(backend.installed_args(path))
+    except (KVServeError, OSError, ValueError, KeyError) as exc:
+        click.echo(f"health: cannot tell the server's address from {path}: {exc}")
+        ctx.exit(1)
+    is_healthy, summary = probe_health(url)
+    click.echo(f"health: {summary}")
+    ctx.exit(0 if is_healthy else 1)
+
+
+@service_group.command("logs")
+@click.option(
+    "-n", "--lines", "num_lines", type=click.IntRange(min=0), default=50, show_default=True, help="Lines to print."
+)
+@click.option("-f", "--follow", is_flag=True, help="Keep printing new lines (tail -F) until Ctrl-C.")
+@_label_option
+@_platform_option
+@click.pass_context
+def logs(ctx: click.Context, num_lines: int, follow: bool, label: str | None, platform: str | None) -> None:
+    """The end of the server's log file (stdout and stderr of the service)."""
+    backend = _backend(platform)
+    path = backend.log_path(_label(backend, label), Path.home())
+    if follow:
+        try:
+            ctx.exit(run_command(["tail", "-n", str(num_lines), "-F", str(path)], capture=False).returncode)
+        except KeyboardInterrupt:
+            return
+    if not path.exists():
+        raise click.ClickException(f"no log file at {path}; is the service installed?")
+    for line in tail_lines(path, num_lines):
+        click.echo(line)
