@@ -10,12 +10,12 @@ from mlx_kvserve.engine.request import Finished, GenerationRequest, SamplingPara
 from mlx_kvserve.kv.hashing import BlockHasher, namespace_hash
 from mlx_kvserve.kv.manager import KVManager
 from mlx_kvserve.kv.ram import RAMStore
+from mlx_kvserve.kv.tails import TailStore
 
 
-def make_generator(model, tokenizer, block_size: int, ram_bytes: int = 1 << 30) -> Generator:
-    manager = KVManager(
-        BlockHasher(namespace_hash("test-model", "float32", block_size), block_size), RAMStore(ram_bytes)
-    )
+def make_generator(model, tokenizer, block_size: int, ram_bytes: int = 1 << 30, tails: bool = True) -> Generator:
+    hasher = BlockHasher(namespace_hash("test-model", "float32", block_size), block_size)
+    manager = KVManager(hasher, RAMStore(ram_bytes), TailStore(ram_bytes // 8) if tails else None)
     return Generator(model, tokenizer, PrefixCache(model, manager))
 
 

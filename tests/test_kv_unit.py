@@ -7,6 +7,7 @@ import pytest
 from mlx_kvserve.kv.hashing import BlockHasher, framed, namespace_hash
 from mlx_kvserve.kv.manager import KVManager
 from mlx_kvserve.kv.ram import RAMStore
+from mlx_kvserve.kv.tails import TailStore
 
 BS = 4
 
@@ -174,3 +175,43 @@ def test_integrity_holds_through_random_operations(seed):
         mgr.release(match.blocks)
     mgr.check_integrity()
     assert mgr.stats()["kv_in_use_blocks"] == 0
+
+
+# --- tails (partial blocks) ---------------------------------------------------------------------
+
+
+def tails_manager(budget=1000, tail_budget=400) -> KVManager:
+    return KVManager(BlockHasher(namespace_hash("m", "float32", BS), BS), RAMStore(budget), TailStore(tail_budget))
+
+
+def test_tail_extends_a_match_by_the_shared_prefix():
+    mgr = tails_manager()
+    insert_all(mgr, [1, 2, 3, 4])
+    parent = mgr.hasher.hash_blocks([1, 2, 3, 4])[0]
+    assert mgr.cache_tail(parent, [5, 6, 7], "tail", 30)
+    match = mgr.lookup([1, 2, 3, 4, 5, 6, 9, 9])
+    assert match.num_tokens == 6 and match.tail_tokens == 2 and match.tail_payload == "tail"
+    capped = mgr.lookup([1, 2, 3, 4, 5, 6, 7], max_tokens=6)
+    assert capped.num_tokens == 6 and capped.tail_tokens == 2
+    other_parent = mgr.lookup([9, 9, 9, 9, 5, 6])
+    assert other_parent.num_tokens == 0 and other_parent.tail_tokens == 0
+    for m in (match, capped, other_parent):
+        mgr.release(m.blocks)
+    assert mgr.stats()["kv_tail_hits"] == 2 and mgr.stats()["kv_tail_hit_tokens"] == 4
+    mgr.check_integrity()
+
+
+def test_tails_supersede_their_prefixes_and_stay_within_budget():
+    mgr = tails_manager(tail_budget=100)
+    ns = mgr.hasher.namespace
+    assert mgr.cache_tail(ns, [1, 2], "short", 20)
+    assert mgr.cache_tail(ns, [1, 2, 3], "long", 30)  # covers [1, 2]: replaces it
+    assert not mgr.cache_tail(ns, [1], "shorter", 10)  # already covered
+    assert mgr.stats()["kv_tails"] == 1 and mgr.stats()["kv_tail_bytes"] == 30
+    assert mgr.cache_tail(ns, [7, 7], "a", 40)
+    assert mgr.cache_tail(ns, [8, 8], "b", 40)  # 110 bytes > 100: the least recently used goes
+    stats = mgr.stats()
+    assert stats["kv_tails"] == 2 and stats["kv_tail_bytes"] == 80
+    assert mgr.lookup([1, 2, 3, 4]).tail_tokens == 0  # [1, 2, 3] was the oldest
+    assert mgr.lookup([8, 8, 0]).tail_tokens == 2
+    mgr.check_integrity()

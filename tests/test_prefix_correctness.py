@@ -6,19 +6,22 @@ import pytest
 from kvharness import cold_logits, final_logits, greedy, make_generator
 from mlx_lm.utils import load
 
+from mlx_kvserve.kv.tails import common_prefix
+
 ATOL = 1e-3
 RTOL = 1e-3
 
 
-def _check_case(model, tokenizer, block_size, warm_prompts, prompt, max_tokens, expect_cached):
-    cold_gen = make_generator(model, tokenizer, block_size)
+def _check_case(model, tokenizer, block_size, warm_prompts, prompt, max_tokens, expect_cached, tails):
+    cold_gen = make_generator(model, tokenizer, block_size, tails=tails)
     cold_ids, cold_text, cached = greedy(cold_gen, prompt, max_tokens)
     assert cached == 0
     reference = cold_logits(model, prompt)
 
-    warm_gen = make_generator(model, tokenizer, block_size)
-    for warm in warm_prompts:
-        greedy(warm_gen, warm, max_tokens)
+    warm_gen = make_generator(model, tokenizer, block_size, tails=tails)
+    warm_ids = [greedy(warm_gen, warm, max_tokens)[0] for warm in warm_prompts]
+    if callable(expect_cached):  # depends on what the warm-up generated
+        expect_cached = expect_cached(warm_ids)
     logits, cached_for_logits = final_logits(warm_gen, prompt)
     hit_ids, hit_text, cached = greedy(warm_gen, prompt, max_tokens)
     assert cached == expect_cached == cached_for_logits
@@ -30,6 +33,7 @@ def _check_case(model, tokenizer, block_size, warm_prompts, prompt, max_tokens, 
 
 
 def _cases(tokenizer, block_size):
+    """(name, warm-up prompts, prompt, cached tokens expected without tails, with tails)."""
     text = " ".join(f"Fact {i}: the river number {i} flows into the sea near town {i * 7}." for i in range(40))
     base = tokenizer.encode(text)
     bs = block_size
@@ -37,36 +41,41 @@ def _cases(tokenizer, block_size):
     exact = base[: 6 * bs]  # ends on a block boundary: the last block must still be prefilled
     other = base[: 3 * bs] + tokenizer.encode(" A completely different ending follows here, with more words.")
     return [
-        ("full chain", [mid], mid, 6 * bs),
-        ("partial chain", [mid], other, 3 * bs),
-        ("mid-block", [base[: 4 * bs]], mid, 4 * bs),
-        ("block boundary", [exact], exact, 5 * bs),
+        ("full chain", [mid], mid, 6 * bs, len(mid) - 1),
+        ("partial chain", [mid], other, 3 * bs, 3 * bs),
+        # With tails, the warm-up's generated tokens are reusable where they match the prompt.
+        ("mid-block", [base[: 4 * bs]], mid, 4 * bs, lambda ids: common_prefix(base[: 4 * bs] + list(ids[0]), mid)),
+        ("block boundary", [exact], exact, 5 * bs, len(exact) - 1),
     ]
 
 
-def _run_all(model, tokenizer, block_size, max_tokens):
-    for name, warm, prompt, expect in _cases(tokenizer, block_size):
-        try:
-            _check_case(model, tokenizer, block_size, warm, prompt, max_tokens, expect)
-        except AssertionError as exc:
-            raise AssertionError(f"case {name!r}: {exc}") from exc
+def _run_all(model, tokenizer, block_size, max_tokens, modes=(False, True)):
+    for tails in modes:
+        for name, warm, prompt, expect_blocks, expect_tails in _cases(tokenizer, block_size):
+            expect = expect_tails if tails else expect_blocks
+            try:
+                _check_case(model, tokenizer, block_size, warm, prompt, max_tokens, expect, tails)
+            except AssertionError as exc:
+                raise AssertionError(f"case {name!r} (tails={tails}): {exc}") from exc
 
 
-def _conversation(model, tokenizer, block_size, max_tokens):
+def _conversation(model, tokenizer, block_size, max_tokens, modes=(False, True)):
     """Turn 2 extends turn 1's prompt and its generated tokens: the hit includes decode-time KV."""
-    gen = make_generator(model, tokenizer, block_size)
-    turn1 = tokenizer.encode(" ".join(f"Line {i} of the story about a lighthouse keeper." for i in range(12)))
-    ids1, _, _ = greedy(gen, turn1, max_tokens)
-    turn2 = turn1 + list(ids1) + tokenizer.encode(" And then the keeper said:")
-    expect = ((len(turn1) + len(ids1)) // block_size) * block_size
-    cold_gen = make_generator(model, tokenizer, block_size)
-    cold_ids, _, _ = greedy(cold_gen, turn2, max_tokens)
-    logits, cached = final_logits(gen, turn2)
-    hit_ids, _, cached2 = greedy(gen, turn2, max_tokens)
-    assert cached == cached2 == expect > len(turn1) // block_size * block_size
-    assert hit_ids == cold_ids
-    reference = cold_logits(model, turn2)
-    assert mx.allclose(logits, reference, atol=ATOL, rtol=RTOL).item(), mx.abs(logits - reference).max().item()
+    for tails in modes:
+        gen = make_generator(model, tokenizer, block_size, tails=tails)
+        turn1 = tokenizer.encode(" ".join(f"Line {i} of the story about a lighthouse keeper." for i in range(12)))
+        ids1, _, _ = greedy(gen, turn1, max_tokens)
+        turn2 = turn1 + list(ids1) + tokenizer.encode(" And then the keeper said:")
+        seq = len(turn1) + len(ids1)
+        expect = seq if tails else (seq // block_size) * block_size
+        cold_gen = make_generator(model, tokenizer, block_size, tails=tails)
+        cold_ids, _, _ = greedy(cold_gen, turn2, max_tokens)
+        logits, cached = final_logits(gen, turn2)
+        hit_ids, _, cached2 = greedy(gen, turn2, max_tokens)
+        assert cached == cached2 == expect > len(turn1) // block_size * block_size
+        assert hit_ids == cold_ids
+        reference = cold_logits(model, turn2)
+        assert mx.allclose(logits, reference, atol=ATOL, rtol=RTOL).item(), mx.abs(logits - reference).max().item()
 
 
 @pytest.fixture(scope="module")
@@ -85,5 +94,6 @@ def test_tiny_conversation_turn2_reuses_generated_tokens(tiny):
 @pytest.mark.slow
 def test_smollm_hits_match_cold(smollm_dir):
     model, tokenizer = load(str(smollm_dir))
-    _run_all(model, tokenizer, block_size=32, max_tokens=12)
-    _conversation(model, tokenizer, block_size=32, max_tokens=40)
+    # The real model runs the production configuration (tails on); the tiny one covers both.
+    _run_all(model, tokenizer, block_size=32, max_tokens=12, modes=(True,))
+    _conversation(model, tokenizer, block_size=32, max_tokens=40, modes=(True,))

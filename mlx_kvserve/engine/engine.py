@@ -16,6 +16,7 @@ from ..kv import blocks
 from ..kv.hashing import BlockHasher, model_fingerprint, namespace_hash
 from ..kv.manager import KVManager
 from ..kv.ram import RAMStore
+from ..kv.tails import TailStore
 from ..models.loader import LoadedModel
 from .generate import Generator
 from .prefix_cache import PrefixCache
@@ -43,7 +44,9 @@ def build_prefix_cache(loaded: LoadedModel, config: Config) -> PrefixCache:
     fingerprint = model_fingerprint(loaded.path, default_home() / "fingerprints.json")
     namespace = namespace_hash(fingerprint, support.kv_dtype, config.cache.block_size)
     budget = config.cache.ram_max_bytes or physical_memory_bytes() // 4
-    manager = KVManager(BlockHasher(namespace, config.cache.block_size), RAMStore(budget))
+    # Partial last blocks get an eighth of the RAM budget; full blocks the rest.
+    tails = TailStore(budget // 8)
+    manager = KVManager(BlockHasher(namespace, config.cache.block_size), RAMStore(budget - tails.max_bytes), tails)
     log.info(
         "block cache on: %d-token blocks, RAM budget %.1f GiB, model %s",
         config.cache.block_size,

@@ -43,7 +43,7 @@ class Generator:
         usage = Usage(len(req.prompt_tokens), outcome.num_tokens, prepared.match.num_tokens)
         completion = tuple(generated[: outcome.num_tokens])
         req.emit(Finished(outcome.finish_reason, usage, outcome.first_token_s, completion))
-        self.prefix_cache.finish(prepared, req.prompt_tokens + generated)
+        self.prefix_cache.finish(prepared, req.prompt_tokens + generated, len(req.prompt_tokens))
 
     def _decode(
         self, req: GenerationRequest, cache: list, cached: int, generated: list[int], started: float

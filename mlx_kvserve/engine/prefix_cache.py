@@ -39,37 +39,55 @@ class PrefixCache:
             return Prepared(blocks.assemble(self.model, []), MatchResult([], 0))
         match = self.manager.lookup(prompt, max_tokens=len(prompt) - 1)
         try:
-            cache = blocks.assemble(self.model, [b.payload for b in match.blocks])
+            cache = blocks.assemble(
+                self.model, [b.payload for b in match.blocks], match.tail_payload, match.tail_tokens
+            )
         except Exception:
             self.manager.release(match.blocks)
             raise
         return Prepared(cache, match)
+
+    def _keep_tail(self, prompt_cache: list[Any], tokens: list[int], end: int) -> None:
+        """Keep tokens[start:end] as a tail, where start is the block boundary a later lookup of
+        tokens[:end] (which may use at most end - 1 tokens) stops at. 1..block_size tokens."""
+        if end < 1:
+            return
+        manager, bs = self.manager, self.manager.block_size
+        num_blocks = (end - 1) // bs
+        parent = manager.hasher.hash_blocks(tokens, num_blocks)[-1] if num_blocks else manager.hasher.namespace
+        payload, nbytes = blocks.slice_tokens(prompt_cache, num_blocks * bs, end)
+        manager.cache_tail(parent, tokens[num_blocks * bs : end], payload, nbytes)
 
     def release(self, prepared: Prepared) -> None:
         """Drop the request's references without registering anything (the request failed)."""
         if self.manager is not None:
             self.manager.release(prepared.match.blocks)
 
-    def finish(self, prepared: Prepared, kv_tokens: Sequence[int]) -> int:
+    def finish(self, prepared: Prepared, kv_tokens: Sequence[int], prompt_len: int) -> int:
         """Release the request's blocks and register every new full block of the tokens whose
-        KV the cache now holds. Returns the number of blocks registered."""
+        KV the cache now holds, plus tails ending at the prompt's end and at the sequence's end.
+        Returns the number of blocks registered."""
         if self.manager is None:
             return 0
         manager = self.manager
         try:
+            bs = manager.block_size
             length = min(blocks.cache_length(prepared.prompt_cache), len(kv_tokens))
             tokens = list(kv_tokens[:length])
-            first = prepared.match.num_tokens // manager.block_size
-            todo = manager.new_blocks(tokens, first, length // manager.block_size)
-            if not todo:
-                return 0
-            bs = manager.block_size
-            start, end = todo[0][0], todo[-1][0] + 1
-            sliced = blocks.slice_blocks(prepared.prompt_cache, start, end, bs)
+            num_full = length // bs
+            first = len(prepared.match.blocks)
+            todo = manager.new_blocks(tokens, first, num_full)
             added = 0
-            for index, block_hash, parent in todo:
-                payload, nbytes = sliced[index - start]
-                added += manager.cache_block(block_hash, parent, tokens[index * bs : (index + 1) * bs], payload, nbytes)
+            if todo:
+                start, end = todo[0][0], todo[-1][0] + 1
+                sliced = blocks.slice_blocks(prepared.prompt_cache, start, end, bs)
+                for index, block_hash, parent in todo:
+                    payload, nbytes = sliced[index - start]
+                    added += manager.cache_block(
+                        block_hash, parent, tokens[index * bs : (index + 1) * bs], payload, nbytes
+                    )
+            for end in {min(prompt_len, length), length}:
+                self._keep_tail(prepared.prompt_cache, tokens, end)
             return added
         finally:
             manager.release(prepared.match.blocks)

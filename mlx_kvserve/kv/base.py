@@ -23,7 +23,11 @@ class Block:
 
 
 class MatchResult(NamedTuple):
-    """The longest verified cached prefix: its blocks (referenced; release them) and token count."""
+    """The longest verified cached prefix: its full blocks (referenced; release them), an
+    optional partial tail after them (`tail_payload` holding at least `tail_tokens` tokens)
+    and the total number of tokens covered."""
 
     blocks: list[Block]
     num_tokens: int
+    tail_payload: Any = None
+    tail_tokens: int = 0

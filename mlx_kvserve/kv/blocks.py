@@ -56,9 +56,21 @@ def slice_blocks(prompt_cache: list[KVCache], start: int, end: int, block_size: 
     return [(p, sum(k.nbytes + v.nbytes for k, v in p)) for p in out]
 
 
-def assemble(model: Any, payloads: list[Payload]) -> list[KVCache]:
-    """A fresh prompt cache holding the given blocks in order (empty list: an empty cache)."""
+def slice_tokens(prompt_cache: list[KVCache], start: int, end: int) -> tuple[Payload, int]:
+    """Copy token positions start..end-1 out of the cache (a partial block): (payload, nbytes)."""
+    payload = [
+        (mx.contiguous(c.keys[..., start:end, :]), mx.contiguous(c.values[..., start:end, :])) for c in prompt_cache
+    ]
+    mx.eval([a for pair in payload for a in pair])
+    return payload, sum(k.nbytes + v.nbytes for k, v in payload)
+
+
+def assemble(model: Any, payloads: list[Payload], tail: Payload | None = None, tail_tokens: int = 0) -> list[KVCache]:
+    """A fresh prompt cache holding the given blocks in order, then the first `tail_tokens`
+    positions of `tail` (empty list and no tail: an empty cache)."""
     prompt_cache = make_prompt_cache(model)
+    if tail is not None and tail_tokens:
+        payloads = [*payloads, [(k[..., :tail_tokens, :], v[..., :tail_tokens, :]) for k, v in tail]]
     if not payloads:
         return prompt_cache
     for layer, cache in enumerate(prompt_cache):

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from .base import Block, MatchResult
 from .hashing import BlockHasher
 from .ram import RAMStore
+from .tails import Tail, TailStore
 
 log = logging.getLogger(__name__)
 
@@ -28,15 +29,30 @@ class NextTier(Protocol):
 
 
 class KVManager:
-    def __init__(self, hasher: BlockHasher, ram: RAMStore, next_tier: NextTier | None = None):
+    def __init__(
+        self, hasher: BlockHasher, ram: RAMStore, tails: TailStore | None = None, next_tier: NextTier | None = None
+    ):
         self.hasher = hasher
         self.block_size = hasher.block_size
         self.next_tier = next_tier
-        self._lock = threading.Lock()  # guards _ram, _tick and _stats
+        self._lock = threading.Lock()  # guards _ram, _tails, _tick and _stats
         self._ram = ram
+        self._tails = tails
         self._tick = 0
         self._stats = dict.fromkeys(
-            ("lookups", "hits", "hit_tokens", "misses", "collisions", "evictions", "inserts", "dedup"), 0
+            (
+                "lookups",
+                "hits",
+                "hit_tokens",
+                "misses",
+                "collisions",
+                "evictions",
+                "inserts",
+                "dedup",
+                "tail_hits",
+                "tail_hit_tokens",
+            ),
+            0,
         )
 
     def _next_tick(self) -> int:
@@ -65,7 +81,15 @@ class KVManager:
                 found.append(block)
             self._stats["hits"] += len(found)
             self._stats["hit_tokens"] += len(found) * bs
-        return MatchResult(found, len(found) * bs)
+            tail = None
+            if self._tails is not None:
+                parent = found[-1].block_hash if found else self.hasher.namespace
+                tail = self._tails.match(parent, tokens[len(found) * bs : limit])
+            if tail is None:
+                return MatchResult(found, len(found) * bs)
+            self._stats["tail_hits"] += 1
+            self._stats["tail_hit_tokens"] += tail.num_tokens
+        return MatchResult(found, len(found) * bs + tail.num_tokens, tail.tail.payload, tail.num_tokens)
 
     def release(self, blocks: Sequence[Block]) -> None:
         """Drop one reference from each block (the request that looked them up is done)."""
@@ -100,6 +124,13 @@ class KVManager:
                 self.next_tier.on_evicted(evicted)
         return True
 
+    def cache_tail(self, parent_hash: bytes, token_ids: Sequence[int], payload: Any, nbytes: int) -> bool:
+        """Keep the partial block after `parent_hash` (RAM only). False when not kept."""
+        if self._tails is None or not token_ids:
+            return False
+        with self._lock:
+            return self._tails.add(Tail(parent_hash, tuple(token_ids), payload, nbytes))
+
     def new_blocks(self, tokens: Sequence[int], start_block: int, end_block: int) -> list[tuple[int, bytes, bytes]]:
         """(index, hash, parent hash) of blocks start..end-1 of `tokens` not yet in RAM."""
         hashes = self.hasher.hash_blocks(tokens, end_block)
@@ -117,6 +148,8 @@ class KVManager:
             out["kv_ram_blocks"] = len(self._ram)
             out["kv_ram_max_bytes"] = self._ram.max_bytes
             out["kv_in_use_blocks"] = sum(1 for b in self._ram if b.ref_count > 0)
+            out["kv_tails"] = len(self._tails) if self._tails is not None else 0
+            out["kv_tail_bytes"] = self._tails.used_bytes if self._tails is not None else 0
         return out
 
     def check_integrity(self) -> None:
@@ -129,5 +162,10 @@ class KVManager:
             over = self._ram.used_bytes - self._ram.max_bytes
             if over > 0:
                 assert all(b.ref_count > 0 for b in blocks), "over budget while unreferenced blocks remain"
+            if self._tails is not None:
+                tails = list(self._tails)
+                assert sum(t.nbytes for t in tails) == self._tails.used_bytes, "tail bytes do not add up"
+                assert self._tails.used_bytes <= self._tails.max_bytes, "tails over budget"
+                assert all(0 < len(t.token_ids) <= self.block_size for t in tails), "tail of wrong size"
             ticks = [b.last_access for b in blocks]
             assert ticks == sorted(ticks), "LRU order does not follow last access"
