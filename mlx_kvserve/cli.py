@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import click
 from . import blas
 from .config import Config, as_dict, load_config
 from .errors import KVServeError
+from .service.commands import service_group
 
 log = logging.getLogger("mlx_kvserve")
 
@@ -26,6 +28,10 @@ def _load(config_path: str | None, overrides: dict) -> Config:
         return load_config(config_path, overrides)
     except KVServeError as exc:
         raise click.ClickException(exc.message) from None
+
+
+def _exit_cleanly(signum: int, frame: object) -> None:
+    raise SystemExit(0)
 
 
 @click.group()
@@ -70,6 +76,9 @@ def run(config_path, model, dtype, host, port) -> None:
     except KVServeError as exc:
         raise click.ClickException(exc.message) from None
     app = create_app(Engine(loaded, config))
+    # uvicorn re-raises the SIGTERM it handled once its graceful shutdown is done, which would end
+    # the process as killed by the signal; for service managers that shutdown is a clean exit (0).
+    signal.signal(signal.SIGTERM, _exit_cleanly)
     uvicorn.run(
         app,
         host=config.server.host,
@@ -107,6 +116,9 @@ def config_show(config_path, model, dtype, host, port) -> None:
     """Print the effective configuration (file + flags + defaults) as JSON."""
     config = _load(config_path, _overrides(model, dtype, host, port))
     click.echo(json.dumps(as_dict(config), indent=2))
+
+
+cli.add_command(service_group)
 
 
 def main() -> None:

@@ -173,17 +173,15 @@ def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, A
             raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+    for name, values in data.items():
+        if name in _SECTIONS and not isinstance(values, dict):  # before overrides are merged into it
+            raise ConfigError(f"[{name}]: expected a table", param=name)
     for section, values in (overrides or {}).items():
         data.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
     unknown = sorted(set(data) - set(_SECTIONS))
     if unknown:
         raise ConfigError(f"[{unknown[0]}]: unknown section", param=unknown[0])
-    sections = {}
-    for name, cls in get_type_hints(Config).items():
-        values = data.get(name, {})
-        if not isinstance(values, dict):
-            raise ConfigError(f"[{name}]: expected a table", param=name)
-        sections[name] = _build_section(name, cls, values)
+    sections = {name: _build_section(name, cls, data.get(name, {})) for name, cls in get_type_hints(Config).items()}
     return validate(Config(**sections))
 
 

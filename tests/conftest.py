@@ -79,15 +79,26 @@ class ServerProcess:
         return self.proc.returncode
 
 
-@pytest.fixture
-def start_server(tmp_path):
+def _server_starter(make_home):
+    """Yield a `start(model, *extra, config=None, home=None)` function; stop every server it started."""
     started: list[ServerProcess] = []
 
     def start(model, *extra, config=None, home=None) -> ServerProcess:
-        server = ServerProcess(model, home or tmp_path / "home", *extra, config=config)
+        server = ServerProcess(model, home or make_home(), *extra, config=config)
         started.append(server)
         return server.wait_ready()
 
     yield start
     for server in started:
         server.stop()
+
+
+@pytest.fixture
+def start_server(tmp_path):
+    yield from _server_starter(lambda: tmp_path / "home")
+
+
+@pytest.fixture(scope="module")
+def start_module_server(tmp_path_factory):
+    """Like `start_server`, but the servers live for the whole test module (startup costs seconds)."""
+    yield from _server_starter(lambda: tmp_path_factory.mktemp("home"))

@@ -28,7 +28,7 @@ from .gguf_tokenizer import eos_token_ids, write_tokenizer_files
 log = logging.getLogger(__name__)
 
 GGUF_GROUP_SIZE = 32
-CONVERSION_VERSION = 1
+CONVERSION_VERSION = 2  # 2: quantized tensors dequantized in float32
 MARKER_FILE = "mlx_kvserve_conversion.json"
 Dtype = Literal["float32", "float16", "bfloat16", "keep"]
 DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16", "keep")
@@ -133,7 +133,9 @@ def convert_weights(weights: dict[str, mx.array], dtype: Dtype) -> tuple[dict[st
                 out[f"{prefix}.biases"] = biases
             layer_bits[prefix] = bits
         else:
-            full = mx.dequantize(array, scales, biases, group_size=GGUF_GROUP_SIZE, bits=bits)
+            # In float32: with the float16 scales as stored, MLX would round every weight to float16.
+            f32_biases = None if biases is None else biases.astype(mx.float32)
+            full = mx.dequantize(array, scales.astype(mx.float32), f32_biases, group_size=GGUF_GROUP_SIZE, bits=bits)
             out[target] = full.astype(getattr(mx, dtype))
         mx.eval(out[target])
     if not layer_bits:

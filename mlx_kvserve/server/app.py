@@ -98,14 +98,19 @@ class CompletionHandler:
 
     async def _collect(self, request: Request, req, gen_req: GenerationRequest, events: asyncio.Queue) -> Response:
         pieces: list[str] = []
+        loop = asyncio.get_running_loop()
+        next_check = loop.time() + _DISCONNECT_POLL_S
         try:
             while True:
-                try:
-                    ev = await asyncio.wait_for(events.get(), _DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
+                # Poll by the clock: while tokens flow, events.get() never waits long enough to time out.
+                if loop.time() >= next_check:
                     if await request.is_disconnected():
                         gen_req.cancel()
                         return Response(status_code=499)
+                    next_check = loop.time() + _DISCONNECT_POLL_S
+                try:
+                    ev = await asyncio.wait_for(events.get(), _DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
                     continue
                 if isinstance(ev, TextDelta):
                     pieces.append(ev.text)

@@ -119,6 +119,13 @@ def _parse_prompt(body: dict[str, Any]) -> str | list[int]:
     raise ValidationError("'prompt' must be a non-empty string or an array of token ids", param="prompt")
 
 
+def _parse_seed(body: dict[str, Any]) -> int | None:
+    seed = _field(body, "seed", (int,), "an integer")
+    if seed is not None and not 0 <= seed < 2**64:  # MLX's generator takes an unsigned 64-bit seed
+        raise ValidationError(f"'seed' must be between 0 and 2**64 - 1, got {seed}", param="seed")
+    return seed
+
+
 def parse_request(body: Any, kind: str, defaults: Defaults) -> CompletionRequest:
     if not isinstance(body, dict):
         raise ValidationError("request body must be a JSON object")
@@ -140,7 +147,7 @@ def parse_request(body: Any, kind: str, defaults: Defaults) -> CompletionRequest
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", defaults.temperature, 0.0, 2.0),
         top_p=_number(body, "top_p", defaults.top_p, 0.0, 1.0) or defaults.top_p,
-        seed=_field(body, "seed", (int,), "an integer"),
+        seed=_parse_seed(body),
         stop=_parse_stop(body),
         stream=_field(body, "stream", (bool,), "a boolean", False),
         include_usage=bool(_field(stream_options, "include_usage", (bool,), "a boolean", False)),
