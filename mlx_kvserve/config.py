@@ -155,7 +155,7 @@ def validate(config: Config) -> Config:
     _check(config.model.dtype in dtypes, "model.dtype", f"must be one of {', '.join(dtypes)}")
     _check(bool(config.model.path), "model.path", "must not be empty")
     _check(g.max_tokens >= 1, "generation.max_tokens", f"must be >= 1, got {g.max_tokens}")
-    _check(g.temperature >= 0, "generation.temperature", "must be >= 0")
+    _check(0 <= g.temperature <= 2, "generation.temperature", "must be in [0, 2]")
     _check(0 < g.top_p <= 1, "generation.top_p", "must be in (0, 1]")
     _check(g.prefill_step_size >= 1, "generation.prefill_step_size", "must be >= 1")
     _check(c.block_size >= 1, "cache.block_size", f"must be >= 1, got {c.block_size}")

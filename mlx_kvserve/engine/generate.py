@@ -40,10 +40,12 @@ class Generator:
         except BaseException:
             self.prefix_cache.release(prepared)
             raise
-        usage = Usage(len(req.prompt_tokens), outcome.num_tokens, prepared.match.num_tokens)
-        completion = tuple(generated[: outcome.num_tokens])
-        req.emit(Finished(outcome.finish_reason, usage, outcome.first_token_s, completion))
-        self.prefix_cache.finish(prepared, req.prompt_tokens + generated, len(req.prompt_tokens))
+        try:
+            usage = Usage(len(req.prompt_tokens), outcome.num_tokens, prepared.match.num_tokens)
+            completion = tuple(generated[: outcome.num_tokens])
+            req.emit(Finished(outcome.finish_reason, usage, outcome.first_token_s, completion))
+        finally:  # registers the new blocks and releases the request's references
+            self.prefix_cache.finish(prepared, req.prompt_tokens + generated, len(req.prompt_tokens))
 
     def _decode(
         self, req: GenerationRequest, cache: list, cached: int, generated: list[int], started: float

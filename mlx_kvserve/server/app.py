@@ -11,6 +11,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -187,6 +188,13 @@ def create_app(engine: Engine) -> Starlette:
         assert isinstance(exc, KVServeError)
         return error_response(exc)
 
+    async def on_http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        kinds = {404: NotFoundError, 405: InvalidRequestError}
+        err = kinds.get(exc.status_code, InvalidRequestError)(f"{request.method} {request.url.path}: {exc.detail}")
+        err.status_code = exc.status_code
+        return error_response(err)
+
     async def on_unexpected(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error on %s", request.url.path)
         return error_response(KVServeError(f"internal error: {type(exc).__name__}"))
@@ -207,5 +215,5 @@ def create_app(engine: Engine) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
     ]
-    handlers = {KVServeError: on_kvserve_error, Exception: on_unexpected}
+    handlers = {KVServeError: on_kvserve_error, HTTPException: on_http_error, Exception: on_unexpected}
     return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)

@@ -62,6 +62,13 @@ def _number(body: dict[str, Any], name: str, default: float, low: float, high: f
     return value
 
 
+def _top_p(body: dict[str, Any], default: float) -> float:
+    value = _number(body, "top_p", default, 0.0, 1.0)
+    if value <= 0:
+        raise ValidationError("'top_p' must be greater than 0", param="top_p")
+    return value
+
+
 def _content_text(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
@@ -146,7 +153,7 @@ def parse_request(body: Any, kind: str, defaults: Defaults) -> CompletionRequest
         prompt=_parse_prompt(body) if kind == "text" else None,
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", defaults.temperature, 0.0, 2.0),
-        top_p=_number(body, "top_p", defaults.top_p, 0.0, 1.0) or defaults.top_p,
+        top_p=_top_p(body, defaults.top_p),
         seed=_parse_seed(body),
         stop=_parse_stop(body),
         stream=_field(body, "stream", (bool,), "a boolean", False),

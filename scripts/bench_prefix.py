@@ -1,0 +1,232 @@
+"""TTFT side by side: mlx-kvserve vs mlx_lm.server on the same model, in one run.
+
+Scenarios (chat, ~1.2k-token system prompt, greedy): cold, exact repeat, new question, and a
+16-turn conversation (TTFT per turn). Both servers run with the same BLAS; requests alternate
+between them and only one server is busy at a time. Also decode tokens/s of our engine vs plain
+mlx-lm `stream_generate` on the same prompt, in-process.
+Usage: python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_prefix.py [--quick] [--out results/prefix]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from bench_common import QUESTIONS, ROOT, default_model_dir, median, system_prompt
+
+from mlx_kvserve.blas import preload_env
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, name: str, cmd: list[str], port: int, env: dict[str, str]):
+        self.name, self.port = name, port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"{name}-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait(self, path: str, timeout: float = 300) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited: see {self.log.name}")
+            try:
+                if httpx.get(self.url + path, timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(self.name)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def chat_ttft(server: Server, messages: list[dict], max_tokens: int = 8) -> tuple[float, str, int | None]:
+    """(seconds to the first content token, full text, cached tokens reported or None)."""
+    body = {
+        "model": "default" if server.name == "mlx-kvserve" else None,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    body = {k: v for k, v in body.items() if v is not None}
+    start = time.perf_counter()
+    first, text, cached = None, [], None
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=600) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices") or []:
+                piece = (choice.get("delta") or {}).get("content")
+                if piece:
+                    if first is None:
+                        first = time.perf_counter() - start
+                    text.append(piece)
+            usage = chunk.get("usage")
+            if usage:
+                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    return (first if first is not None else time.perf_counter() - start), "".join(text), cached
+
+
+def scenario_system_prompt(servers: list[Server], reps: int) -> dict:
+    out = {s.name: {"cold": [], "repeat": [], "new_question": [], "cached": {}} for s in servers}
+    for rep in range(reps):
+        for server in servers:  # each server gets its own unique (cold) system prompt
+            system = system_prompt(nonce=f"{server.name}-{rep}-{time.time()}")
+            ask = lambda q: [{"role": "system", "content": system}, {"role": "user", "content": q}]  # noqa: E731
+            row = out[server.name]
+            t, _, _ = chat_ttft(server, ask(QUESTIONS[0]))
+            row["cold"].append(t)
+            t, _, c = chat_ttft(server, ask(QUESTIONS[0]))
+            row["repeat"].append(t)
+            row["cached"]["repeat"] = c
+            t, _, c = chat_ttft(server, ask(QUESTIONS[1 + rep % 3]))
+            row["new_question"].append(t)
+            row["cached"]["new_question"] = c
+            print(server.name, {k: round(v[-1], 3) for k, v in row.items() if isinstance(v, list)}, flush=True)
+    return {name: {k: median(v) if isinstance(v, list) else v for k, v in row.items()} for name, row in out.items()}
+
+
+def scenario_conversation(servers: list[Server], turns: int) -> dict:
+    out = {}
+    for server in servers:
+        messages = [{"role": "system", "content": system_prompt(nonce=f"conv-{server.name}-{time.time()}")}]
+        ttfts = []
+        for turn in range(turns):
+            messages.append({"role": "user", "content": f"Turn {turn + 1}: {QUESTIONS[turn % len(QUESTIONS)]}"})
+            t, text, _ = chat_ttft(server, messages, max_tokens=24)
+            messages.append({"role": "assistant", "content": text})
+            ttfts.append(t)
+        out[server.name] = ttfts
+        print(server.name, "conversation TTFT per turn", [round(t, 2) for t in ttfts], flush=True)
+    return out
+
+
+def decode_speed(model_dir: Path, reps: int, max_tokens: int) -> dict:
+    """Decode tokens/s of our Generator vs mlx_lm.stream_generate on the same prompt, alternating."""
+    from mlx_lm import stream_generate
+    from mlx_lm.utils import load
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from kvharness import make_generator
+
+    from mlx_kvserve.engine.request import Finished, GenerationRequest, SamplingParams
+
+    model, tokenizer = load(str(model_dir))
+    messages = [{"role": "user", "content": "Write a long, detailed story about a lighthouse keeper who finds a map."}]
+    prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    ours, theirs = [], []
+    for _ in range(reps):
+        gen = make_generator(model, tokenizer, 64)
+        events, stamps = [], []
+
+        def emit(event, events=events, stamps=stamps):
+            events.append(event)
+            stamps.append(time.perf_counter())
+
+        req = GenerationRequest("d", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0), emit)
+        start = time.perf_counter()
+        gen.run(req)
+        done = events[-1]
+        assert isinstance(done, Finished)
+        # Block registration runs after the Finished event: it is not decode time.
+        decode_s = stamps[-1] - start - done.first_token_s
+        ours.append((done.usage.completion_tokens - 1) / decode_s)
+        last = None
+        for last in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens):
+            pass
+        theirs.append(last.generation_tps)
+        print(
+            f"decode: ours {ours[-1]:.1f} tok/s ({done.usage.completion_tokens} tokens), mlx-lm {theirs[-1]:.1f} tok/s ({last.generation_tokens} tokens)",
+            flush=True,
+        )
+    return {"ours_tps": median(ours), "mlx_lm_tps": median(theirs), "ratio": median(ours) / median(theirs)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default=str(ROOT / "results" / "prefix"))
+    args = parser.parse_args()
+    reps, turns = (1, 6) if args.quick else (3, 16)
+    model_dir = default_model_dir()
+    env = preload_env(dict(os.environ, PYTHONUNBUFFERED="1"))
+    home = tempfile.mkdtemp(prefix="kvserve-bench-")
+    ours_port, theirs_port = free_port(), free_port()
+    ours = Server(
+        "mlx-kvserve",
+        [sys.executable, "-m", "mlx_kvserve", "run", "--model", str(model_dir), "--port", str(ours_port)],
+        ours_port,
+        dict(env, MLX_KVSERVE_HOME=home),
+    )
+    theirs = Server(
+        "mlx_lm.server",
+        [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir), "--port", str(theirs_port)],
+        theirs_port,
+        env,
+    )
+    try:
+        ours.wait("/health")
+        theirs.wait("/v1/models")
+        servers = [ours, theirs]
+        chat_ttft(ours, [{"role": "user", "content": "warm up"}], 4)  # first-use kernel compilation
+        chat_ttft(theirs, [{"role": "user", "content": "warm up"}], 4)
+        results = {"system_prompt": scenario_system_prompt(servers, reps)}
+        results["conversation"] = scenario_conversation(servers, turns)
+    finally:
+        ours.stop()
+        theirs.stop()
+    results["decode"] = decode_speed(model_dir, reps, 64 if args.quick else 128)
+    write_report(results, Path(args.out))
+
+
+def write_report(results: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    sp, conv, dec = results["system_prompt"], results["conversation"], results["decode"]
+    a, b = sp["mlx-kvserve"], sp["mlx_lm.server"]
+    lines = [
+        "| scenario | mlx-kvserve TTFT s | mlx_lm.server TTFT s | ratio (theirs / ours) |",
+        "|---|---|---|---|",
+    ]
+    for key in ("cold", "repeat", "new_question"):
+        lines.append(f"| {key.replace('_', ' ')} | {a[key]:.3f} | {b[key]:.3f} | {b[key] / a[key]:.2f}x |")
+    lines.append(
+        f"\nOurs: hit/cold = 1/{a['cold'] / a['repeat']:.1f} (repeat), 1/{a['cold'] / a['new_question']:.1f} (new question); cached tokens {a['cached']}"
+    )
+    ours_turns, their_turns = conv["mlx-kvserve"], conv["mlx_lm.server"]
+    lines += ["", "| turn | mlx-kvserve TTFT s | mlx_lm.server TTFT s |", "|---|---|---|"]
+    lines += [f"| {i + 1} | {x:.3f} | {y:.3f} |" for i, (x, y) in enumerate(zip(ours_turns, their_turns))]
+    lines.append(
+        f"\nDecode: ours {dec['ours_tps']:.1f} tok/s, mlx-lm stream_generate {dec['mlx_lm_tps']:.1f} tok/s, ratio {dec['ratio']:.3f}"
+    )
+    report = "\n".join(lines)
+    (out / "report.md").write_text(report + "\n")
+    print(report)
+
+
+if __name__ == "__main__":
+    main()
