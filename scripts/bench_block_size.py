@@ -79,7 +79,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=2)
     args = parser.parse_args()
     rows = run([int(s) for s in args.sizes.split(",")], args.reps)
-    print("\n| block size | blocks/prompt | cold TTFT s | register s | repeat TTFT s (cached) | new question TTFT s (cached) |")
+    print(
+        "\n| block size | blocks/prompt | cold TTFT s | register s | repeat TTFT s (cached) | new question TTFT s (cached) |"
+    )
     print("|---|---|---|---|---|---|")
     for r in rows:
         print(

@@ -96,7 +96,10 @@ def scenario_system_prompt(servers: list[Server], reps: int) -> dict:
     for rep in range(reps):
         for server in servers:  # each server gets its own unique (cold) system prompt
             system = system_prompt(nonce=f"{server.name}-{rep}-{time.time()}")
-            ask = lambda q: [{"role": "system", "content": system}, {"role": "user", "content": q}]  # noqa: E731
+
+            def ask(q: str, system: str = system) -> list[dict]:
+                return [{"role": "system", "content": system}, {"role": "user", "content": q}]
+
             row = out[server.name]
             t, _, _ = chat_ttft(server, ask(QUESTIONS[0]))
             row["cold"].append(t)
@@ -155,9 +158,7 @@ def decode_speed(model_dir: Path, reps: int, max_tokens: int) -> dict:
         # Block registration runs after the Finished event: it is not decode time.
         decode_s = stamps[-1] - start - done.first_token_s
         ours.append((done.usage.completion_tokens - 1) / decode_s)
-        last = None
-        for last in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens):
-            pass
+        *_, last = stream_generate(model, tokenizer, prompt, max_tokens=max_tokens)
         theirs.append(last.generation_tps)
         print(
             f"decode: ours {ours[-1]:.1f} tok/s ({done.usage.completion_tokens} tokens), mlx-lm {theirs[-1]:.1f} tok/s ({last.generation_tokens} tokens)",
@@ -219,7 +220,7 @@ def write_report(results: dict, out: Path) -> None:
     )
     ours_turns, their_turns = conv["mlx-kvserve"], conv["mlx_lm.server"]
     lines += ["", "| turn | mlx-kvserve TTFT s | mlx_lm.server TTFT s |", "|---|---|---|"]
-    lines += [f"| {i + 1} | {x:.3f} | {y:.3f} |" for i, (x, y) in enumerate(zip(ours_turns, their_turns))]
+    lines += [f"| {i + 1} | {x:.3f} | {y:.3f} |" for i, (x, y) in enumerate(zip(ours_turns, their_turns, strict=True))]
     lines.append(
         f"\nDecode: ours {dec['ours_tps']:.1f} tok/s, mlx-lm stream_generate {dec['mlx_lm_tps']:.1f} tok/s, ratio {dec['ratio']:.3f}"
     )
