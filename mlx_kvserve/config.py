@@ -92,6 +92,16 @@ class CacheConfig:
 class SSDConfig:
     enabled: bool = True
     cache_dir: str = ""  # "" = <home>/kv
+    ttl_days: float = 7.0  # blocks not used for this long are pruned (pinned ones never); 0 = keep forever
+    policy: str = "write_through"  # write_through: every new block; evict_only: blocks leaving RAM
+    durability: str = "best_effort"  # best_effort: one attempt; persistent: retry failed writes
+    persistent_max_retries: int = 3
+    async_writes: bool = True  # false: write on the worker thread (slower decode; for debugging)
+    writer_queue_size: int = 512
+    flush_interval_s: float = 2.0  # how often the index is written while blocks arrive
+    drain_timeout_s: float = 10.0  # how long shutdown waits for queued writes
+    max_bytes: int = 0  # disk budget; 0 = unlimited (the free-space floor still applies)
+    min_free_bytes: int = 2 * 1024**3  # stop writing when the disk has less free space than this
 
 
 @dataclass(frozen=True)
@@ -159,6 +169,14 @@ def validate(config: Config) -> Config:
     _check(0 < g.top_p <= 1, "generation.top_p", "must be in (0, 1]")
     _check(g.prefill_step_size >= 1, "generation.prefill_step_size", "must be >= 1")
     _check(c.block_size >= 1, "cache.block_size", f"must be >= 1, got {c.block_size}")
+    d = config.ssd
+    _check(d.ttl_days >= 0, "ssd.ttl_days", "must be >= 0")
+    _check(d.policy in ("write_through", "evict_only"), "ssd.policy", "must be write_through or evict_only")
+    _check(d.durability in ("best_effort", "persistent"), "ssd.durability", "must be best_effort or persistent")
+    _check(d.persistent_max_retries >= 0, "ssd.persistent_max_retries", "must be >= 0")
+    _check(d.writer_queue_size >= 1, "ssd.writer_queue_size", "must be >= 1")
+    _check(d.flush_interval_s >= 0, "ssd.flush_interval_s", "must be >= 0")
+    _check(d.drain_timeout_s >= 0, "ssd.drain_timeout_s", "must be >= 0")
     return config
 
 

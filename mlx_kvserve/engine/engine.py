@@ -16,7 +16,10 @@ from ..kv import blocks
 from ..kv.hashing import BlockHasher, model_fingerprint, namespace_hash
 from ..kv.manager import KVManager
 from ..kv.ram import RAMStore
+from ..kv.ssd import SSDStore, store_dir
 from ..kv.tails import TailStore
+from ..kv.tiering import SSDTier
+from ..kv.writer import SSDWriterThread
 from ..models.loader import LoadedModel
 from .generate import Generator
 from .prefix_cache import PrefixCache
@@ -33,6 +36,59 @@ def physical_memory_bytes() -> int:
         return 8 * 1024**3
 
 
+def build_ssd_tier(config: Config, namespace: bytes) -> SSDTier | None:
+    """The SSD tier for this namespace, validated and pruned, with its writer running; None when
+    [ssd] is off or its folder cannot be used (the server then runs on RAM alone, logged)."""
+    ssd = config.ssd
+    if not ssd.enabled:
+        return None
+    try:
+        store = SSDStore(
+            store_dir(config.ssd_path(), namespace),
+            namespace,
+            max_bytes=ssd.max_bytes,
+            min_free_bytes=ssd.min_free_bytes,
+            ttl_s=ssd.ttl_days * 86400.0,
+        )
+    except OSError as exc:
+        log.error("SSD tier off: cannot use %s (%s)", config.ssd_path(), exc)
+        return None
+    report = store.validate_index()
+    pruned = store.prune_expired()
+    log.info(
+        "SSD tier at %s: %d blocks kept, %d adopted, %d missing dropped, %d invalid deleted, %d temp deleted, "
+        "%d pruned (%.2fs)",
+        store.cache_dir,
+        report.kept,
+        report.adopted,
+        report.dropped_missing,
+        report.deleted_invalid,
+        report.deleted_temp,
+        pruned,
+        report.elapsed_s,
+    )
+    holder: list[SSDTier] = []
+    writer = SSDWriterThread(
+        store.save_block,
+        queue_size=ssd.writer_queue_size,
+        durability=ssd.durability,
+        max_retries=ssd.persistent_max_retries,
+        after_job=lambda: holder[0].after_write() if holder else None,
+    )
+    tier = SSDTier(
+        store,
+        writer,
+        ssd.policy,
+        blocks.payload_to_arrays,
+        blocks.payload_from_arrays,
+        ssd.flush_interval_s,
+        ssd.async_writes,
+    )
+    holder.append(tier)
+    tier.validation = report._asdict()
+    return tier
+
+
 def build_prefix_cache(loaded: LoadedModel, config: Config) -> PrefixCache:
     """The block cache for this model, or a disabled one with the reason (logged once)."""
     if not config.cache.enabled:
@@ -46,14 +102,17 @@ def build_prefix_cache(loaded: LoadedModel, config: Config) -> PrefixCache:
     budget = config.cache.ram_max_bytes or physical_memory_bytes() // 4
     # Partial last blocks get an eighth of the RAM budget; full blocks the rest.
     tails = TailStore(budget // 8)
-    manager = KVManager(BlockHasher(namespace, config.cache.block_size), RAMStore(budget - tails.max_bytes), tails)
+    ssd_tier = build_ssd_tier(config, namespace)
+    hasher = BlockHasher(namespace, config.cache.block_size)
+    manager = KVManager(hasher, RAMStore(budget - tails.max_bytes), tails, ssd_tier)
     log.info(
-        "block cache on: %d-token blocks, RAM budget %.1f GiB, model %s",
+        "block cache on: %d-token blocks, RAM budget %.2f GiB, SSD %s, model %s",
         config.cache.block_size,
         budget / 2**30,
+        "on" if ssd_tier else "off",
         fingerprint[:12],
     )
-    return PrefixCache(loaded.model, manager)
+    return PrefixCache(loaded.model, manager, ssd_tier=ssd_tier)
 
 
 class Engine:
@@ -79,7 +138,12 @@ class Engine:
         self.worker.start()
 
     def stop(self, timeout: float | None = None) -> None:
+        """Stop the worker, then drain the SSD writer and flush its index (in that order: the
+        worker is the writer's only producer)."""
         self.worker.stop(timeout)
+        tier = self.prefix_cache.ssd_tier
+        if tier is not None:
+            tier.close(self.config.ssd.drain_timeout_s)
 
     def submit(self, req: GenerationRequest) -> None:
         self.worker.submit(req)
@@ -95,7 +159,13 @@ class Engine:
         manager = self.prefix_cache.manager
         if manager is None:
             return {"enabled": False, "reason": self.prefix_cache.reason}
-        return {"enabled": True, "block_size": manager.block_size, **manager.stats()}
+        out = {"enabled": True, "block_size": manager.block_size, **manager.stats()}
+        tier = self.prefix_cache.ssd_tier
+        if tier is not None:
+            out.update(tier.stats())
+            out["ssd_startup_validation"] = tier.validation
+            out.update(tier.last_shutdown)
+        return out
 
     def health(self) -> dict[str, Any]:
         return {

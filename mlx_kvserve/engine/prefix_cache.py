@@ -23,10 +23,11 @@ class Prepared(NamedTuple):
 
 
 class PrefixCache:
-    def __init__(self, model: Any, manager: KVManager | None, reason: str = ""):
+    def __init__(self, model: Any, manager: KVManager | None, reason: str = "", ssd_tier: Any = None):
         self.model = model
         self.manager = manager
         self.reason = reason
+        self.ssd_tier = ssd_tier  # kv.tiering.SSDTier or None; the engine closes it at shutdown
 
     @property
     def enabled(self) -> bool:

@@ -79,3 +79,18 @@ def assemble(model: Any, payloads: list[Payload], tail: Payload | None = None, t
         cache.offset = cache.keys.shape[2]
     mx.eval([c.keys for c in prompt_cache] + [c.values for c in prompt_cache])
     return prompt_cache
+
+
+def payload_to_arrays(payload: Payload) -> dict[str, mx.array]:
+    """Named arrays for the SSD store: `<layer>.k` / `<layer>.v`."""
+    out: dict[str, mx.array] = {}
+    for layer, (k, v) in enumerate(payload):
+        out[f"{layer}.k"], out[f"{layer}.v"] = k, v
+    return out
+
+
+def payload_from_arrays(arrays: dict[str, mx.array]) -> tuple[Payload, int]:
+    """The inverse of payload_to_arrays: (payload, nbytes). Raises KeyError for a wrong layout."""
+    num_layers = len(arrays) // 2
+    payload = [(arrays[f"{i}.k"], arrays[f"{i}.v"]) for i in range(num_layers)]
+    return payload, sum(k.nbytes + v.nbytes for k, v in payload)

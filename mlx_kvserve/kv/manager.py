@@ -24,14 +24,17 @@ log = logging.getLogger(__name__)
 
 
 class NextTier(Protocol):
+    """Where blocks go after RAM (the SSD tier). Called outside the manager's lock."""
+
     def on_new_block(self, block: Block) -> None: ...
     def on_evicted(self, blocks: list[Block]) -> None: ...
+    def load(self, block_hash: bytes, token_ids: Sequence[int]) -> tuple[Any, int] | None: ...
 
 
 class KVManager:
     def __init__(
         self, hasher: BlockHasher, ram: RAMStore, tails: TailStore | None = None, next_tier: NextTier | None = None
-    ):
+    ):  # fmt: skip
         self.hasher = hasher
         self.block_size = hasher.block_size
         self.next_tier = next_tier
@@ -49,6 +52,7 @@ class KVManager:
                 "evictions",
                 "inserts",
                 "dedup",
+                "promotions",
                 "tail_hits",
                 "tail_hit_tokens",
             ),
@@ -60,25 +64,19 @@ class KVManager:
         return self._tick
 
     def lookup(self, tokens: Sequence[int], max_tokens: int | None = None) -> MatchResult:
-        """Longest verified cached prefix of `tokens`, at most `max_tokens` long (in whole blocks)."""
+        """Longest verified cached prefix of `tokens`, at most `max_tokens` long: full blocks from
+        RAM, then from the next tier (loaded outside the lock and promoted into RAM), then a tail."""
         limit = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
         bs = self.block_size
         hashes = self.hasher.hash_blocks(tokens, limit // bs)
-        found: list[Block] = []
         with self._lock:
             self._stats["lookups"] += 1
-            for i, block_hash in enumerate(hashes):
-                block = self._ram.get(block_hash)
-                if block is None:
-                    self._stats["misses"] += 1
-                    break
-                if block.token_ids != tuple(tokens[i * bs : (i + 1) * bs]):
-                    self._stats["collisions"] += 1
-                    log.warning("block hash collision at block %d (%s); treated as a miss", i, block_hash.hex()[:16])
-                    break
-                block.ref_count += 1
-                self._ram.touch(block, self._next_tick())
-                found.append(block)
+            found, missed = self._walk_ram(tokens, hashes)
+        if missed and self.next_tier is not None:
+            loaded = self._load_next_tier(tokens, hashes, len(found))
+            if loaded:
+                self._promote(loaded, found)
+        with self._lock:
             self._stats["hits"] += len(found)
             self._stats["hit_tokens"] += len(found) * bs
             tail = None
@@ -90,6 +88,53 @@ class KVManager:
             self._stats["tail_hits"] += 1
             self._stats["tail_hit_tokens"] += tail.num_tokens
         return MatchResult(found, len(found) * bs + tail.num_tokens, tail.tail.payload, tail.num_tokens)
+
+    def _walk_ram(self, tokens: Sequence[int], hashes: list[bytes]) -> tuple[list[Block], bool]:
+        """Referenced RAM blocks of the chain, and whether it stopped at a plain miss. Lock held."""
+        bs, found = self.block_size, []
+        for i, block_hash in enumerate(hashes):
+            block = self._ram.get(block_hash)
+            if block is None:
+                self._stats["misses"] += 1
+                return found, True
+            if block.token_ids != tuple(tokens[i * bs : (i + 1) * bs]):
+                self._stats["collisions"] += 1
+                log.warning("block hash collision at block %d (%s); treated as a miss", i, block_hash.hex()[:16])
+                return found, False
+            block.ref_count += 1
+            self._ram.touch(block, self._next_tick())
+            found.append(block)
+        return found, False
+
+    def _load_next_tier(self, tokens: Sequence[int], hashes: list[bytes], start: int) -> list[Block]:
+        """Blocks start.. of the chain read from the next tier, until its first miss. No lock held."""
+        bs, loaded = self.block_size, []
+        for i in range(start, len(hashes)):
+            ids = tuple(tokens[i * bs : (i + 1) * bs])
+            got = self.next_tier.load(hashes[i], ids)
+            if got is None:
+                break
+            payload, nbytes = got
+            parent = hashes[i - 1] if i else self.hasher.namespace
+            loaded.append(Block(hashes[i], parent, ids, payload, nbytes))
+        return loaded
+
+    def _promote(self, loaded: list[Block], found: list[Block]) -> None:
+        """Put blocks read from the next tier into RAM, referenced, after `found`."""
+        with self._lock:
+            for block in loaded:
+                present = self._ram.get(block.block_hash)
+                if present is not None:  # another request promoted it meanwhile
+                    block = present
+                else:
+                    self._ram.insert(block, self._next_tick())
+                    self._stats["promotions"] += 1
+                block.ref_count += 1
+                found.append(block)
+            evicted = self._ram.evict_to_budget()
+            self._stats["evictions"] += len(evicted)
+        if evicted:
+            self.next_tier.on_evicted(evicted)
 
     def release(self, blocks: Sequence[Block]) -> None:
         """Drop one reference from each block (the request that looked them up is done)."""

@@ -1,0 +1,127 @@
+"""The SSD tier behind the RAM tier: what KVManager calls when blocks are created, evicted or
+missing from RAM. Writes go through the writer thread (never on the caller's lock); reads are
+synchronous (the request needs the block now) and verified by the store."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from .base import Block
+from .ssd import SSDStore
+from .writer import SSDWriterThread, WriteJob
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("write_through", "evict_only")
+SHUTDOWN_FILE = "shutdown.json"
+PRUNE_INTERVAL_S = 3600.0
+
+
+class SSDTier:
+    """`to_arrays(payload)` / `from_arrays(arrays) -> (payload, nbytes)` convert block payloads to
+    the store's named arrays; only the engine knows their layout."""
+
+    def __init__(
+        self,
+        store: SSDStore,
+        writer: SSDWriterThread,
+        policy: str,
+        to_arrays: Callable[[Any], dict],
+        from_arrays: Callable[[dict], tuple[Any, int]],
+        flush_interval_s: float = 2.0,
+        async_writes: bool = True,
+    ):
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}")
+        self.store = store
+        self.writer = writer
+        self.policy = policy
+        self._to_arrays = to_arrays
+        self._from_arrays = from_arrays
+        self.flush_interval_s = flush_interval_s
+        self.async_writes = async_writes
+        self._last_prune = time.time()
+        self.last_shutdown = read_shutdown_record(store.cache_dir)
+        self.validation: dict[str, Any] = {}  # the startup validate_index report
+
+    def _write(self, block: Block) -> None:
+        job = WriteJob(block.block_hash, block.parent_hash, block.token_ids, self._to_arrays(block.payload))
+        if self.async_writes:
+            self.writer.enqueue(job)
+        else:
+            self.store.save_block(*job)
+
+    def on_new_block(self, block: Block) -> None:
+        if self.policy == "write_through":
+            self._write(block)
+
+    def on_evicted(self, blocks: list[Block]) -> None:
+        if self.policy == "evict_only":
+            for block in blocks:
+                if not self.store.contains(block.block_hash):
+                    self._write(block)
+
+    def load(self, block_hash: bytes, token_ids: Sequence[int]) -> tuple[Any, int] | None:
+        """(payload, nbytes) of a verified block on the SSD, or None."""
+        loaded = self.store.load_block(block_hash, token_ids)
+        if loaded is None:
+            return None
+        try:
+            return self._from_arrays(loaded.arrays)
+        except (KeyError, ValueError) as exc:
+            log.warning("SSD block %s has an unexpected layout (%s); ignored", block_hash.hex()[:16], exc)
+            return None
+
+    def after_write(self) -> None:
+        """Upkeep on the writer thread: batched index flushes and TTL pruning by wall time."""
+        self.store.maybe_flush(self.flush_interval_s)
+        if time.time() - self._last_prune >= PRUNE_INTERVAL_S:
+            self._last_prune = time.time()
+            self.store.prune_expired()
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"ssd_policy": self.policy}
+        out.update(self.store.stats())
+        out.update(self.writer.stats())
+        return out
+
+    def close(self, drain_timeout_s: float) -> bool:
+        """Drain the writer, flush the index and record how the shutdown went. True when clean."""
+        drained = self.writer.stop(drain_timeout_s)
+        flushed = True
+        try:
+            self.store.flush()
+        except OSError as exc:
+            log.error("SSD index flush failed at shutdown: %s", exc)
+            flushed = False
+        clean = bool(drained and flushed)
+        write_shutdown_record(self.store.cache_dir, clean, partial_flush=not drained)
+        log.info("SSD tier closed: shutdown_clean=%s", clean)
+        return clean
+
+
+def write_shutdown_record(cache_dir: Path, clean: bool, partial_flush: bool) -> None:
+    record = {"shutdown_clean": clean, "shutdown_partial_flush": partial_flush, "at": time.time()}
+    tmp = cache_dir / f".{SHUTDOWN_FILE}.tmp"
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, cache_dir / SHUTDOWN_FILE)
+
+
+def read_shutdown_record(cache_dir: Path) -> dict[str, Any]:
+    """How the previous run ended. A missing record after a previous run means it crashed; the
+    record is removed on reading so a crash of this run is visible to the next one."""
+    path = cache_dir / SHUTDOWN_FILE
+    try:
+        record = json.loads(path.read_text())
+        path.unlink()
+        return record
+    except FileNotFoundError:
+        return {"shutdown_clean": None, "shutdown_partial_flush": None}
+    except (OSError, ValueError):
+        return {"shutdown_clean": False, "shutdown_partial_flush": None}
