@@ -33,11 +33,16 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, name: str, cmd: list[str], port: int, env: dict[str, str]):
-        self.name, self.port = name, port
+    def __init__(self, name: str, cmd: list[str], port: int, env: dict[str, str], ready_path: str):
+        self.name, self.port, self.cmd, self.env, self.ready_path = name, port, cmd, env, ready_path
         self.url = f"http://127.0.0.1:{port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"{name}-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def restart(self) -> None:
+        self.stop()
+        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.wait(self.ready_path)
 
     def wait(self, path: str, timeout: float = 300) -> None:
         deadline = time.time() + timeout
@@ -113,6 +118,24 @@ def scenario_system_prompt(servers: list[Server], reps: int) -> dict:
     return {name: {k: median(v) if isinstance(v, list) else v for k, v in row.items()} for name, row in out.items()}
 
 
+def scenario_restart(servers: list[Server], reps: int) -> dict:
+    """Cold request, restart the server, the same request again: ours from the SSD, theirs cold."""
+    out = {}
+    for server in servers:
+        cold, after = [], []
+        for rep in range(reps):
+            system = system_prompt(nonce=f"restart-{server.name}-{rep}-{time.time()}")
+            messages = [{"role": "system", "content": system}, {"role": "user", "content": QUESTIONS[0]}]
+            cold.append(chat_ttft(server, messages)[0])
+            server.restart()
+            chat_ttft(server, [{"role": "user", "content": "warm up"}], 2)  # kernel compilation after start
+            t, _, cached = chat_ttft(server, messages)
+            after.append(t)
+        out[server.name] = {"cold": median(cold), "after_restart": median(after), "cached_after_restart": cached}
+        print(server.name, "restart", out[server.name], flush=True)
+    return out
+
+
 def scenario_conversation(servers: list[Server], turns: int) -> dict:
     out = {}
     for server in servers:
@@ -182,20 +205,23 @@ def main() -> None:
         [sys.executable, "-m", "mlx_kvserve", "run", "--model", str(model_dir), "--port", str(ours_port)],
         ours_port,
         dict(env, MLX_KVSERVE_HOME=home),
+        "/health",
     )
     theirs = Server(
         "mlx_lm.server",
         [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir), "--port", str(theirs_port)],
         theirs_port,
         env,
+        "/v1/models",
     )
     try:
-        ours.wait("/health")
-        theirs.wait("/v1/models")
+        ours.wait(ours.ready_path)
+        theirs.wait(theirs.ready_path)
         servers = [ours, theirs]
         chat_ttft(ours, [{"role": "user", "content": "warm up"}], 4)  # first-use kernel compilation
         chat_ttft(theirs, [{"role": "user", "content": "warm up"}], 4)
         results = {"system_prompt": scenario_system_prompt(servers, reps)}
+        results["restart"] = scenario_restart(servers, reps)
         results["conversation"] = scenario_conversation(servers, turns)
     finally:
         ours.stop()
@@ -218,6 +244,16 @@ def write_report(results: dict, out: Path) -> None:
     lines.append(
         f"\nOurs: hit/cold = 1/{a['cold'] / a['repeat']:.1f} (repeat), 1/{a['cold'] / a['new_question']:.1f} (new question); cached tokens {a['cached']}"
     )
+    ra, rb = results["restart"]["mlx-kvserve"], results["restart"]["mlx_lm.server"]
+    lines += [
+        "",
+        "| first request after a restart | mlx-kvserve | mlx_lm.server |",
+        "|---|---|---|",
+        f"| cold TTFT s | {ra['cold']:.3f} | {rb['cold']:.3f} |",
+        f"| after restart TTFT s | {ra['after_restart']:.3f} | {rb['after_restart']:.3f} |",
+        f"| after restart / cold | 1/{ra['cold'] / ra['after_restart']:.1f} | 1/{rb['cold'] / rb['after_restart']:.1f} |",
+        f"| cached tokens after restart | {ra['cached_after_restart']} | - |",
+    ]
     ours_turns, their_turns = conv["mlx-kvserve"], conv["mlx_lm.server"]
     lines += ["", "| turn | mlx-kvserve TTFT s | mlx_lm.server TTFT s |", "|---|---|---|"]
     lines += [f"| {i + 1} | {x:.3f} | {y:.3f} |" for i, (x, y) in enumerate(zip(ours_turns, their_turns, strict=True))]

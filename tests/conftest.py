@@ -15,6 +15,19 @@ import tinymodel  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True)
+def _close_ssd_tiers():
+    """SSD writer threads are non-daemon (by design): a failing test must not leave one running,
+    or the test process would never exit."""
+    import kvharness
+
+    yield
+    while kvharness.OPEN_TIERS:
+        tier = kvharness.OPEN_TIERS.pop()
+        if tier.writer.is_alive:
+            tier.writer.stop(5)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     return tinymodel.build_mlx_model(tmp_path_factory.mktemp("tiny") / "tiny-llama")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import mlx.core as mx
 
 from mlx_kvserve.engine.generate import Generator
@@ -10,13 +12,36 @@ from mlx_kvserve.engine.request import Finished, GenerationRequest, SamplingPara
 from mlx_kvserve.kv.hashing import BlockHasher, namespace_hash
 from mlx_kvserve.kv.manager import KVManager
 from mlx_kvserve.kv.ram import RAMStore
+from mlx_kvserve.kv import blocks
+from mlx_kvserve.kv.ssd import SSDStore, store_dir
 from mlx_kvserve.kv.tails import TailStore
+from mlx_kvserve.kv.tiering import SSDTier
+from mlx_kvserve.kv.writer import SSDWriterThread
 
 
-def make_generator(model, tokenizer, block_size: int, ram_bytes: int = 1 << 30, tails: bool = True) -> Generator:
-    hasher = BlockHasher(namespace_hash("test-model", "float32", block_size), block_size)
-    manager = KVManager(hasher, RAMStore(ram_bytes), TailStore(ram_bytes // 8) if tails else None)
-    return Generator(model, tokenizer, PrefixCache(model, manager))
+OPEN_TIERS: list[SSDTier] = []  # closed by conftest after each test: writer threads are non-daemon
+
+
+def make_generator(
+    model, tokenizer, block_size: int, ram_bytes: int = 1 << 30, tails: bool = True, ssd_dir: Path | None = None
+) -> Generator:
+    """A Generator with a fresh RAM tier and, when `ssd_dir` is given, an SSD tier there (close
+    it with `close_ssd` to drain the writer, as a server shutdown does)."""
+    namespace = namespace_hash("test-model", "float32", block_size)
+    hasher = BlockHasher(namespace, block_size)
+    tier = None
+    if ssd_dir is not None:
+        store = SSDStore(store_dir(ssd_dir, namespace), namespace)
+        store.validate_index()
+        writer = SSDWriterThread(store.save_block)
+        tier = SSDTier(store, writer, "write_through", blocks.payload_to_arrays, blocks.payload_from_arrays)
+        OPEN_TIERS.append(tier)
+    manager = KVManager(hasher, RAMStore(ram_bytes), TailStore(ram_bytes // 8) if tails else None, tier)
+    return Generator(model, tokenizer, PrefixCache(model, manager, ssd_tier=tier))
+
+
+def close_ssd(generator: Generator) -> bool:
+    return generator.prefix_cache.ssd_tier.close(drain_timeout_s=30)
 
 
 def greedy(generator: Generator, prompt: list[int], max_tokens: int) -> tuple[tuple[int, ...], str, int]:

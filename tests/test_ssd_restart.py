@@ -1,0 +1,96 @@
+"""After a restart the cache is served from the SSD, and a hit from the SSD gives exactly the
+output of a cold run. Damaged files are never served. Never weaken these tests."""
+
+import mlx.core as mx
+import pytest
+from kvharness import close_ssd, cold_logits, final_logits, greedy, make_generator
+from mlx_lm.utils import load
+
+ATOL = RTOL = 1e-3
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return load(str(tiny_model_dir))
+
+
+def _prompt(tokenizer, n_blocks: int) -> list[int]:
+    text = " ".join(f"Entry {i}: the harbour light number {i} shines at {i * 3} o'clock." for i in range(30))
+    return tokenizer.encode(text)[: n_blocks * BS + BS // 2]
+
+
+def _check_restart_hit(model, tokenizer, tmp_path, prompt, max_tokens):
+    cold_ids, cold_text, _ = greedy(make_generator(model, tokenizer, BS), prompt, max_tokens)
+    first = make_generator(model, tokenizer, BS, ssd_dir=tmp_path)
+    greedy(first, prompt, max_tokens)
+    assert close_ssd(first)  # shutdown drained the writer and flushed the index
+
+    restarted = make_generator(model, tokenizer, BS, ssd_dir=tmp_path)  # empty RAM, same disk
+    logits, cached = final_logits(restarted, prompt)
+    expected = (len(prompt) - 1) // BS * BS  # full blocks only: tails are RAM-only
+    assert cached == expected > 0
+    ids, text, cached_run = greedy(restarted, prompt, max_tokens)
+    assert cached_run == len(prompt) - 1 or cached_run == expected  # promoted blocks + any new tail
+    assert ids == cold_ids and text == cold_text
+    reference = cold_logits(model, prompt)
+    assert mx.allclose(logits, reference, atol=ATOL, rtol=RTOL).item(), mx.abs(logits - reference).max().item()
+    stats = restarted.prefix_cache.manager.stats()
+    assert stats["kv_promotions"] == expected // BS
+    restarted.prefix_cache.manager.check_integrity()
+    restarted.prefix_cache.ssd_tier.store.check_integrity()
+    close_ssd(restarted)
+
+
+def test_tiny_restart_hit_matches_cold(tiny, tmp_path):
+    model, tokenizer = tiny
+    _check_restart_hit(model, tokenizer, tmp_path, _prompt(tokenizer, 5), 20)
+
+
+@pytest.mark.slow
+def test_smollm_restart_hit_matches_cold(smollm_dir, tmp_path):
+    model, tokenizer = load(str(smollm_dir))
+    _check_restart_hit(model, tokenizer, tmp_path, _prompt(tokenizer, 6), 12)
+
+
+def test_corrupt_block_file_is_never_served(tiny, tmp_path):
+    model, tokenizer = tiny
+    prompt = _prompt(tokenizer, 4)
+    cold_ids, _, _ = greedy(make_generator(model, tokenizer, BS), prompt, 16)
+    first = make_generator(model, tokenizer, BS, ssd_dir=tmp_path)
+    greedy(first, prompt, 16)
+    close_ssd(first)
+    files = sorted(tmp_path.rglob("*.safetensors"))
+    assert len(files) >= 4
+    # Flip bytes in the middle of the data of the block holding tokens 32..47 (the third block).
+    third = make_generator(model, tokenizer, BS).prefix_cache.manager.hasher.hash_blocks(prompt, 3)[2]
+    victim = next(f for f in files if f.stem == third.hex())
+    data = bytearray(victim.read_bytes())
+    for i in range(len(data) - 64, len(data) - 32):
+        data[i] ^= 0xFF
+    victim.write_bytes(bytes(data))
+
+    restarted = make_generator(model, tokenizer, BS, ssd_dir=tmp_path)
+    ids, _, cached = greedy(restarted, prompt, 16)
+    assert cached == 2 * BS  # the chain stops before the damaged block
+    assert ids == cold_ids
+    ssd = restarted.prefix_cache.ssd_tier.store.stats()
+    assert ssd["ssd_corrupt"] == 1
+    assert not victim.exists()
+    close_ssd(restarted)
+
+
+def test_ram_budget_eviction_falls_back_to_ssd(tiny, tmp_path):
+    """With a RAM budget of about one block, later lookups come from the SSD and still match."""
+    model, tokenizer = tiny
+    prompt = _prompt(tokenizer, 5)
+    cold_ids, _, _ = greedy(make_generator(model, tokenizer, BS), prompt, 16)
+    gen = make_generator(model, tokenizer, BS, ram_bytes=20_000, ssd_dir=tmp_path)
+    greedy(gen, prompt, 16)
+    gen.prefix_cache.ssd_tier.writer.stop(30)  # everything written before we look again
+    ids, _, cached = greedy(gen, prompt, 16)
+    assert ids == cold_ids
+    assert cached >= 4 * BS
+    stats = gen.prefix_cache.manager.stats()
+    assert stats["kv_evictions"] > 0 and stats["kv_promotions"] > 0
+    gen.prefix_cache.manager.check_integrity()
