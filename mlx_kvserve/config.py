@@ -12,7 +12,7 @@ import re
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any, NamedTuple, get_type_hints
 
 from .errors import ConfigError
 
@@ -63,6 +63,20 @@ class ServerConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     shutdown_timeout_s: float = 30.0  # how long in-flight requests may run after SIGTERM
     log_level: str = "info"
+    max_concurrent: int = 0  # completion requests in flight (waiting + running); 0 = max_queue + 1
+    max_prompt_tokens: int = 0  # 0 = only the model's context limits the prompt
+    max_completion_tokens: int = 0  # 0 = only the context limits a request's max_tokens
+    first_token_timeout_s: float = 0.0  # arrival to first token; 0 = none
+    request_timeout_s: float = 0.0  # arrival to last token; 0 = none
+    # Secrets stay out of repr() so a logged config never shows them; see load_api_keys.
+    api_key: str = field(default="", repr=False)  # "" = no key needed (unless api_key_file names one)
+    api_key_file: str = ""
+    admin_api_key: str = field(default="", repr=False)  # "" = /v1/cache/ needs what the rest needs
+    admin_api_key_file: str = ""
+
+    def in_flight_limit(self) -> int:
+        """Completion requests that may be in flight before the next gets 429."""
+        return self.max_concurrent or self.max_queue + 1
 
 
 @dataclass(frozen=True)
@@ -86,6 +100,8 @@ class CacheConfig:
     enabled: bool = True
     block_size: int = 64
     ram_max_bytes: int = 0  # 0 = a quarter of physical memory
+    pinned_ram_share: float = 0.5  # above this share of the RAM budget, pinned blocks are served from the SSD
+    pin_on_start: list[str] = field(default_factory=list)  # prompt files warmed and pinned at startup
 
 
 @dataclass(frozen=True)
@@ -127,6 +143,10 @@ def _coerce(section: str, key: str, value: Any, expected: type) -> Any:
     name = f"{section}.{key}"
     if key in _BYTE_KEYS:
         return parse_bytes(value, name)
+    if getattr(expected, "__origin__", None) is list:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{name}: expected a list of strings, got {value!r}", param=name)
+        return list(value)
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if expected is bool and not isinstance(value, bool):
@@ -152,6 +172,63 @@ def _check(ok: bool, key: str, message: str) -> None:
         raise ConfigError(f"{key}: {message}", param=key)
 
 
+def _validate_limits(s: ServerConfig) -> None:
+    _check(
+        0 <= s.max_concurrent <= s.max_queue + 1,
+        "server.max_concurrent",
+        f"must be 0..max_queue + 1 ({s.max_queue + 1}): the worker queue holds at most max_queue waiting "
+        f"requests, so raise server.max_queue too; got {s.max_concurrent}",
+    )
+    for key in ("max_prompt_tokens", "max_completion_tokens", "first_token_timeout_s", "request_timeout_s"):
+        _check(getattr(s, key) >= 0, f"server.{key}", f"must be >= 0 (0 = no limit), got {getattr(s, key)}")
+    for key in ("api_key", "admin_api_key"):
+        value = getattr(s, key)
+        _check(not (value and getattr(s, f"{key}_file")), f"server.{key}", f"set {key} or {key}_file, not both")
+        _check(_is_key_text(value), f"server.{key}", "must be printable ASCII without spaces")
+
+
+def _is_key_text(key: str) -> bool:
+    # An Authorization header can carry nothing else, so any other key could never match.
+    return key.isascii() and key.isprintable() and " " not in key
+
+
+class ApiKeys(NamedTuple):
+    """The keys requests must present; "" = none needed."""
+
+    inference: str  # every endpoint but /health
+    admin: str  # /v1/cache/ endpoints; "" = the inference key (or none) applies there too
+
+
+def _read_key(path: str, key: str) -> str:
+    try:
+        text = Path(path).expanduser().read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"server.{key}: cannot read {path}: {exc}", param=f"server.{key}") from None
+    _check(bool(text), f"server.{key}", f"{path} is empty")
+    _check(_is_key_text(text), f"server.{key}", f"the key in {path} must be printable ASCII without spaces")
+    return text
+
+
+def load_api_keys(server: ServerConfig) -> ApiKeys:
+    """The API keys, with key files read now (surrounding whitespace stripped). Raises ConfigError
+    naming `server.api_key_file` or `server.admin_api_key_file` for a missing, unreadable or empty file."""
+    inference = _read_key(server.api_key_file, "api_key_file") if server.api_key_file else server.api_key
+    admin = _read_key(server.admin_api_key_file, "admin_api_key_file") if server.admin_api_key_file else ""
+    return ApiKeys(inference, admin or server.admin_api_key)
+
+
+def key_overrides(name: str, value: str | None, path: str | None) -> dict[str, str]:
+    """Overrides for `name` (api_key or admin_api_key) from a flag or variable pair: naming one source
+    clears the other, so the override replaces whichever kind of key the file set. {} when neither."""
+    if value and path:
+        raise ConfigError(f"give {name} or {name}_file, not both", param=f"server.{name}")
+    if value:
+        return {name: value, f"{name}_file": ""}
+    if path:
+        return {name: "", f"{name}_file": path}
+    return {}
+
+
 def validate(config: Config) -> Config:
     """Check value ranges; raises ConfigError naming the key. Returns the config unchanged."""
     s, g, c = config.server, config.generation, config.cache
@@ -161,6 +238,7 @@ def validate(config: Config) -> Config:
     _check(s.shutdown_timeout_s >= 0, "server.shutdown_timeout_s", "must be >= 0")
     levels = ("critical", "error", "warning", "info", "debug")
     _check(s.log_level in levels, "server.log_level", f"must be one of {', '.join(levels)}")
+    _validate_limits(s)
     dtypes = ("float32", "float16", "bfloat16", "keep")
     _check(config.model.dtype in dtypes, "model.dtype", f"must be one of {', '.join(dtypes)}")
     _check(bool(config.model.path), "model.path", "must not be empty")
@@ -169,6 +247,7 @@ def validate(config: Config) -> Config:
     _check(0 < g.top_p <= 1, "generation.top_p", "must be in (0, 1]")
     _check(g.prefill_step_size >= 1, "generation.prefill_step_size", "must be >= 1")
     _check(c.block_size >= 1, "cache.block_size", f"must be >= 1, got {c.block_size}")
+    _check(0 < c.pinned_ram_share <= 1, "cache.pinned_ram_share", "must be in (0, 1]")
     d = config.ssd
     _check(d.ttl_days >= 0, "ssd.ttl_days", "must be >= 0")
     _check(d.policy in ("write_through", "evict_only"), "ssd.policy", "must be write_through or evict_only")
@@ -203,5 +282,11 @@ def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, A
     return validate(Config(**sections))
 
 
-def as_dict(config: Config) -> dict[str, Any]:
-    return dataclasses.asdict(config)
+def as_dict(config: Config, redact: bool = False) -> dict[str, Any]:
+    """The config as plain data; with `redact`, set API keys read "<redacted>"."""
+    out = dataclasses.asdict(config)
+    if redact:
+        for key in ("api_key", "admin_api_key"):
+            if out["server"][key]:
+                out["server"][key] = "<redacted>"
+    return out

@@ -9,15 +9,14 @@ import mlx.core as mx
 from mlx_kvserve.engine.generate import Generator
 from mlx_kvserve.engine.prefix_cache import PrefixCache
 from mlx_kvserve.engine.request import Finished, GenerationRequest, SamplingParams, TextDelta
+from mlx_kvserve.kv import blocks
 from mlx_kvserve.kv.hashing import BlockHasher, namespace_hash
 from mlx_kvserve.kv.manager import KVManager
 from mlx_kvserve.kv.ram import RAMStore
-from mlx_kvserve.kv import blocks
 from mlx_kvserve.kv.ssd import SSDStore, store_dir
 from mlx_kvserve.kv.tails import TailStore
 from mlx_kvserve.kv.tiering import SSDTier
 from mlx_kvserve.kv.writer import SSDWriterThread
-
 
 OPEN_TIERS: list[SSDTier] = []  # closed by conftest after each test: writer threads are non-daemon
 

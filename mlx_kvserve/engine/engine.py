@@ -9,12 +9,14 @@ from __future__ import annotations
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 from ..config import Config, default_home
 from ..kv import blocks
 from ..kv.hashing import BlockHasher, model_fingerprint, namespace_hash
 from ..kv.manager import KVManager
+from ..kv.pins import PinRegistry
 from ..kv.ram import RAMStore
 from ..kv.ssd import SSDStore, store_dir
 from ..kv.tails import TailStore
@@ -36,7 +38,13 @@ def physical_memory_bytes() -> int:
         return 8 * 1024**3
 
 
-def build_ssd_tier(config: Config, namespace: bytes) -> SSDTier | None:
+def pins_path(config: Config, namespace: bytes) -> Path:
+    folder = store_dir(config.ssd_path(), namespace)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / "pins.json"
+
+
+def build_ssd_tier(config: Config, namespace: bytes, pins: PinRegistry) -> SSDTier | None:
     """The SSD tier for this namespace, validated and pruned, with its writer running; None when
     [ssd] is off or its folder cannot be used (the server then runs on RAM alone, logged)."""
     ssd = config.ssd
@@ -49,6 +57,7 @@ def build_ssd_tier(config: Config, namespace: bytes) -> SSDTier | None:
             max_bytes=ssd.max_bytes,
             min_free_bytes=ssd.min_free_bytes,
             ttl_s=ssd.ttl_days * 86400.0,
+            is_pinned=pins.is_pinned,
         )
     except OSError as exc:
         log.error("SSD tier off: cannot use %s (%s)", config.ssd_path(), exc)
@@ -102,9 +111,15 @@ def build_prefix_cache(loaded: LoadedModel, config: Config) -> PrefixCache:
     budget = config.cache.ram_max_bytes or physical_memory_bytes() // 4
     # Partial last blocks get an eighth of the RAM budget; full blocks the rest.
     tails = TailStore(budget // 8)
-    ssd_tier = build_ssd_tier(config, namespace)
+    try:
+        pins = PinRegistry(pins_path(config, namespace))
+    except OSError as exc:
+        log.error("pins will not persist: %s", exc)
+        pins = PinRegistry(None)
+    ssd_tier = build_ssd_tier(config, namespace, pins)
     hasher = BlockHasher(namespace, config.cache.block_size)
-    manager = KVManager(hasher, RAMStore(budget - tails.max_bytes), tails, ssd_tier)
+    ram = RAMStore(budget - tails.max_bytes)
+    manager = KVManager(hasher, ram, tails, ssd_tier, pins, config.cache.pinned_ram_share)
     log.info(
         "block cache on: %d-token blocks, RAM budget %.2f GiB, SSD %s, model %s",
         config.cache.block_size,
@@ -148,9 +163,11 @@ class Engine:
     def submit(self, req: GenerationRequest) -> None:
         self.worker.submit(req)
 
-    def chat_tokens(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of `messages` under the model's chat template, ready for the assistant turn."""
-        return list(self.loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    def chat_tokens(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of `messages` under the model's chat template (by default ready for the
+        assistant's turn, exactly as a chat request renders them)."""
+        tokenizer = self.loaded.tokenizer
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt))
 
     def text_tokens(self, prompt: str) -> list[int]:
         return list(self.loaded.tokenizer.encode(prompt))

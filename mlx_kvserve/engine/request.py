@@ -62,6 +62,7 @@ class GenerationRequest:
     params: SamplingParams
     emit: Callable[[Event], None]
     cancelled: threading.Event = field(default_factory=threading.Event)
+    on_done: Callable[[], None] | None = None  # called by the worker after everything, KV registration included
 
     def cancel(self) -> None:
         """Ask the worker to stop this request at the next token (safe from any thread)."""

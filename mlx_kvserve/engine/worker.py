@@ -64,6 +64,8 @@ class InferenceWorker:
                 break
             if isinstance(item, GenerationRequest):
                 item.emit(Finished("cancelled", Usage(len(item.prompt_tokens), 0), 0.0))
+                if item.on_done is not None:
+                    item.on_done()
         self._queue.put(_STOP)
         if self._thread.is_alive():
             self._thread.join(timeout)
@@ -86,3 +88,5 @@ class InferenceWorker:
             finally:
                 with self._lock:
                     self._current = None
+                if item.on_done is not None:
+                    item.on_done()

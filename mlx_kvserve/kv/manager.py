@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from .base import Block, MatchResult
 from .hashing import BlockHasher
+from .pins import PinRegistry
 from .ram import RAMStore
 from .tails import Tail, TailStore
 
@@ -29,13 +30,23 @@ class NextTier(Protocol):
     def on_new_block(self, block: Block) -> None: ...
     def on_evicted(self, blocks: list[Block]) -> None: ...
     def load(self, block_hash: bytes, token_ids: Sequence[int]) -> tuple[Any, int] | None: ...
+    def contains(self, block_hash: bytes) -> bool: ...
+    def parent_of(self, block_hash: bytes) -> bytes | None: ...
 
 
 class KVManager:
     def __init__(
-        self, hasher: BlockHasher, ram: RAMStore, tails: TailStore | None = None, next_tier: NextTier | None = None
-    ):  # fmt: skip
+        self,
+        hasher: BlockHasher,
+        ram: RAMStore,
+        tails: TailStore | None = None,
+        next_tier: NextTier | None = None,
+        pins: PinRegistry | None = None,
+        pinned_ram_share: float = 0.5,
+    ):
         self.hasher = hasher
+        self.pins = pins if pins is not None else PinRegistry(None)
+        self.pinned_ram_share = pinned_ram_share
         self.block_size = hasher.block_size
         self.next_tier = next_tier
         self._lock = threading.Lock()  # guards _ram, _tails, _tick and _stats
@@ -53,6 +64,8 @@ class KVManager:
                 "inserts",
                 "dedup",
                 "promotions",
+                "pinned_demotions",
+                "pinned_dropped",
                 "tail_hits",
                 "tail_hit_tokens",
             ),
@@ -106,6 +119,95 @@ class KVManager:
             found.append(block)
         return found, False
 
+    def _evict(self) -> list[Block]:
+        """Bring RAM within budget. Lock held.
+        1. Safety net: pinned blocks may hold at most `pinned_ram_share` of the budget; beyond it
+           they are served from the next tier (demoted, never lost) or, with no next tier,
+           dropped from RAM (logged), so pins can never starve requests of RAM.
+        2. Unpinned blocks not in use, least recently used first.
+        3. Still over budget: pinned blocks the next tier holds are demoted."""
+        pinned = self.pins.is_pinned
+        tier = self.next_tier
+        evicted: list[Block] = []
+        share = int(self._ram.max_bytes * self.pinned_ram_share)
+        pinned_bytes = sum(b.nbytes for b in self._ram if pinned(b.block_hash)) if len(self.pins) else 0
+        if pinned_bytes > share:
+            target = self._ram.used_bytes - (pinned_bytes - share)
+            if tier is not None:
+                moved = self._ram.evict_to_budget(
+                    target, lambda b: pinned(b.block_hash) and tier.contains(b.block_hash)
+                )
+                self._stats["pinned_demotions"] += len(moved)
+            else:
+                moved = self._ram.evict_to_budget(target, lambda b: pinned(b.block_hash))
+                if moved:
+                    log.warning(
+                        "pinned blocks exceed %d%% of the RAM budget and there is no SSD tier: dropped %d from RAM",
+                        self.pinned_ram_share * 100,
+                        len(moved),
+                    )
+                self._stats["pinned_dropped"] += len(moved)
+            evicted += moved
+        evicted += self._ram.evict_to_budget(can_evict=lambda b: not pinned(b.block_hash))
+        if tier is not None and self._ram.used_bytes > self._ram.max_bytes:
+            moved = self._ram.evict_to_budget(can_evict=lambda b: tier.contains(b.block_hash))
+            self._stats["pinned_demotions"] += len(moved)
+            evicted += moved
+        self._stats["evictions"] += len(evicted)
+        return evicted
+
+    # --- pins -----------------------------------------------------------------------------------
+
+    def chain_of(self, block_hash: bytes) -> list[bytes] | None:
+        """The block and its ancestors (root first), or None when the block is not cached."""
+        chain, current = [], block_hash
+        while current != self.hasher.namespace:
+            with self._lock:
+                block = self._ram.get(current)
+                parent = block.parent_hash if block is not None else None
+            if parent is None and self.next_tier is not None:
+                parent = self.next_tier.parent_of(current)
+            if parent is None:
+                return None if current == block_hash else chain[::-1]
+            chain.append(current)
+            current = parent
+        return chain[::-1]
+
+    def pin(self, block_hashes: Sequence[bytes]) -> list[bytes]:
+        """Pin each known block and its ancestors; unknown hashes pin nothing. Returns the hashes
+        that were pinned (each with its chain)."""
+        pinned = []
+        for block_hash in block_hashes:
+            chain = self.chain_of(block_hash)
+            if chain:
+                self.pins.pin(chain)
+                pinned.append(block_hash)
+        return pinned
+
+    def unpin(self, block_hashes: Sequence[bytes]) -> int:
+        """Remove one pin from each pinned block and its ancestors. Returns how many were unpinned."""
+        count = 0
+        for block_hash in block_hashes:
+            if self.pins.count(block_hash) > 0:
+                self.pins.unpin(self.chain_of(block_hash) or [block_hash])
+                count += 1
+        return count
+
+    def flush(self) -> dict[str, int]:
+        """Drop every RAM block that is neither in use nor pinned, and all tails."""
+        with self._lock:
+            dropped = [b for b in self._ram if b.ref_count == 0 and not self.pins.is_pinned(b.block_hash)]
+            for block in dropped:
+                self._ram.remove(block.block_hash)
+            kept = len(self._ram)
+            if self._tails is not None:
+                self._tails.clear()
+        return {"ram_dropped": len(dropped), "ram_kept": kept}
+
+    def in_ram(self, block_hash: bytes) -> bool:
+        with self._lock:
+            return block_hash in self._ram
+
     def _load_next_tier(self, tokens: Sequence[int], hashes: list[bytes], start: int) -> list[Block]:
         """Blocks start.. of the chain read from the next tier, until its first miss. No lock held."""
         bs, loaded = self.block_size, []
@@ -131,8 +233,7 @@ class KVManager:
                     self._stats["promotions"] += 1
                 block.ref_count += 1
                 found.append(block)
-            evicted = self._ram.evict_to_budget()
-            self._stats["evictions"] += len(evicted)
+            evicted = self._evict()
         if evicted:
             self.next_tier.on_evicted(evicted)
 
@@ -142,8 +243,7 @@ class KVManager:
             for block in blocks:
                 assert block.ref_count > 0, "release without a matching lookup"
                 block.ref_count -= 1
-            evicted = self._ram.evict_to_budget()
-            self._stats["evictions"] += len(evicted)
+            evicted = self._evict()
         if evicted and self.next_tier is not None:
             self.next_tier.on_evicted(evicted)
 
@@ -161,8 +261,7 @@ class KVManager:
             block = Block(block_hash, parent_hash, ids, payload, nbytes)
             self._ram.insert(block, self._next_tick())
             self._stats["inserts"] += 1
-            evicted = self._ram.evict_to_budget()
-            self._stats["evictions"] += len(evicted)
+            evicted = self._evict()
         if self.next_tier is not None:  # phase 2: outside the lock
             self.next_tier.on_new_block(block)
             if evicted:
@@ -193,6 +292,8 @@ class KVManager:
             out["kv_ram_blocks"] = len(self._ram)
             out["kv_ram_max_bytes"] = self._ram.max_bytes
             out["kv_in_use_blocks"] = sum(1 for b in self._ram if b.ref_count > 0)
+            out["kv_pinned_blocks"] = len(self.pins)
+            out["kv_pinned_ram_bytes"] = sum(b.nbytes for b in self._ram if self.pins.is_pinned(b.block_hash))
             out["kv_tails"] = len(self._tails) if self._tails is not None else 0
             out["kv_tail_bytes"] = self._tails.used_bytes if self._tails is not None else 0
         return out
@@ -206,11 +307,19 @@ class KVManager:
             assert all(len(b.token_ids) == self.block_size for b in blocks), "block of wrong size"
             over = self._ram.used_bytes - self._ram.max_bytes
             if over > 0:
-                assert all(b.ref_count > 0 for b in blocks), "over budget while unreferenced blocks remain"
+                assert all(b.ref_count > 0 or self.pins.is_pinned(b.block_hash) for b in blocks), (
+                    "over budget while unreferenced, unpinned blocks remain"
+                )
+            pinned = {h for h, _ in self.pins.items()}
             if self._tails is not None:
                 tails = list(self._tails)
                 assert sum(t.nbytes for t in tails) == self._tails.used_bytes, "tail bytes do not add up"
                 assert self._tails.used_bytes <= self._tails.max_bytes, "tails over budget"
                 assert all(0 < len(t.token_ids) <= self.block_size for t in tails), "tail of wrong size"
-            ticks = [b.last_access for b in blocks]
+            ram = {b.block_hash for b in blocks}
+        if self.next_tier is not None:  # no pinned block lost (pending writes aside: drain first)
+            missing = [h for h in pinned if h not in ram and not self.next_tier.contains(h)]
+            assert not missing, f"{len(missing)} pinned blocks are in no tier"
+        with self._lock:
+            ticks = [b.last_access for b in self._ram]
             assert ticks == sorted(ticks), "LRU order does not follow last access"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from .base import Block
 
@@ -47,8 +47,11 @@ class RAMStore:
             self.used_bytes -= block.nbytes
         return block
 
-    def evict_to_budget(self, max_bytes: int | None = None) -> list[Block]:
-        """Evict unreferenced LRU blocks until used_bytes <= budget; return what was evicted."""
+    def evict_to_budget(
+        self, max_bytes: int | None = None, can_evict: Callable[[Block], bool] | None = None
+    ) -> list[Block]:
+        """Evict LRU blocks that are not in use (and pass `can_evict`) until used_bytes <= budget;
+        return what was evicted."""
         budget = self.max_bytes if max_bytes is None else max_bytes
         evicted: list[Block] = []
         if self.used_bytes <= budget:
@@ -56,7 +59,7 @@ class RAMStore:
         for block in list(self._blocks.values()):
             if self.used_bytes <= budget:
                 break
-            if block.ref_count == 0:
+            if block.ref_count == 0 and (can_evict is None or can_evict(block)):
                 self.remove(block.block_hash)
                 evicted.append(block)
         return evicted

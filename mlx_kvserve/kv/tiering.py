@@ -14,6 +14,7 @@ from typing import Any
 
 from .base import Block
 from .ssd import SSDStore
+from .ssd_index import block_relpath, read_header
 from .writer import SSDWriterThread, WriteJob
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,18 @@ class SSDTier:
             return self._from_arrays(loaded.arrays)
         except (KeyError, ValueError) as exc:
             log.warning("SSD block %s has an unexpected layout (%s); ignored", block_hash.hex()[:16], exc)
+            return None
+
+    def contains(self, block_hash: bytes) -> bool:
+        return self.store.contains(block_hash)
+
+    def parent_of(self, block_hash: bytes) -> bytes | None:
+        """The parent hash recorded in the block's file header, or None when it is not stored."""
+        if not self.store.contains(block_hash):
+            return None
+        try:
+            return read_header(self.store.cache_dir / block_relpath(block_hash), self.store.namespace).parent_hash
+        except (OSError, ValueError):
             return None
 
     def after_write(self) -> None:

@@ -20,6 +20,7 @@ from ..engine.engine import Engine
 from ..engine.request import Event, Failed, Finished, GenerationRequest, TextDelta
 from ..errors import InvalidRequestError, KVServeError, NotFoundError, PayloadTooLargeError, ValidationError
 from . import openai as oa
+from .cache_routes import cache_routes
 
 log = logging.getLogger(__name__)
 _DISCONNECT_POLL_S = 0.2
@@ -97,6 +98,14 @@ class CompletionHandler:
             return StreamingResponse(self._stream(req, gen_req, events), media_type="text/event-stream")
         return await self._collect(request, req, gen_req, events)
 
+    def _with_extension(self, body: dict, req: oa.CompletionRequest, gen_req: GenerationRequest) -> dict:
+        """Add the opt-in `kvserve` object: the prompt's block hashes, to pin exactly what was sent."""
+        if req.return_block_hashes:
+            manager = self.engine.prefix_cache.manager
+            hashes = manager.hasher.hash_blocks(gen_req.prompt_tokens) if manager is not None else []
+            body["kvserve"] = {"block_hashes": [h.hex() for h in hashes]}
+        return body
+
     async def _collect(self, request: Request, req, gen_req: GenerationRequest, events: asyncio.Queue) -> Response:
         pieces: list[str] = []
         loop = asyncio.get_running_loop()
@@ -120,7 +129,7 @@ class CompletionHandler:
                     body = oa.response_body(
                         req, gen_req.request_id, self.engine.model_name, text, ev.finish_reason, ev.usage
                     )
-                    return JSONResponse(body)
+                    return JSONResponse(self._with_extension(body, req, gen_req))
                 else:
                     return _failure_response(ev)
         finally:
@@ -136,7 +145,7 @@ class CompletionHandler:
                     if ev.text:
                         yield _sse(oa.chunk_body(req, rid, model, ev.text, None))
                 elif isinstance(ev, Finished):
-                    yield _sse(oa.chunk_body(req, rid, model, None, ev.finish_reason))
+                    yield _sse(self._with_extension(oa.chunk_body(req, rid, model, None, ev.finish_reason), req, gen_req))
                     if req.include_usage:
                         yield _sse(oa.usage_chunk(req, rid, model, ev.usage))
                     break
@@ -214,6 +223,7 @@ def create_app(engine: Engine) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        *cache_routes(engine, read_json),
     ]
     handlers = {KVServeError: on_kvserve_error, HTTPException: on_http_error, Exception: on_unexpected}
     return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)

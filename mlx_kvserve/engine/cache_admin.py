@@ -1,0 +1,85 @@
+"""Cache administration behind /v1/cache/*: pins, flush, prune, listing. Thread-safe (the KV
+manager, pin registry and SSD store take their own locks); never touches MLX."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import InvalidRequestError, ValidationError
+from ..kv.manager import KVManager
+from .prefix_cache import PrefixCache
+
+
+class CacheAdmin:
+    def __init__(self, prefix_cache: PrefixCache):
+        self.prefix_cache = prefix_cache
+
+    @property
+    def manager(self) -> KVManager:
+        if self.prefix_cache.manager is None:
+            raise InvalidRequestError(f"the block cache is off: {self.prefix_cache.reason}", code="cache_disabled")
+        return self.prefix_cache.manager
+
+    def block_hashes(self, tokens: Sequence[int]) -> list[bytes]:
+        """Chained hashes of the full blocks of `tokens` (what a request with them would cache)."""
+        return self.manager.hasher.hash_blocks(tokens)
+
+    def missing(self, hashes: Sequence[bytes]) -> bool:
+        """True when some of these blocks are in no tier (the prompt must be prefilled first)."""
+        tier = self.prefix_cache.ssd_tier
+        return any(not self.manager.in_ram(h) and not (tier is not None and tier.contains(h)) for h in hashes)
+
+    def pin(self, hashes: Sequence[bytes]) -> dict[str, Any]:
+        pinned = self.manager.pin(hashes)
+        chains = {h for p in pinned for h in (self.manager.chain_of(p) or [p])}
+        return {
+            "pinned": [h.hex() for h in pinned],
+            "pinned_count": len(pinned),
+            "tokens": len(chains) * self.manager.block_size,
+        }
+
+    def unpin(self, hashes: Sequence[bytes]) -> dict[str, Any]:
+        return {"unpinned_count": self.manager.unpin(hashes)}
+
+    def pins(self) -> list[dict[str, Any]]:
+        tier = self.prefix_cache.ssd_tier
+        return [
+            {
+                "block_hash": h.hex(),
+                "pin_count": n,
+                "in_ram": self.manager.in_ram(h),
+                "on_ssd": tier is not None and tier.contains(h),
+            }
+            for h, n in sorted(self.manager.pins.items())
+        ]
+
+    def flush(self, include_ssd: bool) -> dict[str, Any]:
+        out = self.manager.flush()
+        tier = self.prefix_cache.ssd_tier
+        if include_ssd:
+            if tier is None:
+                raise InvalidRequestError("there is no SSD tier to flush", param="ssd")
+            out["ssd_dropped"] = tier.store.remove_unpinned()
+        out["pinned_blocks"] = len(self.manager.pins)
+        return out
+
+    def prune(self) -> dict[str, Any]:
+        tier = self.prefix_cache.ssd_tier
+        return {"pruned": tier.store.prune_expired() if tier is not None else 0}
+
+
+def parse_hashes(raw: Any) -> list[bytes]:
+    """Hex block hashes from a request body; raises InvalidRequestError naming the bad one."""
+    if not isinstance(raw, list) or not raw:
+        raise ValidationError("'block_hashes' must be a non-empty array of hex strings", param="block_hashes")
+    out = []
+    for i, value in enumerate(raw):
+        try:
+            digest = bytes.fromhex(value) if isinstance(value, str) else b""
+        except ValueError:
+            digest = b""
+        if len(digest) != 32:
+            raise ValidationError(f"block_hashes[{i}] is not a 64-character hex hash", param="block_hashes")
+        out.append(digest)
+    return out

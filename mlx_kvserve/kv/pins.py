@@ -1,0 +1,82 @@
+"""External pin counts by block hash, kept apart from request references and persisted.
+
+A pin count says "a user asked to keep this block"; a reference count (Block.ref_count) says
+"a running request uses it". Pinning a block counts its whole ancestor chain too (the caller
+passes the chain), so a pinned prefix is always usable from its first token. Thread-safe.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+class PinRegistry:
+    def __init__(self, path: Path | None):
+        """`path`: where pins persist (JSON, written atomically on every change); None keeps
+        them in memory only. A missing or unreadable file starts empty (logged)."""
+        self.path = path
+        self._lock = threading.Lock()  # guards _counts
+        self._counts: dict[bytes, int] = self._read()
+
+    def _read(self) -> dict[bytes, int]:
+        if self.path is None or not self.path.exists():
+            return {}
+        try:
+            raw = json.loads(self.path.read_text())
+            return {bytes.fromhex(h): int(n) for h, n in raw.get("pins", {}).items() if int(n) > 0}
+        except (OSError, ValueError, AttributeError) as exc:
+            log.warning("pins file %s unreadable (%s); starting without pins", self.path, exc)
+            return {}
+
+    def _save(self) -> None:
+        """Persist the counts. Caller holds _lock."""
+        if self.path is None:
+            return
+        data = json.dumps({"version": 1, "pins": {h.hex(): n for h, n in self._counts.items()}})
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        with open(tmp, "w") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+    def pin(self, chain: Iterable[bytes]) -> None:
+        """Add one pin to every hash of `chain` (a block and its ancestors)."""
+        with self._lock:
+            for block_hash in chain:
+                self._counts[block_hash] = self._counts.get(block_hash, 0) + 1
+            self._save()
+
+    def unpin(self, chain: Iterable[bytes]) -> None:
+        """Remove one pin from every hash of `chain` that has one."""
+        with self._lock:
+            for block_hash in chain:
+                n = self._counts.get(block_hash, 0)
+                if n <= 1:
+                    self._counts.pop(block_hash, None)
+                else:
+                    self._counts[block_hash] = n - 1
+            self._save()
+
+    def count(self, block_hash: bytes) -> int:
+        with self._lock:
+            return self._counts.get(block_hash, 0)
+
+    def is_pinned(self, block_hash: bytes) -> bool:
+        # A dict read is atomic under the GIL; called from other locks' critical sections (cheap).
+        return self._counts.get(block_hash, 0) > 0
+
+    def items(self) -> list[tuple[bytes, int]]:
+        with self._lock:
+            return list(self._counts.items())
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._counts)

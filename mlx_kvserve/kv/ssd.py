@@ -1,0 +1,388 @@
+"""SSDStore: the persistent tier. One safetensors file per block, an index persisted in batches.
+
+Contract:
+- `save_block` and `load_block` never raise: every failure is a typed result or a miss, counted.
+- A file is served only when its format version, namespace, checksum and token ids all check out;
+  anything else is a miss, and a damaged file is deleted so it is never read again.
+- The store owns its folder: give each namespace its own (`store_dir`), since files of another
+  namespace are deleted as invalid.
+- Pinned hashes (`is_pinned`) are never removed by the disk budget or TTL pruning.
+- Thread-safe: one lock guards the index; array serialization and fsync happen outside it.
+  Arrays passed to `save_block` must already be evaluated (`mx.eval`), so a writer thread only
+  copies bytes and never runs MLX computations.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from enum import Enum
+from pathlib import Path
+from typing import NamedTuple
+
+import mlx.core as mx
+
+from .ssd_index import (
+    INDEX_NAME,
+    TEMP_SUFFIX,
+    BlockHeader,
+    BlockIndex,
+    IndexEntry,
+    atomic_write,
+    block_files,
+    block_relpath,
+    fsync_dir,
+    read_block_file,
+    reconcile,
+    tokens_digest,
+    write_block_file,
+)
+
+log = logging.getLogger(__name__)
+
+COLLISION_ISOLATION_S = 3600.0
+DEFAULT_TTL_S = 7 * 86400.0
+
+
+class SaveResult(str, Enum):
+    SAVED = "saved"
+    DEDUP = "dedup"  # already on disk with the same tokens; its last_accessed was refreshed
+    COLLISION = "collision"  # the hash is stored with other tokens, or isolated after such a clash
+    ERROR = "error"  # an I/O failure; nothing was left behind
+    SKIPPED = "skipped"  # refused: free space below the floor, or no room within the disk budget
+
+
+class LoadedBlock(NamedTuple):
+    token_ids: tuple[int, ...]
+    arrays: dict[str, mx.array]
+    parent_hash: bytes
+
+
+class ValidationReport(NamedTuple):
+    kept: int
+    dropped_missing: int  # index entries whose file was gone
+    adopted: int  # valid files the index did not know
+    deleted_invalid: int  # damaged, foreign or misnamed files
+    deleted_temp: int  # leftovers of interrupted writes
+    evicted: int  # removed to fit the disk budget
+    elapsed_s: float
+
+
+def store_dir(root: Path, namespace: bytes) -> Path:
+    """The folder for one namespace under the SSD cache root."""
+    return root / namespace.hex()[:16]
+
+
+def _free_bytes(path: Path) -> int:
+    return shutil.disk_usage(path).free
+
+
+class SSDStore:
+    def __init__(
+        self,
+        cache_dir: Path,
+        namespace: bytes,
+        max_bytes: int = 0,
+        min_free_bytes: int = 0,
+        ttl_s: float = DEFAULT_TTL_S,
+        clock: Callable[[], float] = time.time,
+        is_pinned: Callable[[bytes], bool] | None = None,
+        free_bytes: Callable[[Path], int] = _free_bytes,
+    ):
+        """`max_bytes` <= 0: no disk budget; `ttl_s` <= 0: no pruning. `is_pinned` is called under
+        the store's lock, so it must be cheap and must not call the store. Raises OSError when the
+        folder cannot be created; a missing or damaged index starts empty (validate_index adopts files)."""
+        self.cache_dir = Path(cache_dir)
+        self.namespace = namespace
+        self.max_bytes = max_bytes
+        self.min_free_bytes = min_free_bytes
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._is_pinned = is_pinned or (lambda _hash: False)
+        self._free_bytes = free_bytes
+        self._temp_ids = itertools.count()
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        self._flush_lock = threading.Lock()  # serializes index writes; taken before _lock, never inside it
+        self._lock = threading.Lock()  # guards _index, _noncacheable, _stats, _dirty, _last_flush and block files
+        self._index = self._read_index()
+        self._noncacheable: dict[bytes, float] = {}  # hash -> end of its collision isolation
+        self._dirty = False
+        self._last_flush = clock()
+        keys = ("saves", "dedup", "collisions", "errors", "skipped_low_space", "skipped_budget", "hits", "misses")
+        self._stats = dict.fromkeys(keys + ("corrupt", "stale_cleaned", "evictions", "pruned", "flushed"), 0)
+
+    def _path(self, block_hash: bytes) -> Path:
+        return self.cache_dir / block_relpath(block_hash)
+
+    def _read_index(self) -> BlockIndex:
+        path = self.cache_dir / INDEX_NAME
+        try:
+            return BlockIndex.from_json(path.read_bytes(), self.namespace)
+        except FileNotFoundError:
+            return BlockIndex()
+        except (OSError, ValueError) as exc:
+            log.warning("SSD index %s unusable (%s); starting empty", path, exc)
+            return BlockIndex()
+
+    # --- save ----------------------------------------------------------------------------------
+
+    def save_block(
+        self, block_hash: bytes, parent_hash: bytes, token_ids: Sequence[int], arrays: Mapping[str, mx.array]
+    ) -> SaveResult:
+        """Persist one block unless it is there already. Never raises."""
+        ids = tuple(token_ids)
+        digest = tokens_digest(ids)
+        with self._lock:
+            verdict = self._admit(block_hash, len(ids), digest)
+        if verdict is not None:
+            return verdict
+        try:
+            if self._free_bytes(self.cache_dir) - sum(a.nbytes for a in arrays.values()) < self.min_free_bytes:
+                with self._lock:
+                    self._stats["skipped_low_space"] += 1
+                return SaveResult.SKIPPED
+            tmp, size = self._write_temp(BlockHeader(block_hash, parent_hash, ids, ""), arrays)
+        except Exception as exc:  # mlx reports I/O failures as RuntimeError, the OS as OSError
+            log.warning("SSD write of block %s failed: %s", block_hash.hex()[:16], exc)
+            with self._lock:
+                self._stats["errors"] += 1
+            return SaveResult.ERROR
+        entry = IndexEntry(len(ids), digest, self._clock(), size)
+        with self._lock:
+            verdict = self._admit(block_hash, len(ids), digest)  # another thread may have won meanwhile
+            if verdict is None:
+                verdict = self._install(block_hash, entry, tmp)
+        if verdict is SaveResult.SAVED:
+            fsync_dir(tmp.parent)
+        else:
+            tmp.unlink(missing_ok=True)
+        return verdict
+
+    def _admit(self, block_hash: bytes, num_tokens: int, digest: str) -> SaveResult | None:
+        """The seed's dedup guard: None means "write it". Caller holds _lock."""
+        until = self._noncacheable.get(block_hash)
+        if until is not None:
+            if self._clock() < until:
+                return SaveResult.COLLISION
+            del self._noncacheable[block_hash]
+        entry = self._index.get(block_hash)
+        if entry is None:
+            return None
+        if not self._path(block_hash).exists():
+            self._index.remove(block_hash)
+            self._dirty = True
+            self._stats["stale_cleaned"] += 1
+            log.warning("SSD index entry %s had no file; cleaned", block_hash.hex()[:16])
+            return None
+        if entry.num_tokens != num_tokens or entry.tokens_digest != digest:
+            self._isolate(block_hash)
+            return SaveResult.COLLISION
+        self._index.touch(block_hash, self._clock())
+        self._dirty = True
+        self._stats["dedup"] += 1
+        return SaveResult.DEDUP
+
+    def _isolate(self, block_hash: bytes) -> None:
+        """Make a colliding hash non-cacheable for an hour; count and warn once per isolation."""
+        if self._noncacheable.get(block_hash, 0.0) > self._clock():
+            return
+        self._noncacheable[block_hash] = self._clock() + COLLISION_ISOLATION_S
+        self._stats["collisions"] += 1
+        log.warning("SSD block hash collision on %s: non-cacheable for an hour", block_hash.hex()[:16])
+
+    def _write_temp(self, header: BlockHeader, arrays: Mapping[str, mx.array]) -> tuple[Path, int]:
+        """Write and fsync a temp file next to the final path: (path, size). Raises on I/O failure."""
+        final = self._path(header.block_hash)
+        final.parent.mkdir(exist_ok=True)
+        tmp = final.with_name(f"{header.block_hash.hex()}.{os.getpid()}-{next(self._temp_ids)}{TEMP_SUFFIX}")
+        return tmp, write_block_file(tmp, self.namespace, header, arrays)
+
+    def _install(self, block_hash: bytes, entry: IndexEntry, tmp: Path) -> SaveResult:
+        """Make room within the budget, rename the temp file into place, index it. Caller holds _lock."""
+        if self._evict_to_fit(entry.size) is None:
+            self._stats["skipped_budget"] += 1
+            return SaveResult.SKIPPED
+        try:
+            os.replace(tmp, self._path(block_hash))
+        except OSError as exc:
+            log.warning("SSD rename of block %s failed: %s", block_hash.hex()[:16], exc)
+            self._stats["errors"] += 1
+            return SaveResult.ERROR
+        self._index.add(block_hash, entry)
+        self._dirty = True
+        self._stats["saves"] += 1
+        return SaveResult.SAVED
+
+    def _evict_to_fit(self, incoming: int, partial: bool = False) -> int | None:
+        """Remove least recently used unpinned blocks until `incoming` more bytes fit the budget.
+        Returns how many were removed. When they cannot fit, removes nothing and returns None,
+        unless `partial`: then it removes every unpinned block it can. Caller holds _lock."""
+        if self.max_bytes <= 0 or self._index.used_bytes + incoming <= self.max_bytes:
+            return 0
+        need = self._index.used_bytes + incoming - self.max_bytes
+        victims, freed = [], 0
+        for block_hash, entry in self._index.items():
+            if freed >= need:
+                break
+            if not self._is_pinned(block_hash):
+                victims.append(block_hash)
+                freed += entry.size
+        if freed < need and not partial:
+            return None
+        for block_hash in victims:
+            self._remove(block_hash)
+        self._stats["evictions"] += len(victims)
+        return len(victims)
+
+    def _remove(self, block_hash: bytes) -> None:
+        """Drop an entry and its file. Caller holds _lock."""
+        self._index.remove(block_hash)
+        self._dirty = True
+        try:
+            self._path(block_hash).unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("SSD could not delete block %s: %s", block_hash.hex()[:16], exc)
+
+    # --- load ----------------------------------------------------------------------------------
+
+    def contains(self, block_hash: bytes) -> bool:
+        """Whether the index lists this hash (the file is verified only by load_block)."""
+        with self._lock:
+            return block_hash in self._index
+
+    def load_block(self, block_hash: bytes, expected_tokens: Sequence[int]) -> LoadedBlock | None:
+        """The block's arrays if its file verifies and holds exactly `expected_tokens`, else None
+        (a miss). Damaged files are deleted; other tokens under the hash count as a collision."""
+        expected = tuple(expected_tokens)
+        with self._lock:
+            entry = self._index.get(block_hash)
+            if entry is None:
+                self._stats["misses"] += 1
+                return None
+        path = self._path(block_hash)
+        try:
+            header, arrays = read_block_file(path, self.namespace, block_hash)
+        except Exception as exc:  # mlx raises RuntimeError for unreadable or truncated files
+            self._drop_unreadable(block_hash, entry, exc)
+            return None
+        with self._lock:
+            if header.token_ids != expected:
+                self._isolate(block_hash)
+                self._stats["misses"] += 1
+                return None
+            if self._index.get(block_hash) is entry:
+                self._index.touch(block_hash, self._clock())
+                self._dirty = True
+            self._stats["hits"] += 1
+        return LoadedBlock(header.token_ids, arrays, header.parent_hash)
+
+    def _drop_unreadable(self, block_hash: bytes, entry: IndexEntry, exc: Exception) -> None:
+        with self._lock:
+            self._stats["misses"] += 1
+            if self._index.get(block_hash) is not entry:
+                return  # replaced or removed meanwhile: not ours to judge
+            if not self._path(block_hash).exists():
+                self._stats["stale_cleaned"] += 1
+                self._index.remove(block_hash)
+                self._dirty = True
+                return
+            self._stats["corrupt"] += 1
+            log.warning("SSD block %s unusable (%s); deleted", block_hash.hex()[:16], exc)
+            self._remove(block_hash)
+
+    # --- upkeep --------------------------------------------------------------------------------
+
+    def validate_index(self, check_headers: bool = True) -> ValidationReport:
+        """Reconcile the index with the files; run at startup, before any writer starts (it deletes
+        temp files). Drops entries without a file, adopts valid unindexed files, deletes damaged,
+        foreign, misnamed and temp files, then fits the disk budget. `check_headers=False` trusts
+        the headers of files the index already lists."""
+        start = time.perf_counter()
+        with self._lock:
+            counts = reconcile(self._index, self.cache_dir, self.namespace, check_headers)
+            evicted = self._evict_to_fit(0, partial=True) or 0
+            self._dirty = True  # sizes, adoptions and order may have changed; one write at startup
+        report = ValidationReport(**counts, evicted=evicted, elapsed_s=time.perf_counter() - start)
+        log.info("SSD index validated: %s", report._asdict())
+        return report
+
+    def prune_expired(self, now: float | None = None) -> int:
+        """Delete unpinned blocks not accessed within ttl_s of `now` (default: the clock). Returns the count."""
+        if self.ttl_s <= 0:
+            return 0
+        with self._lock:
+            now = self._clock() if now is None else now
+            expired = [
+                h for h, e in self._index.items() if e.last_accessed < now - self.ttl_s and not self._is_pinned(h)
+            ]
+            for block_hash in expired:
+                self._remove(block_hash)
+            self._stats["pruned"] += len(expired)
+            self._noncacheable = {h: until for h, until in self._noncacheable.items() if until > now}
+        if expired:
+            log.info("SSD pruned %d blocks unused for %.0f s", len(expired), self.ttl_s)
+        return len(expired)
+
+    def remove_unpinned(self) -> int:
+        """Delete every block that is not pinned (the admin flush). Returns the count."""
+        with self._lock:
+            doomed = [h for h, _ in self._index.items() if not self._is_pinned(h)]
+            for block_hash in doomed:
+                self._remove(block_hash)
+            self._stats["flushed"] += len(doomed)
+        return len(doomed)
+
+    def flush(self) -> bool:
+        """Write the index if it changed since the last write. Returns False if the write failed
+        (the index stays dirty and is retried by the next flush); never raises."""
+        with self._flush_lock:
+            with self._lock:
+                if not self._dirty:
+                    return True
+                snapshot = self._index.snapshot()
+                self._dirty = False
+                self._last_flush = self._clock()
+            try:
+                atomic_write(self.cache_dir / INDEX_NAME, BlockIndex.to_json(snapshot, self.namespace))
+                return True
+            except OSError as exc:
+                log.warning("SSD index write failed: %s", exc)
+                with self._lock:
+                    self._dirty = True
+                return False
+
+    def maybe_flush(self, interval_s: float) -> bool:
+        """flush() if at least `interval_s` passed since the last one; batches index writes."""
+        with self._lock:
+            due = self._dirty and self._clock() - self._last_flush >= interval_s
+        return self.flush() if due else True
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            out = {f"ssd_{k}": v for k, v in self._stats.items()}
+            now = self._clock()
+            out["ssd_isolated"] = sum(1 for until in self._noncacheable.values() if until > now)
+            out["ssd_bytes"] = self._index.used_bytes
+            out["ssd_blocks"] = len(self._index)
+            out["ssd_max_bytes"] = self.max_bytes
+        return out
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless the index matches the files and the byte total adds up.
+        Call when idle (no save in progress)."""
+        with self._lock:
+            entries = list(self._index.items())
+            assert sum(e.size for _, e in entries) == self._index.used_bytes, "ssd bytes do not add up"
+            for block_hash, entry in entries:
+                path = self._path(block_hash)
+                assert path.is_file(), f"indexed block {block_hash.hex()[:16]} has no file"
+                assert path.stat().st_size == entry.size, f"size of {block_hash.hex()[:16]} differs from the index"
+            on_disk = {h for _, h in block_files(self.cache_dir) if h is not None}
+            assert on_disk == {h for h, _ in entries}, "block files and index differ"
+            if 0 < self.max_bytes < self._index.used_bytes:
+                assert all(self._is_pinned(h) for h, _ in entries), "over budget while unpinned blocks remain"

@@ -1,0 +1,374 @@
+"""On-disk layout of the SSD tier: the block file format and the persisted index.
+
+A block lives in `<dir>/<hash[:2]>/<hash hex>.safetensors`: the payload arrays plus string
+metadata (magic, version, namespace, block and parent hash, token ids, checksum). A file alone is
+enough to rebuild its index entry, so the index is a cache of file headers plus access times:
+losing it costs only LRU/TTL history, because `SSDStore.validate_index` adopts the files again.
+The checksum covers the block's identity (namespace, hashes, token ids) and every array's name,
+dtype, shape and bytes, so a flipped byte anywhere in a file is caught.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import struct
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import mlx.core as mx
+import numpy as np
+from blake3 import blake3
+
+from .hashing import HASH_BYTES, framed
+
+log = logging.getLogger(__name__)
+
+FORMAT_MAGIC = "mlx-kvserve-block"
+FORMAT_VERSION = 1
+INDEX_VERSION = 1
+INDEX_NAME = "index.json"
+BLOCK_SUFFIX = ".safetensors"
+TEMP_SUFFIX = ".tmp.safetensors"  # mx.save_safetensors appends ".safetensors" to any other name
+_MAX_HEADER_BYTES = 16 * 1024 * 1024
+
+
+class FormatError(ValueError):
+    """A block file that this store must not serve: unreadable, foreign or damaged."""
+
+
+class BlockHeader(NamedTuple):
+    block_hash: bytes
+    parent_hash: bytes
+    token_ids: tuple[int, ...]
+    checksum: str
+
+
+def block_relpath(block_hash: bytes) -> str:
+    name = block_hash.hex()
+    return f"{name[:2]}/{name}{BLOCK_SUFFIX}"
+
+
+def hash_from_filename(shard: str, filename: str) -> bytes | None:
+    """The block hash a canonical file name stands for, or None for any other name."""
+    stem = filename.removesuffix(BLOCK_SUFFIX)
+    if stem == filename or len(stem) != 2 * HASH_BYTES or stem[:2] != shard:
+        return None
+    try:
+        block_hash = bytes.fromhex(stem)
+    except ValueError:
+        return None
+    return block_hash if block_hash.hex() == stem else None  # fromhex accepts spaces and capitals
+
+
+def encode_tokens(token_ids: Sequence[int]) -> str:
+    return base64.b64encode(np.asarray(token_ids, dtype="<u4").tobytes()).decode()
+
+
+def decode_tokens(text: str) -> tuple[int, ...]:
+    raw = base64.b64decode(text, validate=True)
+    if len(raw) % 4:
+        raise FormatError("token ids are not whole u32 values")
+    return tuple(np.frombuffer(raw, dtype="<u4").tolist())
+
+
+def tokens_digest(token_ids: Sequence[int]) -> str:
+    """A short digest of the token ids, kept in the index to tell a dedup from a collision."""
+    return blake3(np.asarray(token_ids, dtype="<u4").tobytes()).hexdigest()[:32]
+
+
+def _array_bytes(arr: mx.array) -> np.ndarray:
+    if arr.dtype == mx.bfloat16:  # numpy has no bfloat16; the bits are what we hash
+        arr = arr.view(mx.uint16)
+    return np.ascontiguousarray(np.asarray(arr)).reshape(-1).view(np.uint8)
+
+
+def block_checksum(namespace: bytes, header: BlockHeader, arrays: Mapping[str, mx.array]) -> str:
+    """blake3 over the block's identity and its arrays in sorted-name order (header.checksum unused)."""
+    hasher = blake3(framed(namespace, header.block_hash, header.parent_hash, encode_tokens(header.token_ids).encode()))
+    for name in sorted(arrays):
+        arr = arrays[name]
+        hasher.update(framed(name.encode(), str(arr.dtype).encode(), repr(tuple(arr.shape)).encode()))
+        hasher.update(_array_bytes(arr))
+    return hasher.hexdigest()
+
+
+def block_metadata(namespace: bytes, header: BlockHeader) -> dict[str, str]:
+    return {
+        "format": FORMAT_MAGIC,
+        "version": str(FORMAT_VERSION),
+        "namespace": namespace.hex(),
+        "block_hash": header.block_hash.hex(),
+        "parent_hash": header.parent_hash.hex(),
+        "token_ids": encode_tokens(header.token_ids),
+        "num_tokens": str(len(header.token_ids)),
+        "checksum": header.checksum,
+    }
+
+
+def parse_metadata(meta: Mapping[str, str], namespace: bytes) -> BlockHeader:
+    """Check magic, version and namespace; raises FormatError naming what is wrong."""
+    if meta.get("format") != FORMAT_MAGIC:
+        raise FormatError("not a block file")
+    if meta.get("version") != str(FORMAT_VERSION):
+        raise FormatError(f"format version {meta.get('version')!r}, expected {FORMAT_VERSION}")
+    if meta.get("namespace") != namespace.hex():
+        raise FormatError("block of another namespace")
+    try:
+        token_ids = decode_tokens(meta["token_ids"])
+        header = BlockHeader(
+            bytes.fromhex(meta["block_hash"]), bytes.fromhex(meta["parent_hash"]), token_ids, meta["checksum"]
+        )
+        num_tokens = int(meta["num_tokens"])
+    except (KeyError, ValueError) as exc:
+        raise FormatError(f"bad metadata: {exc}") from exc
+    if num_tokens != len(token_ids):
+        raise FormatError("num_tokens does not match the token ids")
+    return header
+
+
+def read_header(path: Path, namespace: bytes) -> BlockHeader:
+    """Parse a block file's safetensors header without reading its arrays: u64 LE length + JSON.
+    Also checks that the arrays' extent matches the file size (catches truncation). Raises
+    FormatError or OSError."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise FormatError("truncated header")
+        (length,) = struct.unpack("<Q", prefix)
+        if length > min(size - 8, _MAX_HEADER_BYTES):
+            raise FormatError("header length exceeds the file")
+        try:
+            tensors = json.loads(f.read(length))
+        except ValueError as exc:
+            raise FormatError(f"header is not JSON: {exc}") from exc
+    if not isinstance(tensors, dict):
+        raise FormatError("header is not a JSON object")
+    meta = tensors.pop("__metadata__", None)
+    if not isinstance(meta, dict):
+        raise FormatError("no metadata")
+    try:
+        extent = max((int(t["data_offsets"][1]) for t in tensors.values()), default=0)
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise FormatError(f"bad tensor entry: {exc}") from exc
+    if 8 + length + extent != size:
+        raise FormatError(f"file is {size} bytes, header describes {8 + length + extent}")
+    return parse_metadata(meta, namespace)
+
+
+def write_block_file(path: Path, namespace: bytes, header: BlockHeader, arrays: Mapping[str, mx.array]) -> int:
+    """Write a block file (header.checksum is computed here) and fsync it; returns its size.
+    Raises on I/O failure, leaving no file behind."""
+    try:
+        header = header._replace(checksum=block_checksum(namespace, header, arrays))
+        mx.save_safetensors(str(path), dict(arrays), metadata=block_metadata(namespace, header))
+        fsync_path(path)
+        return path.stat().st_size
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+
+
+def read_block_file(path: Path, namespace: bytes, block_hash: bytes) -> tuple[BlockHeader, dict[str, mx.array]]:
+    """Load and verify a block file. Raises FormatError (or mlx's RuntimeError) unless it is intact."""
+    arrays, meta = mx.load(str(path), return_metadata=True)
+    header = parse_metadata(meta, namespace)
+    if header.block_hash != block_hash:
+        raise FormatError("file holds another block")
+    if block_checksum(namespace, header, arrays) != header.checksum:
+        raise FormatError("checksum mismatch")
+    return header, arrays
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename in `path` durable; best effort (some filesystems refuse directory fsync)."""
+    try:
+        fsync_path(path)
+    except OSError:
+        pass
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write `data` to `path` via a temp file in the same folder, fsync, rename. Raises OSError."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+@dataclass
+class IndexEntry:
+    """What the store knows about one block file without opening it. The path derives from the hash."""
+
+    num_tokens: int
+    tokens_digest: str
+    last_accessed: float  # wall-clock seconds (the store's clock)
+    size: int  # file bytes
+
+
+class BlockIndex:
+    """hash -> IndexEntry in LRU order (least recently used first) with the byte total.
+    Not thread-safe: SSDStore's lock guards it."""
+
+    def __init__(self) -> None:
+        self._entries: OrderedDict[bytes, IndexEntry] = OrderedDict()
+        self.used_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        return block_hash in self._entries
+
+    def items(self) -> Iterator[tuple[bytes, IndexEntry]]:
+        """A snapshot in LRU order, safe to iterate while removing."""
+        return iter(list(self._entries.items()))
+
+    def get(self, block_hash: bytes) -> IndexEntry | None:
+        return self._entries.get(block_hash)
+
+    def add(self, block_hash: bytes, entry: IndexEntry) -> None:
+        self.remove(block_hash)
+        self._entries[block_hash] = entry
+        self.used_bytes += entry.size
+
+    def remove(self, block_hash: bytes) -> IndexEntry | None:
+        entry = self._entries.pop(block_hash, None)
+        if entry is not None:
+            self.used_bytes -= entry.size
+        return entry
+
+    def touch(self, block_hash: bytes, now: float) -> None:
+        self._entries[block_hash].last_accessed = now
+        self._entries.move_to_end(block_hash)
+
+    def resize(self, block_hash: bytes, size: int) -> None:
+        entry = self._entries[block_hash]
+        self.used_bytes += size - entry.size
+        entry.size = size
+
+    def sort_by_access(self) -> None:
+        """Restore LRU order from last_accessed (after loading or adopting entries)."""
+        ordered = sorted(self._entries.items(), key=lambda kv: kv[1].last_accessed)
+        self._entries = OrderedDict(ordered)
+
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        """A copy of the entries for to_json, cheap enough to take under the store's lock."""
+        return {h.hex(): dict(vars(e)) for h, e in self._entries.items()}
+
+    @staticmethod
+    def to_json(snapshot: dict[str, dict[str, Any]], namespace: bytes) -> bytes:
+        return json.dumps({"version": INDEX_VERSION, "namespace": namespace.hex(), "entries": snapshot}).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, namespace: bytes) -> BlockIndex:
+        """Raises ValueError for a damaged index or one written for another namespace or version."""
+        doc = json.loads(data)
+        if not isinstance(doc, dict) or doc.get("version") != INDEX_VERSION or doc.get("namespace") != namespace.hex():
+            raise ValueError("index of another version or namespace")
+        index = cls()
+        try:
+            for name, fields in doc["entries"].items():
+                block_hash = bytes.fromhex(name)
+                if len(block_hash) != HASH_BYTES:
+                    raise ValueError(f"bad hash {name!r}")
+                entry = IndexEntry(
+                    int(fields["num_tokens"]),
+                    str(fields["tokens_digest"]),
+                    float(fields["last_accessed"]),
+                    int(fields["size"]),
+                )
+                index.add(block_hash, entry)
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"bad index entry: {exc}") from exc
+        index.sort_by_access()
+        return index
+
+
+def block_files(cache_dir: Path) -> list[tuple[Path, bytes | None]]:
+    """Every file in the shard folders with the hash its name stands for (None: not a block name)."""
+    out = []
+    for shard in os.scandir(cache_dir):
+        if len(shard.name) != 2 or not shard.is_dir(follow_symlinks=False):
+            continue
+        for item in os.scandir(shard.path):
+            if item.is_file(follow_symlinks=False):
+                out.append((Path(item.path), hash_from_filename(shard.name, item.name)))
+    return out
+
+
+def reconcile(index: BlockIndex, cache_dir: Path, namespace: bytes, check_headers: bool) -> dict[str, int]:
+    """Make `index` match the block files: drop entries without a file, adopt valid unindexed
+    files, delete invalid and temp files. Returns counts: kept, dropped_missing, adopted,
+    deleted_invalid, deleted_temp. Headers of indexed files are read only if `check_headers`."""
+    counts = dict.fromkeys(("kept", "dropped_missing", "adopted", "deleted_invalid", "deleted_temp"), 0)
+    for path in cache_dir.glob(f"{INDEX_NAME}.*.tmp"):
+        counts["deleted_temp"] += _unlink(path)
+    seen: set[bytes] = set()
+    for path, block_hash in block_files(cache_dir):
+        if block_hash is None:
+            counts["deleted_temp" if path.name.endswith(TEMP_SUFFIX) else "deleted_invalid"] += _unlink(path)
+            continue
+        outcome = _reconcile_file(index, path, block_hash, namespace, check_headers)
+        counts[outcome] += 1
+        if outcome != "deleted_invalid":
+            seen.add(block_hash)
+    for block_hash, _ in index.items():
+        if block_hash not in seen:
+            index.remove(block_hash)
+            counts["dropped_missing"] += 1
+    index.sort_by_access()
+    return counts
+
+
+def _reconcile_file(index: BlockIndex, path: Path, block_hash: bytes, namespace: bytes, check_headers: bool) -> str:
+    entry = index.get(block_hash)
+    try:
+        stat = path.stat()
+        if check_headers or entry is None:
+            header = read_header(path, namespace)
+            if header.block_hash != block_hash:
+                raise FormatError("file holds another block")
+    except (OSError, FormatError) as exc:
+        log.debug("SSD file %s invalid (%s); deleted", path.name, exc)  # the report counts them
+        index.remove(block_hash)
+        _unlink(path)
+        return "deleted_invalid"
+    if entry is None:
+        ids = header.token_ids
+        index.add(block_hash, IndexEntry(len(ids), tokens_digest(ids), stat.st_mtime, stat.st_size))
+        return "adopted"
+    if check_headers:  # the file is the truth about its tokens
+        entry.num_tokens, entry.tokens_digest = len(header.token_ids), tokens_digest(header.token_ids)
+    if entry.size != stat.st_size:
+        index.resize(block_hash, stat.st_size)
+    return "kept"
+
+
+def _unlink(path: Path) -> int:
+    try:
+        path.unlink()
+        return 1
+    except OSError:
+        return 0

@@ -1,0 +1,122 @@
+"""Cache administration routes: /v1/cache/pin, unpin, pins, stats, flush, prune."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ..engine.cache_admin import CacheAdmin, parse_hashes
+from ..engine.engine import Engine
+from ..engine.request import Failed, GenerationRequest, SamplingParams
+from ..errors import InvalidRequestError, ValidationError
+from .openai import parse_messages
+
+
+async def prefill(engine: Engine, tokens: list[int]) -> None:
+    """Run `tokens` through the worker (one generated token) and wait until its KV blocks are
+    registered. Raises the worker's error, if any."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+    failure: list[Exception] = []
+
+    def emit(event: Any) -> None:
+        if isinstance(event, Failed):
+            failure.append(event.error)
+
+    def finished() -> None:
+        loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+
+    req = GenerationRequest(
+        f"pin-{uuid.uuid4().hex[:12]}", tokens, SamplingParams(max_tokens=1), emit, on_done=finished
+    )
+    engine.submit(req)
+    await done
+    if failure:
+        raise failure[0]
+
+
+async def _target_hashes(
+    engine: Engine, admin: CacheAdmin, body: dict[str, Any], warm: bool
+) -> tuple[list[bytes], bool]:
+    """(hashes named by the body, whether they are a prompt's chain). `warm`: prefill a prompt
+    whose blocks are not cached yet."""
+    forms = [k for k in ("block_hashes", "messages", "prompt") if k in body]
+    if len(forms) != 1:
+        raise ValidationError("give exactly one of 'block_hashes', 'messages' or 'prompt'")
+    if forms[0] == "block_hashes":
+        return parse_hashes(body["block_hashes"]), False
+    if forms[0] == "messages":
+        add_prompt = body.get("add_generation_prompt", True)
+        if not isinstance(add_prompt, bool):
+            raise ValidationError("'add_generation_prompt' must be a boolean", param="add_generation_prompt")
+        messages = parse_messages(body["messages"])
+        tokens = await run_in_threadpool(engine.chat_tokens, messages, add_prompt)
+    else:
+        prompt = body["prompt"]
+        if not isinstance(prompt, str) or not prompt:
+            raise ValidationError("'prompt' must be a non-empty string", param="prompt")
+        tokens = await run_in_threadpool(engine.text_tokens, prompt)
+    hashes = admin.block_hashes(tokens)
+    if not hashes:
+        raise InvalidRequestError(
+            f"the prompt has {len(tokens)} tokens, less than one {admin.manager.block_size}-token block"
+        )
+    if len(tokens) >= engine.context_length:
+        raise InvalidRequestError(f"prompt has {len(tokens)} tokens; the model's context is {engine.context_length}")
+    if warm and admin.missing(hashes):
+        await prefill(engine, tokens)
+    return hashes, True
+
+
+def cache_routes(engine: Engine, read_json) -> list[Route]:
+    admin = CacheAdmin(engine.prefix_cache)
+
+    async def body_of(request: Request) -> dict[str, Any]:
+        body = await read_json(request, engine.config.server.max_body_bytes)
+        if not isinstance(body, dict):
+            raise ValidationError("request body must be a JSON object")
+        return body
+
+    async def pin(request: Request) -> Response:
+        body = await body_of(request)
+        hashes, is_chain = await _target_hashes(engine, admin, body, warm=True)
+        result = await run_in_threadpool(admin.pin, hashes[-1:] if is_chain else hashes)
+        if is_chain:
+            result["block_hashes"] = [h.hex() for h in hashes]
+        return JSONResponse(result)
+
+    async def unpin(request: Request) -> Response:
+        body = await body_of(request)
+        hashes, is_chain = await _target_hashes(engine, admin, body, warm=False)
+        return JSONResponse(await run_in_threadpool(admin.unpin, hashes[-1:] if is_chain else hashes))
+
+    async def pins(request: Request) -> Response:
+        return JSONResponse({"pins": await run_in_threadpool(admin.pins)})
+
+    async def stats(request: Request) -> Response:
+        return JSONResponse(engine.cache_stats())
+
+    async def flush(request: Request) -> Response:
+        body = await body_of(request) if int(request.headers.get("content-length") or 0) else {}
+        include_ssd = body.get("ssd", False)
+        if not isinstance(include_ssd, bool):
+            raise ValidationError("'ssd' must be a boolean", param="ssd")
+        return JSONResponse(await run_in_threadpool(admin.flush, include_ssd))
+
+    async def prune(request: Request) -> Response:
+        return JSONResponse(await run_in_threadpool(admin.prune))
+
+    return [
+        Route("/v1/cache/pin", pin, methods=["POST"]),
+        Route("/v1/cache/unpin", unpin, methods=["POST"]),
+        Route("/v1/cache/pins", pins, methods=["GET"]),
+        Route("/v1/cache/stats", stats, methods=["GET"]),
+        Route("/v1/cache/flush", flush, methods=["POST"]),
+        Route("/v1/cache/prune", prune, methods=["POST"]),
+    ]
