@@ -30,7 +30,12 @@ class CacheAdmin:
         tier = self.prefix_cache.ssd_tier
         return any(not self.manager.in_ram(h) and not (tier is not None and tier.contains(h)) for h in hashes)
 
-    def pin(self, hashes: Sequence[bytes]) -> dict[str, Any]:
+    def pin(self, hashes: Sequence[bytes], chain: bool = False) -> dict[str, Any]:
+        """Pin blocks by hash (each with its ancestors, found through the tiers), or, with
+        `chain`, a prompt's whole chain as computed from its tokens (root first)."""
+        if chain:
+            self.manager.pins.pin(hashes)
+            return {"pinned": [hashes[-1].hex()], "pinned_count": 1, "tokens": len(hashes) * self.manager.block_size}
         pinned = self.manager.pin(hashes)
         chains = {h for p in pinned for h in (self.manager.chain_of(p) or [p])}
         return {
@@ -39,7 +44,12 @@ class CacheAdmin:
             "tokens": len(chains) * self.manager.block_size,
         }
 
-    def unpin(self, hashes: Sequence[bytes]) -> dict[str, Any]:
+    def unpin(self, hashes: Sequence[bytes], chain: bool = False) -> dict[str, Any]:
+        if chain:
+            if self.manager.pins.count(hashes[-1]) == 0:
+                return {"unpinned_count": 0}
+            self.manager.pins.unpin(hashes)
+            return {"unpinned_count": 1}
         return {"unpinned_count": self.manager.unpin(hashes)}
 
     def pins(self) -> list[dict[str, Any]]:

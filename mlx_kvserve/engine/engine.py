@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,7 @@ from ..kv.writer import SSDWriterThread
 from ..models.loader import LoadedModel
 from .generate import Generator
 from .prefix_cache import PrefixCache
-from .request import GenerationRequest
+from .request import Failed, GenerationRequest, SamplingParams
 from .worker import InferenceWorker
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,10 @@ def build_ssd_tier(config: Config, namespace: bytes, pins: PinRegistry) -> SSDTi
     if not ssd.enabled:
         return None
     try:
+        # KV blocks hold prompt contents: only this user may read them (mode before umask, so chmod too).
+        for folder in (config.ssd_path(), store_dir(config.ssd_path(), namespace)):
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+            os.chmod(folder, 0o700)
         store = SSDStore(
             store_dir(config.ssd_path(), namespace),
             namespace,
@@ -162,6 +168,44 @@ class Engine:
 
     def submit(self, req: GenerationRequest) -> None:
         self.worker.submit(req)
+
+    def prefill(self, tokens: list[int], timeout: float | None = None) -> None:
+        """Run `tokens` through the worker (one generated token, discarded) and block until its KV
+        blocks are registered. Raises the worker's error; OverloadedError when the queue is full."""
+        done = threading.Event()
+        failure: list[Exception] = []
+
+        def emit(event: Any) -> None:
+            if isinstance(event, Failed):
+                failure.append(event.error)
+
+        req = GenerationRequest(
+            f"prefill-{uuid.uuid4().hex[:12]}", tokens, SamplingParams(max_tokens=1), emit, on_done=done.set
+        )
+        self.submit(req)
+        if not done.wait(timeout):
+            req.cancel()
+            raise TimeoutError(f"prefill of {len(tokens)} tokens did not finish in {timeout} s")
+        if failure:
+            raise failure[0]
+
+    def pin_files(self, paths: list[str]) -> None:
+        """[cache] pin_on_start: each file's text as a system prompt, warmed and pinned. A file
+        that cannot be used is logged and skipped: startup never fails for it."""
+        manager = self.prefix_cache.manager
+        for path in paths:
+            try:
+                text = Path(path).expanduser().read_text()
+                tokens = self.chat_tokens([{"role": "system", "content": text}], add_generation_prompt=False)
+                hashes = manager.hasher.hash_blocks(tokens) if manager is not None else []
+                if not hashes:
+                    log.warning("pin_on_start: %s is shorter than one block; not pinned", path)
+                    continue
+                self.prefill(tokens)
+                manager.pins.pin(hashes)
+                log.info("pin_on_start: %s pinned (%d blocks)", path, len(hashes))
+            except Exception as exc:  # a bad file must not stop the server
+                log.error("pin_on_start: %s not pinned: %s", path, exc)
 
     def chat_tokens(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of `messages` under the model's chat template (by default ready for the

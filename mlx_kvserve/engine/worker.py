@@ -35,6 +35,11 @@ class InferenceWorker:
         self._thread.start()
 
     @property
+    def is_alive(self) -> bool:
+        """Whether the worker thread runs (False before start, after stop, or if it died)."""
+        return self._thread.is_alive()
+
+    @property
     def queue_depth(self) -> int:
         return self._queue.qsize()
 

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,20 +17,26 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..config import ApiKeys, load_api_keys
 from ..engine.engine import Engine
 from ..engine.request import Event, Failed, Finished, GenerationRequest, TextDelta
-from ..errors import InvalidRequestError, KVServeError, NotFoundError, PayloadTooLargeError, ValidationError
+from ..errors import (
+    InvalidRequestError,
+    KVServeError,
+    NotFoundError,
+    PayloadTooLargeError,
+    RequestTimeoutError,
+    ValidationError,
+)
 from . import openai as oa
 from .cache_routes import cache_routes
+from .deadlines import Deadlines, EventTracker
+from .gate import RECORD_KEY, RequestGate, error_response
+from .health import HealthMonitor
+from .metrics import RequestRecord, ServerMetrics
 
 log = logging.getLogger(__name__)
 _DISCONNECT_POLL_S = 0.2
-
-
-def error_response(exc: KVServeError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if exc.status_code == 429 else None
-    body = oa.error_body(exc.message, exc.error_type, exc.param, exc.code)
-    return JSONResponse(body, status_code=exc.status_code, headers=headers)
 
 
 async def read_json(request: Request, limit: int) -> Any:
@@ -46,6 +53,8 @@ async def read_json(request: Request, limit: int) -> Any:
         return json.loads(b"".join(chunks))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InvalidRequestError(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:  # a few thousand nested brackets fit in any body limit
+        raise InvalidRequestError("request body is nested too deeply") from None
 
 
 class CompletionHandler:
@@ -80,11 +89,18 @@ class CompletionHandler:
         return await run_in_threadpool(self.engine.text_tokens, req.prompt)
 
     async def __call__(self, request: Request, kind: str) -> Response:
-        body = await read_json(request, self.engine.config.server.max_body_bytes)
+        server = self.engine.config.server
+        record = request.scope.get(RECORD_KEY) or RequestRecord("-", request.method, request.url.path, time.monotonic())
+        body = await read_json(request, server.max_body_bytes)
         req = oa.parse_request(body, kind, self.defaults)
+        record.stream = req.stream
         self.check_model(req.model)
         prompt = await self.tokens(req)
-        budget = oa.completion_budget(req, len(prompt), self.engine.context_length, self.defaults.max_tokens)
+        record.prompt_tokens = len(prompt)
+        oa.check_prompt_limit(req, len(prompt), server.max_prompt_tokens)
+        budget = oa.completion_budget(
+            req, len(prompt), self.engine.context_length, self.defaults.max_tokens, server.max_completion_tokens
+        )
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
         gen_req = GenerationRequest(
@@ -93,10 +109,13 @@ class CompletionHandler:
             params=req.sampling(budget),
             emit=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
         )
+        record.request_id = gen_req.request_id
+        deadlines = Deadlines(record.started, server.first_token_timeout_s, server.request_timeout_s)
+        track = EventTracker(events, deadlines, record)
         self.engine.submit(gen_req)
         if req.stream:
-            return StreamingResponse(self._stream(req, gen_req, events), media_type="text/event-stream")
-        return await self._collect(request, req, gen_req, events)
+            return StreamingResponse(self._stream(req, gen_req, track), media_type="text/event-stream")
+        return await self._collect(request, req, gen_req, track)
 
     def _with_extension(self, body: dict, req: oa.CompletionRequest, gen_req: GenerationRequest) -> dict:
         """Add the opt-in `kvserve` object: the prompt's block hashes, to pin exactly what was sent."""
@@ -106,7 +125,7 @@ class CompletionHandler:
             body["kvserve"] = {"block_hashes": [h.hex() for h in hashes]}
         return body
 
-    async def _collect(self, request: Request, req, gen_req: GenerationRequest, events: asyncio.Queue) -> Response:
+    async def _collect(self, request: Request, req, gen_req: GenerationRequest, track: EventTracker) -> Response:
         pieces: list[str] = []
         loop = asyncio.get_running_loop()
         next_check = loop.time() + _DISCONNECT_POLL_S
@@ -118,39 +137,48 @@ class CompletionHandler:
                         gen_req.cancel()
                         return Response(status_code=499)
                     next_check = loop.time() + _DISCONNECT_POLL_S
-                try:
-                    ev = await asyncio.wait_for(events.get(), _DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
+                ev = await track.next(_DISCONNECT_POLL_S)  # a timeout raises: 504, cancelled below
+                if ev is None:
                     continue
                 if isinstance(ev, TextDelta):
                     pieces.append(ev.text)
                 elif isinstance(ev, Finished):
+                    track.finished(ev)
                     text = "".join(pieces)
                     body = oa.response_body(
                         req, gen_req.request_id, self.engine.model_name, text, ev.finish_reason, ev.usage
                     )
                     return JSONResponse(self._with_extension(body, req, gen_req))
                 else:
+                    track.failed(_as_kvserve_error(ev.error))
                     return _failure_response(ev)
         finally:
             gen_req.cancel()  # no-op when finished; stops the worker if this task was cancelled
 
-    async def _stream(self, req, gen_req: GenerationRequest, events: asyncio.Queue) -> AsyncIterator[str]:
+    async def _stream(self, req, gen_req: GenerationRequest, track: EventTracker) -> AsyncIterator[str]:
         rid, model = gen_req.request_id, self.engine.model_name
         try:
             yield _sse(oa.chunk_body(req, rid, model, "" if req.kind == "chat" else None, None, first=True))
             while True:
-                ev = await events.get()
+                try:
+                    ev = await track.next()
+                except RequestTimeoutError as exc:  # the status is sent: end the stream with the error
+                    yield _sse(oa.error_body(exc.message, exc.error_type, exc.param, exc.code))
+                    break
                 if isinstance(ev, TextDelta):
                     if ev.text:
                         yield _sse(oa.chunk_body(req, rid, model, ev.text, None))
                 elif isinstance(ev, Finished):
-                    yield _sse(self._with_extension(oa.chunk_body(req, rid, model, None, ev.finish_reason), req, gen_req))
+                    track.finished(ev)
+                    yield _sse(
+                        self._with_extension(oa.chunk_body(req, rid, model, None, ev.finish_reason), req, gen_req)
+                    )
                     if req.include_usage:
                         yield _sse(oa.usage_chunk(req, rid, model, ev.usage))
                     break
                 else:
                     err = _as_kvserve_error(ev.error)
+                    track.failed(err)
                     yield _sse(oa.error_body(err.message, err.error_type, err.param, err.code))
                     break
             yield "data: [DONE]\n\n"
@@ -172,8 +200,12 @@ def _failure_response(ev: Failed) -> JSONResponse:
     return error_response(_as_kvserve_error(ev.error))
 
 
-def create_app(engine: Engine) -> Starlette:
+def create_app(engine: Engine, keys: ApiKeys | None = None) -> Starlette:
+    """The app serving `engine`. `keys` default to those of engine.config (key files are read now;
+    ConfigError when one cannot be)."""
     handler = CompletionHandler(engine)
+    monitor = HealthMonitor(engine)
+    metrics = ServerMetrics(engine)
 
     async def chat(request: Request) -> Response:
         return await handler(request, "chat")
@@ -191,7 +223,12 @@ def create_app(engine: Engine) -> Starlette:
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(request: Request) -> Response:
-        return JSONResponse(engine.health())
+        body, status = monitor.report()
+        return JSONResponse(body, status_code=status)
+
+    async def metrics_text(request: Request) -> Response:
+        text = await run_in_threadpool(metrics.render)  # reads the cache stats under their locks
+        return Response(text, media_type=metrics.content_type)
 
     async def on_kvserve_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, KVServeError)
@@ -211,11 +248,14 @@ def create_app(engine: Engine) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         engine.start()
+        if engine.config.cache.pin_on_start:
+            await run_in_threadpool(engine.pin_files, engine.config.cache.pin_on_start)
         log.info("serving %s (context %d tokens)", engine.model_name, engine.context_length)
         try:
             yield
         finally:
             log.info("shutting down: stopping the worker")
+            monitor.shutting_down = True  # /health answers 503 from here on
             await run_in_threadpool(engine.stop, engine.config.server.shutdown_timeout_s)
 
     routes = [
@@ -223,7 +263,12 @@ def create_app(engine: Engine) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics_text, methods=["GET"]),
         *cache_routes(engine, read_json),
     ]
     handlers = {KVServeError: on_kvserve_error, HTTPException: on_http_error, Exception: on_unexpected}
-    return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
+    app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
+    keys = keys if keys is not None else load_api_keys(engine.config.server)
+    limit = engine.config.server.in_flight_limit()
+    app.add_middleware(RequestGate, keys=keys, in_flight_limit=limit, metrics=metrics, routes=app.router.routes)
+    return app

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import uuid
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
@@ -13,32 +11,8 @@ from starlette.routing import Route
 
 from ..engine.cache_admin import CacheAdmin, parse_hashes
 from ..engine.engine import Engine
-from ..engine.request import Failed, GenerationRequest, SamplingParams
 from ..errors import InvalidRequestError, ValidationError
 from .openai import parse_messages
-
-
-async def prefill(engine: Engine, tokens: list[int]) -> None:
-    """Run `tokens` through the worker (one generated token) and wait until its KV blocks are
-    registered. Raises the worker's error, if any."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future = loop.create_future()
-    failure: list[Exception] = []
-
-    def emit(event: Any) -> None:
-        if isinstance(event, Failed):
-            failure.append(event.error)
-
-    def finished() -> None:
-        loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
-
-    req = GenerationRequest(
-        f"pin-{uuid.uuid4().hex[:12]}", tokens, SamplingParams(max_tokens=1), emit, on_done=finished
-    )
-    engine.submit(req)
-    await done
-    if failure:
-        raise failure[0]
 
 
 async def _target_hashes(
@@ -70,7 +44,7 @@ async def _target_hashes(
     if len(tokens) >= engine.context_length:
         raise InvalidRequestError(f"prompt has {len(tokens)} tokens; the model's context is {engine.context_length}")
     if warm and admin.missing(hashes):
-        await prefill(engine, tokens)
+        await run_in_threadpool(engine.prefill, tokens)
     return hashes, True
 
 
@@ -86,7 +60,7 @@ def cache_routes(engine: Engine, read_json) -> list[Route]:
     async def pin(request: Request) -> Response:
         body = await body_of(request)
         hashes, is_chain = await _target_hashes(engine, admin, body, warm=True)
-        result = await run_in_threadpool(admin.pin, hashes[-1:] if is_chain else hashes)
+        result = await run_in_threadpool(admin.pin, hashes, is_chain)
         if is_chain:
             result["block_hashes"] = [h.hex() for h in hashes]
         return JSONResponse(result)
@@ -94,7 +68,7 @@ def cache_routes(engine: Engine, read_json) -> list[Route]:
     async def unpin(request: Request) -> Response:
         body = await body_of(request)
         hashes, is_chain = await _target_hashes(engine, admin, body, warm=False)
-        return JSONResponse(await run_in_threadpool(admin.unpin, hashes[-1:] if is_chain else hashes))
+        return JSONResponse(await run_in_threadpool(admin.unpin, hashes, is_chain))
 
     async def pins(request: Request) -> Response:
         return JSONResponse({"pins": await run_in_threadpool(admin.pins)})
