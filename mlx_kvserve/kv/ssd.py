@@ -328,6 +328,20 @@ class SSDStore:
             log.info("SSD pruned %d blocks unused for %.0f s", len(expired), self.ttl_s)
         return len(expired)
 
+    def verify_all(self) -> int:
+        """Read and verify every block file (checksum included); delete the damaged ones.
+        Returns how many were deleted. Slow: for `mlx-kvserve cache verify`, not the hot path."""
+        with self._lock:
+            entries = list(self._index.items())
+        damaged = 0
+        for block_hash, entry in entries:
+            try:
+                read_block_file(self._path(block_hash), self.namespace, block_hash)
+            except Exception as exc:  # mlx raises RuntimeError for unreadable files
+                self._drop_unreadable(block_hash, entry, exc)
+                damaged += 1
+        return damaged
+
     def remove_unpinned(self) -> int:
         """Delete every block that is not pinned (the admin flush). Returns the count."""
         with self._lock:

@@ -1,0 +1,165 @@
+"""`mlx-kvserve cache …`: see and manage the cache of a running server (over HTTP), or verify
+the SSD cache folder offline."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import click
+
+from .config import load_config
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+def _client(ctx: click.Context):
+    import httpx
+
+    key = ctx.obj["api_key"]
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.Client(base_url=ctx.obj["url"], headers=headers, timeout=600)
+
+
+def _call(ctx: click.Context, method: str, path: str, body: dict | None = None) -> Any:
+    import httpx
+
+    try:
+        with _client(ctx) as client:
+            r = client.request(method, path, json=body)
+    except httpx.HTTPError as exc:
+        raise click.ClickException(f"cannot reach the server at {ctx.obj['url']}: {exc}") from None
+    data = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
+    if r.status_code >= 400:
+        message = (data.get("error") or {}).get("message") or r.text
+        raise click.ClickException(f"{r.status_code}: {message}")
+    return data
+
+
+def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    """A plain aligned text table."""
+    cells = [[str(row.get(c, "")) for c in columns] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) if cells else len(c) for i, c in enumerate(columns)]
+    line = lambda values: "  ".join(v.ljust(w) for v, w in zip(values, widths, strict=True))  # noqa: E731
+    return "\n".join([line(columns), line(["-" * w for w in widths]), *(line(r) for r in cells)])
+
+
+@click.group("cache")
+@click.option("--url", default=lambda: os.environ.get("MLX_KVSERVE_URL", DEFAULT_URL), show_default=DEFAULT_URL)
+@click.option("--api-key", envvar="MLX_KVSERVE_API_KEY", default=None, help="Bearer key, if the server wants one.")
+@click.pass_context
+def cache_group(ctx: click.Context, url: str, api_key: str | None) -> None:
+    """See and manage the KV cache."""
+    ctx.obj = {"url": url.rstrip("/"), "api_key": api_key}
+
+
+@cache_group.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the raw JSON.")
+@click.pass_context
+def stats(ctx: click.Context, as_json: bool) -> None:
+    """Cache statistics of the running server."""
+    data = _call(ctx, "GET", "/v1/cache/stats")
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        return
+    rows = [{"stat": k, "value": v} for k, v in data.items() if not isinstance(v, dict)]
+    click.echo(table(rows, ["stat", "value"]))
+
+
+@cache_group.command()
+@click.pass_context
+def pins(ctx: click.Context) -> None:
+    """Pinned blocks: hash, pin count, where they are."""
+    rows = _call(ctx, "GET", "/v1/cache/pins")["pins"]
+    click.echo(table(rows, ["block_hash", "pin_count", "in_ram", "on_ssd"]) if rows else "no pins")
+
+
+def _pin_body(file: Path | None, prompt: str | None, hashes: tuple[str, ...]) -> dict[str, Any]:
+    given = [x for x in (file, prompt, hashes or None) if x is not None]
+    if len(given) != 1:
+        raise click.UsageError("give exactly one of --file, --prompt or block hashes")
+    if file is not None:  # a system prompt file: pinned as the prefix every chat with it shares
+        return {"messages": [{"role": "system", "content": file.read_text()}], "add_generation_prompt": False}
+    if prompt is not None:
+        return {"prompt": prompt}
+    return {"block_hashes": list(hashes)}
+
+
+def _pin_options(fn):
+    fn = click.argument("hashes", nargs=-1)(fn)
+    fn = click.option("--prompt", help="A raw text prompt (as for /v1/completions).")(fn)
+    fn = click.option(
+        "--file", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="A system prompt file."
+    )(fn)
+    return fn
+
+
+@cache_group.command()
+@_pin_options
+@click.pass_context
+def pin(ctx: click.Context, file: Path | None, prompt: str | None, hashes: tuple[str, ...]) -> None:
+    """Pin a system prompt file, a prompt, or block hashes (warming them first if needed)."""
+    data = _call(ctx, "POST", "/v1/cache/pin", _pin_body(file, prompt, hashes))
+    click.echo(f"pinned {data['pinned_count']} ({data['tokens']} tokens)")
+
+
+@cache_group.command()
+@_pin_options
+@click.pass_context
+def unpin(ctx: click.Context, file: Path | None, prompt: str | None, hashes: tuple[str, ...]) -> None:
+    """Remove one pin from a system prompt file, a prompt, or block hashes."""
+    data = _call(ctx, "POST", "/v1/cache/unpin", _pin_body(file, prompt, hashes))
+    click.echo(f"unpinned {data['unpinned_count']}")
+
+
+@cache_group.command()
+@click.option("--ssd", is_flag=True, help="Also delete unpinned blocks from the SSD.")
+@click.pass_context
+def flush(ctx: click.Context, ssd: bool) -> None:
+    """Drop unpinned blocks from RAM (and the SSD with --ssd); pinned blocks stay."""
+    data = _call(ctx, "POST", "/v1/cache/flush", {"ssd": ssd})
+    click.echo(table([data], list(data)))
+
+
+@cache_group.command()
+@click.pass_context
+def prune(ctx: click.Context) -> None:
+    """Delete SSD blocks unused for longer than [ssd] ttl_days (pinned ones never)."""
+    click.echo(f"pruned {_call(ctx, 'POST', '/v1/cache/prune')['pruned']}")
+
+
+@cache_group.command()
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False))
+@click.option("--dir", "cache_dir", type=click.Path(file_okay=False, path_type=Path), help="SSD cache folder.")
+def verify(config_path: str | None, cache_dir: Path | None) -> None:
+    """Offline: check every block file of the SSD cache (run with the server stopped). Damaged
+    files are deleted, the index repaired; exits 1 when anything was wrong."""
+    from .kv.ssd import SSDStore
+
+    root = cache_dir or load_config(config_path).ssd_path()
+    rows, bad = [], 0
+    for folder in sorted(p for p in root.glob("*") if (p / "index.json").exists()):
+        namespace = bytes.fromhex(json.loads((folder / "index.json").read_text())["namespace"])
+        store = SSDStore(folder, namespace)
+        report = store.validate_index(check_headers=True)
+        corrupt = store.verify_all()
+        store.flush()
+        problems = report.dropped_missing + report.deleted_invalid + report.deleted_temp + corrupt
+        bad += problems
+        rows.append(
+            {
+                "namespace": folder.name,
+                "blocks": report.kept + report.adopted - corrupt,
+                "adopted": report.adopted,
+                "missing": report.dropped_missing,
+                "invalid": report.deleted_invalid + corrupt,
+                "temp": report.deleted_temp,
+            }
+        )
+    click.echo(
+        table(rows, ["namespace", "blocks", "adopted", "missing", "invalid", "temp"]) if rows else f"no cache in {root}"
+    )
+    if bad:
+        raise SystemExit(1)

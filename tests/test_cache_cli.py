@@ -1,0 +1,75 @@
+"""`mlx-kvserve cache …` against a real server, `cache verify` offline, and pin_on_start."""
+
+import httpx
+from click.testing import CliRunner
+
+from mlx_kvserve.cli import cli
+
+SYSTEM = " ".join(f"Policy {i}: every harbour report lists tide, wind and visibility." for i in range(6))
+
+
+def run(*args):
+    result = CliRunner().invoke(cli, list(args), catch_exceptions=False)
+    return result.exit_code, result.output
+
+
+def test_cache_commands_against_a_server(start_server, tiny_model_dir, tmp_path):
+    server = start_server(tiny_model_dir)
+    system_file = tmp_path / "system.txt"
+    system_file.write_text(SYSTEM)
+    url = ["cache", "--url", server.base_url]
+    code, out = run(*url, "pin", "--file", str(system_file))
+    assert code == 0 and out.startswith("pinned 1 (") and "tokens" in out
+    pins = httpx.get(f"{server.base_url}/v1/cache/pins").json()["pins"]
+    assert pins and all(p["pin_count"] == 1 for p in pins)
+    code, out = run(*url, "pins")
+    assert code == 0 and all(p["block_hash"] in out for p in pins)
+    code, out = run(*url, "stats")
+    rows = dict(line.split(None, 1) for line in out.splitlines()[2:] if line.strip())
+    assert code == 0 and rows["kv_pinned_blocks"].strip() == str(len(pins))
+    code, out = run(*url, "flush", "--ssd")
+    assert code == 0 and "ram_dropped" in out
+    assert len(httpx.get(f"{server.base_url}/v1/cache/pins").json()["pins"]) == len(pins)
+    code, out = run(*url, "unpin", "--file", str(system_file))
+    assert code == 0 and out.strip() == "unpinned 1"
+    assert httpx.get(f"{server.base_url}/v1/cache/pins").json()["pins"] == []
+    code, out = run(*url, "prune")
+    assert code == 0 and out.startswith("pruned ")
+    code, out = run(*url, "pin", "zz")
+    assert code == 1 and "422" in out
+    code, out = run("cache", "--url", "http://127.0.0.1:9", "stats")
+    assert code == 1 and "cannot reach" in out
+
+
+def test_verify_offline_finds_and_removes_damaged_files(start_server, tiny_model_dir, tmp_path):
+    home = tmp_path / "home"
+    server = start_server(tiny_model_dir, home=home)
+    body = {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60).status_code == 200
+    assert server.stop() == 0
+    kv = home / "kv"
+    code, out = run("cache", "verify", "--dir", str(kv))
+    assert code == 0, out
+    files = sorted(kv.rglob("*.safetensors"))
+    data = bytearray(files[0].read_bytes())
+    data[-10] ^= 0xFF
+    files[0].write_bytes(bytes(data))
+    code, out = run("cache", "verify", "--dir", str(kv))
+    assert code == 1 and not files[0].exists()
+    row = out.splitlines()[2].split()
+    assert row[1] == str(len(files) - 1) and row[4] == "1"  # blocks, invalid
+    assert run("cache", "verify", "--dir", str(kv))[0] == 0  # repaired
+
+
+def test_pin_on_start_warms_and_pins(start_server, tiny_model_dir, tmp_path):
+    system_file = tmp_path / "system.txt"
+    system_file.write_text(SYSTEM)
+    config = tmp_path / "pins.toml"
+    config.write_text(f'[cache]\npin_on_start = ["{system_file}", "{tmp_path / "missing.txt"}"]\n')
+    server = start_server(tiny_model_dir, config=config)
+    pins = httpx.get(f"{server.base_url}/v1/cache/pins").json()["pins"]
+    assert len(pins) >= 3
+    body = {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}], "max_tokens": 2}
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60).json()
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(pins) * 64
+    assert "missing.txt not pinned" in server.log()
