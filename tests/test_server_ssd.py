@@ -63,3 +63,51 @@ def test_restart_serves_from_ssd(start_server, tiny_model_dir, tmp_path, stop):
     assert cached_again == (prompt_tokens - 1) // 64 * 64 > 0
     after = health(second)["cache"]
     assert after["ssd_hits"] == cached_again // 64 and after["kv_promotions"] == cached_again // 64
+
+
+def test_kill9_while_writing_then_restart_serves_verified_blocks(start_server, tiny_model_dir, tmp_path):
+    """Kill the server the moment a long prompt's answer arrives, while its blocks are still being
+    written: the next start reconciles the folder and serves only blocks that verify."""
+    home = tmp_path / "home"
+    config = tmp_path / "slow.toml"
+    config.write_text("[ssd]\nwriter_queue_size = 4\n")
+    first = start_server(tiny_model_dir, config=config, home=home)
+    long_system = SYSTEM.replace("harbour", "lighthouse")
+    body = {
+        "messages": [{"role": "system", "content": long_system}, {"role": "user", "content": "Where?"}],
+        "max_tokens": 8,
+        "temperature": 0,
+    }
+    text = httpx.post(f"{first.base_url}/v1/chat/completions", json=body, timeout=120).json()["choices"][0]
+    first.proc.send_signal(signal.SIGKILL)
+    first.proc.wait(10)
+
+    second = start_server(tiny_model_dir, config=config, home=home)
+    report = health(second)["cache"]["ssd_startup_validation"]
+    assert report["deleted_invalid"] >= 0 and report["kept"] + report["adopted"] >= 0
+    again = httpx.post(f"{second.base_url}/v1/chat/completions", json=body, timeout=120).json()
+    assert again["choices"][0]["message"]["content"] == text["message"]["content"]
+    cache = health(second)["cache"]
+    assert cache["ssd_corrupt"] == 0  # nothing half-written was ever read as a block
+    assert cache["ssd_hits"] == again["usage"]["prompt_tokens_details"]["cached_tokens"] // 64
+
+
+def test_disk_full_keeps_serving(start_server, tiny_model_dir, tmp_path):
+    config = tmp_path / "full.toml"
+    config.write_text('[ssd]\nmin_free_bytes = "1000TiB"\n')  # as if the disk were full
+    server = start_server(tiny_model_dir, config=config)
+    text, _, _ = chat(server)
+    again, cached, _ = chat(server)
+    assert again == text and cached > 0  # RAM still serves
+    cache = wait_skipped(server)
+    assert cache["ssd_blocks"] == 0 and cache["ssd_skipped_low_space"] == cache["kv_inserts"] > 0
+
+
+def wait_skipped(server, timeout=30):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        cache = health(server)["cache"]
+        if cache["ssd_skipped_low_space"] >= cache["kv_inserts"] > 0:
+            return cache
+        time.sleep(0.1)
+    return health(server)["cache"]

@@ -94,3 +94,24 @@ def test_ram_budget_eviction_falls_back_to_ssd(tiny, tmp_path):
     stats = gen.prefix_cache.manager.stats()
     assert stats["kv_evictions"] > 0 and stats["kv_promotions"] > 0
     gen.prefix_cache.manager.check_integrity()
+
+
+def test_evict_only_writes_blocks_only_when_ram_evicts_them(tiny, tmp_path):
+    from kvharness import OPEN_TIERS
+
+    model, tokenizer = tiny
+    prompt = _prompt(tokenizer, 5)
+    roomy = make_generator(model, tokenizer, BS, ssd_dir=tmp_path / "a")
+    roomy.prefix_cache.ssd_tier.policy = "evict_only"
+    greedy(roomy, prompt, 8)
+    roomy.prefix_cache.ssd_tier.writer.stop(30)
+    assert roomy.prefix_cache.ssd_tier.store.stats()["ssd_blocks"] == 0  # nothing left RAM
+
+    tight = make_generator(model, tokenizer, BS, ram_bytes=20_000, ssd_dir=tmp_path / "b")
+    tight.prefix_cache.ssd_tier.policy = "evict_only"
+    greedy(tight, prompt, 8)
+    tight.prefix_cache.ssd_tier.writer.stop(30)
+    evictions = tight.prefix_cache.manager.stats()["kv_evictions"]
+    assert evictions > 0
+    assert tight.prefix_cache.ssd_tier.store.stats()["ssd_blocks"] == evictions
+    assert len(OPEN_TIERS) >= 2

@@ -1,0 +1,135 @@
+"""Seed 001's flood experiment, scaled to this machine: does a pinned conversation survive?
+
+A conversation (system prompt + `depth` turns) is warmed; in the pinned variant it is pinned;
+then a flood of other conversations, several times larger than the RAM and SSD budgets, goes
+through; then the conversation's next turn is sent and its TTFT and cached tokens (from the same
+streamed request, `stream_options.include_usage`) are recorded. Variants: mlx-kvserve pinned,
+mlx-kvserve unpinned, mlx_lm.server (no pins, 10-entry cache) — same model, one run.
+Usage: python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_pins.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from bench_common import ROOT, default_model_dir
+from bench_prefix import Server, chat_ttft, free_port
+
+from mlx_kvserve.blas import preload_env
+
+QUESTIONS = ["Name a river.", "Name a mountain.", "Name a desert.", "Name an ocean.", "Name a lake."]
+
+
+def system(tag: str, rules: int) -> str:
+    return f"Conversation {tag}.\n" + "\n".join(
+        f"Rule {i}: answer questions about place number {i} briefly and name one real example." for i in range(rules)
+    )
+
+
+def conversation(tag: str, depth: int, rules: int) -> list[dict]:
+    messages = [{"role": "system", "content": system(tag, rules)}]
+    for turn in range(depth):
+        messages.append({"role": "user", "content": f"{QUESTIONS[turn % len(QUESTIONS)]} (turn {turn + 1})"})
+        messages.append({"role": "assistant", "content": f"Here is answer {turn + 1}: a well known example."})
+    return messages
+
+
+def flood(server: Server, n: int, rules: int) -> None:
+    for i in range(n):
+        tag = f"flood-{i}-{time.time()}"
+        chat_ttft(server, conversation(tag, 2, rules) + [{"role": "user", "content": "Go on."}], max_tokens=2)
+
+
+def run_variant(server: Server, variant: str, depths: list[int], rules: int, flood_n: int) -> dict:
+    out = {}
+    for depth in depths:
+        history = conversation(f"{variant}-{depth}-{time.time()}", depth, rules)
+        chat_ttft(server, history + [{"role": "user", "content": "First question?"}], max_tokens=2)
+        if variant == "pinned":
+            r = httpx.post(
+                f"{server.url}/v1/cache/pin", json={"messages": history, "add_generation_prompt": False}, timeout=600
+            )
+            r.raise_for_status()
+        flood(server, flood_n, rules)
+        t, _, cached = chat_ttft(server, history + [{"role": "user", "content": "Next question?"}], max_tokens=4)
+        out[depth] = {"ttft_s": t, "cached_tokens": cached}
+        print(variant, depth, out[depth], flush=True)
+        if variant == "pinned":
+            httpx.post(
+                f"{server.url}/v1/cache/unpin", json={"messages": history, "add_generation_prompt": False}, timeout=60
+            )
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default=str(ROOT / "results" / "pins"))
+    args = parser.parse_args()
+    depths = [0, 16] if args.quick else [0, 4, 8, 16]
+    rules, flood_n = (12, 12) if args.quick else (16, 12)
+    model_dir = default_model_dir()
+    env = preload_env(dict(os.environ, PYTHONUNBUFFERED="1"))
+    home = Path(tempfile.mkdtemp(prefix="kvserve-pins-"))
+    config = home / "budgets.toml"
+    # Budgets the flood overflows many times: ~0.7k tokens of RAM, ~1.4k tokens of SSD (SmolLM2: 46 KB/token).
+    config.write_text(
+        '[cache]\nram_max_bytes = "40MiB"\npinned_ram_share = 0.9\n[ssd]\nmax_bytes = "64MiB"\nmin_free_bytes = 0\n'
+    )
+    results: dict = {"depths": depths, "flood_conversations": flood_n}
+    variants = [("pinned", "mlx-kvserve"), ("unpinned", "mlx-kvserve"), ("mlx_lm.server", "mlx_lm.server")]
+    for variant, kind in variants:
+        port = free_port()
+        if kind == "mlx-kvserve":
+            cmd = [
+                sys.executable,
+                "-m",
+                "mlx_kvserve",
+                "run",
+                "--model",
+                str(model_dir),
+                "--port",
+                str(port),
+                "--config",
+                str(config),
+            ]
+            server = Server(kind, cmd, port, dict(env, MLX_KVSERVE_HOME=str(home / variant)), "/health")
+        else:
+            cmd = [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir), "--port", str(port)]
+            server = Server(kind, cmd, port, env, "/v1/models")
+        try:
+            server.wait(server.ready_path)
+            chat_ttft(server, [{"role": "user", "content": "warm up"}], 2)
+            results[variant] = run_variant(server, variant, depths, rules, flood_n)
+        finally:
+            server.stop()
+    write_report(results, Path(args.out))
+
+
+def write_report(results: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    lines = [
+        "| depth | pinned TTFT s (cached) | unpinned TTFT s (cached) | mlx_lm.server TTFT s | unpinned / pinned |",
+        "|---|---|---|---|---|",
+    ]
+    for d in results["depths"]:
+        p, u, m = results["pinned"][d], results["unpinned"][d], results["mlx_lm.server"][d]
+        lines.append(
+            f"| {d} | {p['ttft_s']:.3f} ({p['cached_tokens']}) | {u['ttft_s']:.3f} ({u['cached_tokens']}) | "
+            f"{m['ttft_s']:.3f} | {u['ttft_s'] / p['ttft_s']:.1f}x |"
+        )
+    report = "\n".join(lines)
+    (out / "report.md").write_text(report + "\n")
+    print(report)
+
+
+if __name__ == "__main__":
+    main()
