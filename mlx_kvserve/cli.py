@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -12,11 +13,14 @@ from pathlib import Path
 import click
 
 from . import blas
-from .config import Config, as_dict, load_config
+from .cache_cli import cache_group
+from .config import Config, as_dict, key_overrides, load_api_keys, load_config
 from .errors import KVServeError
 from .service.commands import service_group
 
 log = logging.getLogger("mlx_kvserve")
+API_KEY_ENV = "MLX_KVSERVE_API_KEY"
+ADMIN_API_KEY_ENV = "MLX_KVSERVE_ADMIN_API_KEY"
 
 
 def _setup_logging(level: str) -> None:
@@ -50,20 +54,37 @@ def _config_options(fn):
     )(fn)
     fn = click.option("--host", help="Address to bind (default 127.0.0.1).")(fn)
     fn = click.option("--port", type=int, help="Port to bind (default 8000).")(fn)
+    fn = click.option(
+        "--api-key", help=f"Key clients must send as 'Authorization: Bearer <key>' (shows in ps; see ${API_KEY_ENV})."
+    )(fn)
+    fn = click.option("--api-key-file", type=click.Path(dir_okay=False), help="File holding the API key.")(fn)
     return fn
 
 
-def _overrides(model, dtype, host, port) -> dict:
-    return {"server": {"host": host, "port": port}, "model": {"path": model, "dtype": dtype}}
+def _overrides(model, dtype, host, port, api_key=None, api_key_file=None) -> dict:
+    """Flags over the environment over the file; an API key from a flag or variable replaces
+    whichever kind of key (inline or file) the file set."""
+    if api_key and api_key_file:
+        raise click.UsageError("give --api-key or --api-key-file, not both")
+    server = {"host": host, "port": port}
+    server.update(key_overrides("admin_api_key", os.environ.get(ADMIN_API_KEY_ENV), None))
+    server.update(key_overrides("api_key", os.environ.get(API_KEY_ENV), None))
+    server.update(key_overrides("api_key", api_key, api_key_file))
+    return {"server": server, "model": {"path": model, "dtype": dtype}}
 
 
 @cli.command()
 @_config_options
-def run(config_path, model, dtype, host, port) -> None:
+def run(config_path, model, dtype, host, port, api_key, api_key_file) -> None:
     """Load the model and serve the OpenAI API."""
     blas.reexec_with_fast_blas()
-    config = _load(config_path, _overrides(model, dtype, host, port))
+    config = _load(config_path, _overrides(model, dtype, host, port, api_key, api_key_file))
     _setup_logging(config.server.log_level)
+    try:
+        keys = load_api_keys(config.server)  # before the model loads: a bad key file fails fast
+    except KVServeError as exc:
+        raise click.ClickException(exc.message) from None
+    _log_access(config, keys.inference, keys.admin)
     import uvicorn
 
     from .engine.engine import Engine
@@ -75,7 +96,7 @@ def run(config_path, model, dtype, host, port) -> None:
         loaded = load_model(config.model.path, config.models_path(), config.model.dtype, config.model.served_name)
     except KVServeError as exc:
         raise click.ClickException(exc.message) from None
-    app = create_app(Engine(loaded, config))
+    app = create_app(Engine(loaded, config), keys)
     # uvicorn re-raises the SIGTERM it handled once its graceful shutdown is done, which would end
     # the process as killed by the signal; for service managers that shutdown is a clean exit (0).
     signal.signal(signal.SIGTERM, _exit_cleanly)
@@ -85,7 +106,18 @@ def run(config_path, model, dtype, host, port) -> None:
         port=config.server.port,
         log_level=config.server.log_level,
         timeout_graceful_shutdown=config.server.shutdown_timeout_s,
+        access_log=False,  # the mlx_kvserve.requests logger writes one richer line per request
     )
+
+
+def _log_access(config: Config, inference_key: str, admin_key: str) -> None:
+    log.info(
+        "API key: %s; cache admin: %s",
+        "required" if inference_key else "none (open)",
+        "own key" if admin_key else ("the API key" if inference_key else "open"),
+    )
+    if not inference_key and config.server.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("listening on %s without an API key: anyone who can reach it can use it", config.server.host)
 
 
 @cli.command()
@@ -112,13 +144,14 @@ def config_group() -> None:
 
 @config_group.command("show")
 @_config_options
-def config_show(config_path, model, dtype, host, port) -> None:
-    """Print the effective configuration (file + flags + defaults) as JSON."""
-    config = _load(config_path, _overrides(model, dtype, host, port))
-    click.echo(json.dumps(as_dict(config), indent=2))
+def config_show(config_path, model, dtype, host, port, api_key, api_key_file) -> None:
+    """Print the effective configuration (file + variables + flags + defaults) as JSON, keys redacted."""
+    config = _load(config_path, _overrides(model, dtype, host, port, api_key, api_key_file))
+    click.echo(json.dumps(as_dict(config, redact=True), indent=2))
 
 
 cli.add_command(service_group)
+cli.add_command(cache_group)
 
 
 def main() -> None:

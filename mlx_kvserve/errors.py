@@ -58,3 +58,18 @@ class OverloadedError(KVServeError):
 class ShuttingDownError(KVServeError):
     status_code = 503
     error_type = "server_error"
+
+
+class AuthenticationError(KVServeError):
+    """The request lacks the API key its path needs, or presents a wrong one (401)."""
+
+    status_code = 401
+    error_type = "invalid_request_error"  # what OpenAI answers for a bad key, with code "invalid_api_key"
+
+
+class RequestTimeoutError(KVServeError):
+    """The request ran past server.first_token_timeout_s or server.request_timeout_s (504); the
+    generation was cancelled."""
+
+    status_code = 504
+    error_type = "server_error"

@@ -20,7 +20,7 @@ from click.testing import CliRunner
 
 from mlx_kvserve.cli import cli
 from mlx_kvserve.config import load_config
-from mlx_kvserve.service import build_spec, commands, health_url, launchd, stop_timeout_s, systemd
+from mlx_kvserve.service import build_spec, commands, health_url, launchd, stop_timeout_s, systemd, writer_drain_s
 
 SHUTDOWN_S = 45.0
 DRAIN_S = 12.5
@@ -97,6 +97,16 @@ def test_stop_timeout_covers_both_shutdown_phases_and_the_drain():
     assert stop_timeout_s(30, 0) == 90  # 2 x 30 s + 30 s margin
     assert stop_timeout_s(30, 20) == stop_timeout_s(30, 0) + 20
     assert stop_timeout_s(0.2, 0.1) == 31  # rounded up, never short
+
+
+def test_writer_drain_is_the_ssd_drain_timeout(tmp_path):
+    path = tmp_path / "drain.toml"
+    path.write_text("[ssd]\ndrain_timeout_s = 12.5\n")
+    assert writer_drain_s(load_config(path)) == 12.5
+    assert writer_drain_s(load_config()) == 10.0  # the default
+    path.write_text("[ssd]\nenabled = false\ndrain_timeout_s = 12.5\n")
+    assert writer_drain_s(load_config(path)) == 0.0  # no SSD tier, nothing to drain
+    assert stop_timeout_s(30, writer_drain_s(load_config())) == 100  # the default service's timeout
 
 
 def test_plist_keys(home, config_file, model_dir, monkeypatch, tmp_path):

@@ -86,7 +86,10 @@ class CompletionHandler:
             if vocab and any(not 0 <= t < vocab for t in req.prompt):
                 raise ValidationError(f"token ids in 'prompt' must be in [0, {vocab})", param="prompt")
             return req.prompt
-        return await run_in_threadpool(self.engine.text_tokens, req.prompt)
+        try:
+            return await run_in_threadpool(self.engine.text_tokens, req.prompt)
+        except Exception as exc:  # e.g. a lone surrogate (a "\ud800" escape), which the tokenizer refuses
+            raise InvalidRequestError(f"the prompt could not be tokenized: {exc}", param="prompt") from None
 
     async def __call__(self, request: Request, kind: str) -> Response:
         server = self.engine.config.server
@@ -96,7 +99,6 @@ class CompletionHandler:
         record.stream = req.stream
         self.check_model(req.model)
         prompt = await self.tokens(req)
-        record.prompt_tokens = len(prompt)
         oa.check_prompt_limit(req, len(prompt), server.max_prompt_tokens)
         budget = oa.completion_budget(
             req, len(prompt), self.engine.context_length, self.defaults.max_tokens, server.max_completion_tokens
@@ -109,10 +111,10 @@ class CompletionHandler:
             params=req.sampling(budget),
             emit=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
         )
-        record.request_id = gen_req.request_id
         deadlines = Deadlines(record.started, server.first_token_timeout_s, server.request_timeout_s)
         track = EventTracker(events, deadlines, record)
         self.engine.submit(gen_req)
+        record.request_id, record.prompt_tokens = gen_req.request_id, len(prompt)
         if req.stream:
             return StreamingResponse(self._stream(req, gen_req, track), media_type="text/event-stream")
         return await self._collect(request, req, gen_req, track)
@@ -165,6 +167,8 @@ class CompletionHandler:
                 except RequestTimeoutError as exc:  # the status is sent: end the stream with the error
                     yield _sse(oa.error_body(exc.message, exc.error_type, exc.param, exc.code))
                     break
+                if ev is None:  # woke a hair before a deadline: wait again
+                    continue
                 if isinstance(ev, TextDelta):
                     if ev.text:
                         yield _sse(oa.chunk_body(req, rid, model, ev.text, None))

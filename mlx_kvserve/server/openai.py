@@ -162,9 +162,22 @@ def parse_request(body: Any, kind: str, defaults: Defaults) -> CompletionRequest
     )
 
 
-def completion_budget(req: CompletionRequest, num_prompt: int, context: int, default_max: int) -> int:
+def check_prompt_limit(req: CompletionRequest, num_prompt: int, limit: int) -> None:
+    """Raise InvalidRequestError when the prompt has more than `limit` tokens (0 = no limit)."""
+    if limit and num_prompt > limit:
+        raise InvalidRequestError(
+            f"prompt has {num_prompt} tokens; this server accepts at most {limit} (server.max_prompt_tokens)",
+            param="messages" if req.kind == "chat" else "prompt",
+            code="prompt_too_long",
+        )
+
+
+def completion_budget(
+    req: CompletionRequest, num_prompt: int, context: int, default_max: int, max_completion: int = 0
+) -> int:
     """How many tokens may be generated. Raises InvalidRequestError when the prompt alone fills the
-    context or an explicit max_tokens would overflow it."""
+    context or an explicit max_tokens would overflow it, ValidationError when an explicit max_tokens
+    is above the server's `max_completion` (0 = no limit but the context)."""
     room = context - num_prompt
     if room < 1:
         raise InvalidRequestError(
@@ -172,8 +185,14 @@ def completion_budget(req: CompletionRequest, num_prompt: int, context: int, def
             param="messages" if req.kind == "chat" else "prompt",
             code="context_length_exceeded",
         )
+    if max_completion and req.max_tokens is not None and req.max_tokens > max_completion:
+        raise ValidationError(
+            f"'max_tokens' must be at most {max_completion} on this server (server.max_completion_tokens), "
+            f"got {req.max_tokens}",
+            param="max_tokens",
+        )
     if req.max_tokens is None:
-        return min(default_max, room)
+        return min(default_max, max_completion or default_max, room)
     if req.max_tokens > room:
         raise InvalidRequestError(
             f"max_tokens {req.max_tokens} + prompt {num_prompt} tokens exceeds the context of {context} tokens",

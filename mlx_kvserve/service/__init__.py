@@ -57,9 +57,9 @@ def current_platform() -> str:
 
 
 def writer_drain_s(config: Config) -> float:
-    """Longest time the SSD writer may take to flush on shutdown. The writer is not built yet, so it
-    adds nothing; when it lands with its config key, return that key here."""
-    return 0.0
+    """Longest time the SSD writer may take to flush on shutdown (`ssd.drain_timeout_s`); nothing
+    when the SSD tier is off."""
+    return config.ssd.drain_timeout_s if config.ssd.enabled else 0.0
 
 
 def stop_timeout_s(shutdown_timeout_s: float, drain_s: float, margin_s: float = STOP_MARGIN_S) -> int:

@@ -1,0 +1,152 @@
+"""The gate every HTTP request passes: API keys, the in-flight limit, and one RequestRecord per
+request that ends as metrics and a structured log line. Also the one place where a KVServeError
+becomes an HTTP response.
+
+An ASGI middleware rather than per-route code, so that routes added elsewhere (the cache admin
+routes under /v1/cache/) are covered by path, and so that a streaming response holds its in-flight
+slot until its last byte (or its client's disconnect).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+import uuid
+
+from starlette.responses import JSONResponse
+from starlette.routing import BaseRoute, Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ..config import ApiKeys
+from ..errors import AuthenticationError, KVServeError, OverloadedError
+from . import openai as oa
+from .metrics import RequestRecord, ServerMetrics
+
+RECORD_KEY = "mlx_kvserve.record"  # the scope key under which handlers find their RequestRecord
+OPEN_PATHS = frozenset({"/health"})  # answered without a key: service managers and probes hold none
+LIMITED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+ADMIN_PREFIX = "/v1/cache"
+QUIET_ENDPOINTS = frozenset({"/health", "/metrics"})  # polled often: their lines are logged at debug level
+request_log = logging.getLogger("mlx_kvserve.requests")
+
+_HEADERS = {429: {"Retry-After": "1"}, 503: {"Retry-After": "1"}, 401: {"WWW-Authenticate": "Bearer"}}
+
+
+def error_response(exc: KVServeError) -> JSONResponse:
+    # A message may quote request text holding a lone surrogate, which UTF-8 cannot encode.
+    message = exc.message.encode("utf-8", "backslashreplace").decode("utf-8")
+    body = oa.error_body(message, exc.error_type, exc.param, exc.code)
+    return JSONResponse(body, status_code=exc.status_code, headers=_HEADERS.get(exc.status_code))
+
+
+def is_admin_path(path: str) -> bool:
+    return path == ADMIN_PREFIX or path.startswith(ADMIN_PREFIX + "/")
+
+
+def _bearer_token(scope: Scope) -> bytes:
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            scheme, _, token = value.partition(b" ")
+            return token.strip() if scheme.lower() == b"bearer" else b""
+    return b""
+
+
+def log_line(record: RequestRecord) -> str:
+    """`key=value` pairs, one request per line; values never contain spaces."""
+    ttft = "-" if record.first_token_s is None else f"{record.first_token_s:.3f}"
+    return (
+        f"id={record.request_id} method={record.method} endpoint={record.endpoint} status={record.status} "
+        f"stream={str(record.stream).lower()} prompt_tokens={record.prompt_tokens} "
+        f"cached_tokens={record.cached_tokens} completion_tokens={record.completion_tokens} ttft_s={ttft} "
+        f"duration_s={record.duration_s:.3f} error={record.error or '-'}"
+    )
+
+
+class RequestGate:
+    """ASGI middleware. Per HTTP request: check the API key its path needs (401), admit a completion
+    request only while fewer than `in_flight_limit` are in flight (429), then run the app and
+    record the outcome. `in_flight` is only touched on the event loop, so it needs no lock."""
+
+    def __init__(
+        self, app: ASGIApp, keys: ApiKeys, in_flight_limit: int, metrics: ServerMetrics, routes: list[BaseRoute]
+    ):
+        self.app = app
+        self.routes = routes  # the app's live route list, to name the endpoint of a request the gate rejected
+        self.keys = ApiKeys(*(k.encode() for k in keys))
+        self.in_flight_limit = in_flight_limit
+        self.metrics = metrics
+        self.in_flight = 0
+        metrics.track_in_flight(lambda: self.in_flight)
+
+    def accepted_keys(self, path: str) -> tuple[bytes, ...]:
+        """Keys that open `path`; () = no key needed. The admin key also opens every other path."""
+        if path in OPEN_PATHS:
+            return ()
+        if is_admin_path(path) and self.keys.admin:
+            return (self.keys.admin,)
+        return (self.keys.inference, self.keys.admin) if self.keys.inference else ()
+
+    def check_key(self, scope: Scope) -> None:
+        accepted = self.accepted_keys(scope["path"])
+        if not accepted:
+            return
+        token = _bearer_token(scope)
+        # compare_digest against every accepted key: the time taken says nothing about which one was close.
+        matches = [hmac.compare_digest(token, key) for key in accepted if key]
+        if not any(matches):
+            what = "admin API key" if is_admin_path(scope["path"]) and self.keys.admin else "API key"
+            detail = "a wrong" if token else "no"
+            raise AuthenticationError(
+                f"this endpoint needs the server's {what} as 'Authorization: Bearer <key>'; the request has {detail} key",
+                code="invalid_api_key",
+            )
+
+    def admit(self, scope: Scope) -> bool:
+        """Take an in-flight slot for a completion request (True), or none for other paths (False)."""
+        if scope["path"] not in LIMITED_PATHS or scope["method"] != "POST":
+            return False
+        if self.in_flight >= self.in_flight_limit:
+            raise OverloadedError(f"{self.in_flight_limit} requests are already in flight; retry shortly")
+        self.in_flight += 1
+        return True
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        record = RequestRecord("req-" + uuid.uuid4().hex[:24], scope["method"], scope["path"], time.monotonic())
+        scope[RECORD_KEY] = record
+
+        async def send_recording(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                record.status = message["status"]
+            await send(message)
+
+        admitted = False
+        try:
+            try:
+                self.check_key(scope)
+                admitted = self.admit(scope)
+            except KVServeError as exc:
+                await error_response(exc)(scope, receive, send_recording)
+                return
+            await self.app(scope, receive, send_recording)
+        except BaseException as exc:
+            # No response started: the client went away (cancelled) or the app raised; the
+            # outer server-error middleware answers 500 to the latter.
+            if not record.status:
+                record.status = 500 if isinstance(exc, Exception) else 499
+            raise
+        finally:
+            if admitted:
+                self.in_flight -= 1
+            self.finish(scope, record)
+
+    def finish(self, scope: Scope, record: RequestRecord) -> None:
+        route = scope.get("route") or next((r for r in self.routes if r.matches(scope)[0] != Match.NONE), None)
+        record.endpoint = getattr(route, "path", None) or "other"  # never the raw path: unknown paths are unbounded
+        record.duration_s = time.monotonic() - record.started
+        self.metrics.observe(record)
+        level = logging.DEBUG if record.endpoint in QUIET_ENDPOINTS else logging.INFO
+        request_log.log(level, "%s", log_line(record))

@@ -1,0 +1,56 @@
+"""/health's verdict: "ok", "degraded" (still serving, with the problems listed) or "shutting_down".
+
+The engine reports facts (its stats and threads); judging them is the server's business, so the
+rules live here, next to the one flag the lifespan sets when shutdown begins.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+ERROR_WINDOW_S = 300.0  # SSD write errors within this long make the server degraded
+
+
+class HealthMonitor:
+    """`shutting_down` is set by the app's lifespan before it stops the engine (event loop only)."""
+
+    def __init__(self, engine: Any, clock: Callable[[], float] = time.monotonic):
+        self.engine = engine
+        self.shutting_down = False
+        self._clock = clock
+        self._num_errors = 0  # ssd_errors + writer_failures when last seen
+        self._last_error_at: float | None = None
+
+    def problems(self, cache: dict[str, Any]) -> list[str]:
+        """What is wrong now, each in a sentence; [] when healthy. `cache` is engine.cache_stats()."""
+        engine, found = self.engine, []
+        if not engine.worker.is_alive:
+            found.append("the inference worker thread is not running")
+        config = engine.config
+        if cache.get("enabled") and config.ssd.enabled:
+            tier = engine.prefix_cache.ssd_tier
+            if tier is None:
+                found.append("the SSD tier is off: its folder could not be used at startup (see the log)")
+            elif not tier.writer.is_alive:
+                found.append("the SSD writer thread is not running; new blocks are not saved")
+        num_errors = cache.get("ssd_errors", 0) + cache.get("writer_failures", 0)
+        now = self._clock()
+        if num_errors > self._num_errors:
+            self._num_errors, self._last_error_at = num_errors, now
+        if self._last_error_at is not None and now - self._last_error_at < ERROR_WINDOW_S:
+            found.append(
+                f"SSD writes are failing ({num_errors} errors since start, the last within {ERROR_WINDOW_S:.0f}s)"
+            )
+        return found
+
+    def report(self) -> tuple[dict[str, Any], int]:
+        """(/health body, HTTP status): 503 while shutting down, else 200."""
+        body = self.engine.health()
+        if self.shutting_down:
+            body["status"], body["problems"] = "shutting_down", []
+            return body, 503
+        problems = self.problems(body.get("cache", {}))
+        body["status"], body["problems"] = ("degraded" if problems else "ok"), problems
+        return body, 200
