@@ -73,3 +73,7 @@ def test_pin_on_start_warms_and_pins(start_server, tiny_model_dir, tmp_path):
     r = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60).json()
     assert r["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(pins) * 64
     assert "missing.txt not pinned" in server.log()
+    assert server.stop() == 0
+    again = start_server(tiny_model_dir, config=config)  # same home: pins persisted
+    counts = [p["pin_count"] for p in httpx.get(f"{again.base_url}/v1/cache/pins").json()["pins"]]
+    assert counts == [1] * len(pins)  # pin_on_start pins once, not once per start

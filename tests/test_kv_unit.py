@@ -215,3 +215,18 @@ def test_tails_supersede_their_prefixes_and_stay_within_budget():
     assert mgr.lookup([1, 2, 3, 4]).tail_tokens == 0  # [1, 2, 3] was the oldest
     assert mgr.lookup([8, 8, 0]).tail_tokens == 2
     mgr.check_integrity()
+
+
+def test_model_fingerprint_follows_weights_not_the_conversion_marker(tmp_path):
+    from mlx_kvserve.kv.hashing import model_fingerprint
+
+    (tmp_path / "config.json").write_text('{"a": 1}')
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    (tmp_path / "mlx_kvserve_conversion.json").write_text('{"source": "/old/path.gguf"}')
+    first = model_fingerprint(tmp_path)
+    (tmp_path / "mlx_kvserve_conversion.json").write_text('{"source": "/moved/path.gguf"}')
+    assert model_fingerprint(tmp_path) == first  # moving the source file keeps the cache
+    (tmp_path / "model.safetensors").write_bytes(b"other weights")
+    assert model_fingerprint(tmp_path) != first
+    memo = tmp_path / "memo.json"
+    assert model_fingerprint(tmp_path, memo) == model_fingerprint(tmp_path, memo)

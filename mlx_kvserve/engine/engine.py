@@ -202,7 +202,8 @@ class Engine:
                     log.warning("pin_on_start: %s is shorter than one block; not pinned", path)
                     continue
                 self.prefill(tokens)
-                manager.pins.pin(hashes)
+                if manager.pins.count(hashes[-1]) == 0:  # once: pins persist across restarts
+                    manager.pins.pin(hashes)
                 log.info("pin_on_start: %s pinned (%d blocks)", path, len(hashes))
             except Exception as exc:  # a bad file must not stop the server
                 log.error("pin_on_start: %s not pinned: %s", path, exc)

@@ -92,3 +92,5 @@ class PrefixCache:
             return added
         finally:
             manager.release(prepared.match.blocks)
+            if self.ssd_tier is not None:
+                self.ssd_tier.maybe_prune()

@@ -18,6 +18,7 @@ from blake3 import blake3
 
 LAYOUT_VERSION = 1
 HASH_BYTES = 32
+IGNORED_FILES = {"mlx_kvserve_conversion.json"}
 
 
 def framed(*parts: bytes) -> bytes:
@@ -77,7 +78,12 @@ def model_fingerprint(model_dir: Path, memo_file: Path | None = None) -> str:
             memo = json.loads(memo_file.read_text())
         except (OSError, ValueError):
             memo = {}
-    files = sorted(p for p in model_dir.iterdir() if p.suffix in (".json", ".safetensors") and p.is_file())
+    # Only what defines the model: not our conversion marker, which names the source file's path and mtime.
+    files = sorted(
+        p
+        for p in model_dir.iterdir()
+        if p.suffix in (".json", ".safetensors") and p.is_file() and p.name not in IGNORED_FILES
+    )
     parts, changed = [], False
     for path in files:
         st = path.stat()

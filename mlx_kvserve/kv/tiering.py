@@ -94,9 +94,15 @@ class SSDTier:
     def after_write(self) -> None:
         """Upkeep on the writer thread: batched index flushes and TTL pruning by wall time."""
         self.store.maybe_flush(self.flush_interval_s)
-        if time.time() - self._last_prune >= PRUNE_INTERVAL_S:
-            self._last_prune = time.time()
-            self.store.prune_expired()
+        self.maybe_prune()
+
+    def maybe_prune(self) -> int:
+        """TTL pruning at most once per PRUNE_INTERVAL_S of wall time (called after writes and
+        after requests, so an idle-writing server still prunes). Returns the blocks pruned."""
+        if time.time() - self._last_prune < PRUNE_INTERVAL_S:
+            return 0
+        self._last_prune = time.time()
+        return self.store.prune_expired()
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {"ssd_policy": self.policy}
@@ -122,8 +128,14 @@ class SSDTier:
 def write_shutdown_record(cache_dir: Path, clean: bool, partial_flush: bool) -> None:
     record = {"shutdown_clean": clean, "shutdown_partial_flush": partial_flush, "at": time.time()}
     tmp = cache_dir / f".{SHUTDOWN_FILE}.tmp"
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, cache_dir / SHUTDOWN_FILE)
+    try:
+        with open(tmp, "w") as f:
+            f.write(json.dumps(record))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, cache_dir / SHUTDOWN_FILE)
+    except OSError as exc:  # e.g. a full disk: the next start then reports an unclean shutdown
+        log.error("cannot record the shutdown in %s: %s", cache_dir, exc)
 
 
 def read_shutdown_record(cache_dir: Path) -> dict[str, Any]:
