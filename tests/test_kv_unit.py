@@ -228,5 +228,5 @@ def test_model_fingerprint_follows_weights_not_the_conversion_marker(tmp_path):
     assert model_fingerprint(tmp_path) == first  # moving the source file keeps the cache
     (tmp_path / "model.safetensors").write_bytes(b"other weights")
     assert model_fingerprint(tmp_path) != first
-    memo = tmp_path / "memo.json"
+    memo = tmp_path.parent / f"{tmp_path.name}-memo.json"  # outside the model folder
     assert model_fingerprint(tmp_path, memo) == model_fingerprint(tmp_path, memo)
