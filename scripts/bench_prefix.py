@@ -190,11 +190,63 @@ def decode_speed(model_dir: Path, reps: int, max_tokens: int) -> dict:
     return {"ours_tps": median(ours), "mlx_lm_tps": median(theirs), "ratio": median(ours) / median(theirs)}
 
 
+def ssd_write_cost(model_dir: Path, reps: int, max_tokens: int) -> dict:
+    """Decode tokens/s of a request that runs right after another request registered ~20 new
+    blocks, with the SSD tier off vs on (write-through: the writer thread is busy meanwhile)."""
+    from mlx_lm.utils import load
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from kvharness import close_ssd, make_generator
+
+    from mlx_kvserve.engine.request import GenerationRequest, SamplingParams
+
+    model, tokenizer = load(str(model_dir))
+
+    def chat(system: str, question: str) -> list[int]:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+    def decode_tps(gen, prompt) -> float:
+        events, stamps = [], []
+
+        def emit(event, events=events, stamps=stamps):
+            events.append(event)
+            stamps.append(time.perf_counter())
+
+        start = time.perf_counter()
+        gen.run(GenerationRequest("w", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0), emit))
+        done = events[-1]
+        return (done.usage.completion_tokens - 1) / (stamps[-1] - start - done.first_token_s)
+
+    out: dict[str, list[float]] = {"off": [], "on": []}
+    story = chat("You are a storyteller.", "Write a long, detailed story about a lighthouse keeper.")
+    for rep in range(reps):
+        for mode in ("off", "on"):
+            ssd_dir = Path(tempfile.mkdtemp(prefix="kvserve-ssdcost-")) if mode == "on" else None
+            gen = make_generator(model, tokenizer, 64, ssd_dir=ssd_dir)
+            gen.run(
+                GenerationRequest(
+                    "p",
+                    chat(system_prompt(f"{mode}-{rep}"), QUESTIONS[0]),
+                    SamplingParams(max_tokens=1),
+                    lambda e: None,
+                )
+            )
+            out[mode].append(decode_tps(gen, story))
+            if ssd_dir is not None:
+                close_ssd(gen)
+            print("ssd write cost", mode, round(out[mode][-1], 2), flush=True)
+    on, off = median(out["on"]), median(out["off"])
+    return {"decode_tps_ssd_off": off, "decode_tps_ssd_on": on, "ratio": on / off}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=str(ROOT / "results" / "prefix"))
+    parser.add_argument("--scenarios", default="system,restart,conversation,decode,ssd", help="comma-separated subset")
     args = parser.parse_args()
+    wanted = set(args.scenarios.split(","))
     reps, turns = (1, 6) if args.quick else (3, 16)
     model_dir = default_model_dir()
     env = preload_env(dict(os.environ, PYTHONUNBUFFERED="1"))
@@ -220,46 +272,68 @@ def main() -> None:
         servers = [ours, theirs]
         chat_ttft(ours, [{"role": "user", "content": "warm up"}], 4)  # first-use kernel compilation
         chat_ttft(theirs, [{"role": "user", "content": "warm up"}], 4)
-        results = {"system_prompt": scenario_system_prompt(servers, reps)}
-        results["restart"] = scenario_restart(servers, reps)
-        results["conversation"] = scenario_conversation(servers, turns)
+        results = {}
+        if "system" in wanted:
+            results["system_prompt"] = scenario_system_prompt(servers, reps)
+        if "restart" in wanted:
+            results["restart"] = scenario_restart(servers, reps)
+        if "conversation" in wanted:
+            results["conversation"] = scenario_conversation(servers, turns)
     finally:
         ours.stop()
         theirs.stop()
-    results["decode"] = decode_speed(model_dir, reps, 64 if args.quick else 128)
+    if "decode" in wanted:
+        results["decode"] = decode_speed(model_dir, reps, 64 if args.quick else 128)
+    if "ssd" in wanted:
+        results["ssd_write_cost"] = ssd_write_cost(model_dir, reps, 64 if args.quick else 128)
     write_report(results, Path(args.out))
 
 
 def write_report(results: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2))
-    sp, conv, dec = results["system_prompt"], results["conversation"], results["decode"]
-    a, b = sp["mlx-kvserve"], sp["mlx_lm.server"]
-    lines = [
-        "| scenario | mlx-kvserve TTFT s | mlx_lm.server TTFT s | ratio (theirs / ours) |",
-        "|---|---|---|---|",
-    ]
-    for key in ("cold", "repeat", "new_question"):
-        lines.append(f"| {key.replace('_', ' ')} | {a[key]:.3f} | {b[key]:.3f} | {b[key] / a[key]:.2f}x |")
-    lines.append(
-        f"\nOurs: hit/cold = 1/{a['cold'] / a['repeat']:.1f} (repeat), 1/{a['cold'] / a['new_question']:.1f} (new question); cached tokens {a['cached']}"
-    )
-    ra, rb = results["restart"]["mlx-kvserve"], results["restart"]["mlx_lm.server"]
-    lines += [
-        "",
-        "| first request after a restart | mlx-kvserve | mlx_lm.server |",
-        "|---|---|---|",
-        f"| cold TTFT s | {ra['cold']:.3f} | {rb['cold']:.3f} |",
-        f"| after restart TTFT s | {ra['after_restart']:.3f} | {rb['after_restart']:.3f} |",
-        f"| after restart / cold | 1/{ra['cold'] / ra['after_restart']:.1f} | 1/{rb['cold'] / rb['after_restart']:.1f} |",
-        f"| cached tokens after restart | {ra['cached_after_restart']} | - |",
-    ]
-    ours_turns, their_turns = conv["mlx-kvserve"], conv["mlx_lm.server"]
-    lines += ["", "| turn | mlx-kvserve TTFT s | mlx_lm.server TTFT s |", "|---|---|---|"]
-    lines += [f"| {i + 1} | {x:.3f} | {y:.3f} |" for i, (x, y) in enumerate(zip(ours_turns, their_turns, strict=True))]
-    lines.append(
-        f"\nDecode: ours {dec['ours_tps']:.1f} tok/s, mlx-lm stream_generate {dec['mlx_lm_tps']:.1f} tok/s, ratio {dec['ratio']:.3f}"
-    )
+    lines: list[str] = []
+    if "system_prompt" in results:
+        a, b = results["system_prompt"]["mlx-kvserve"], results["system_prompt"]["mlx_lm.server"]
+        lines += [
+            "| scenario | mlx-kvserve TTFT s | mlx_lm.server TTFT s | ratio (theirs / ours) |",
+            "|---|---|---|---|",
+        ]
+        for key in ("cold", "repeat", "new_question"):
+            lines.append(f"| {key.replace('_', ' ')} | {a[key]:.3f} | {b[key]:.3f} | {b[key] / a[key]:.2f}x |")
+        lines.append(
+            f"\nOurs: hit/cold = 1/{a['cold'] / a['repeat']:.1f} (repeat), 1/{a['cold'] / a['new_question']:.1f} "
+            f"(new question); cached tokens {a['cached']}"
+        )
+    if "restart" in results:
+        ra, rb = results["restart"]["mlx-kvserve"], results["restart"]["mlx_lm.server"]
+        lines += [
+            "",
+            "| first request after a restart | mlx-kvserve | mlx_lm.server |",
+            "|---|---|---|",
+            f"| cold TTFT s | {ra['cold']:.3f} | {rb['cold']:.3f} |",
+            f"| after restart TTFT s | {ra['after_restart']:.3f} | {rb['after_restart']:.3f} |",
+            f"| after restart / cold | 1/{ra['cold'] / ra['after_restart']:.1f} | 1/{rb['cold'] / rb['after_restart']:.1f} |",
+            f"| cached tokens after restart | {ra['cached_after_restart']} | - |",
+        ]
+    if "conversation" in results:
+        ours_turns, their_turns = results["conversation"]["mlx-kvserve"], results["conversation"]["mlx_lm.server"]
+        lines += ["", "| turn | mlx-kvserve TTFT s | mlx_lm.server TTFT s |", "|---|---|---|"]
+        lines += [
+            f"| {i + 1} | {x:.3f} | {y:.3f} |" for i, (x, y) in enumerate(zip(ours_turns, their_turns, strict=True))
+        ]
+    if "decode" in results:
+        dec = results["decode"]
+        lines.append(
+            f"\nDecode: ours {dec['ours_tps']:.1f} tok/s, mlx-lm stream_generate {dec['mlx_lm_tps']:.1f} tok/s, "
+            f"ratio {dec['ratio']:.3f}"
+        )
+    if "ssd_write_cost" in results:
+        w = results["ssd_write_cost"]
+        lines.append(
+            f"\nDecode right after a request that wrote ~20 blocks: SSD off {w['decode_tps_ssd_off']:.1f} tok/s, "
+            f"on {w['decode_tps_ssd_on']:.1f} tok/s, ratio {w['ratio']:.3f}"
+        )
     report = "\n".join(lines)
     (out / "report.md").write_text(report + "\n")
     print(report)

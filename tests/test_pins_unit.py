@@ -31,6 +31,12 @@ class FakeTier:
         block = self.blocks.get(block_hash)
         return block.parent_hash if block is not None else None
 
+    def save_tail(self, parent_hash, token_ids, payload):
+        pass
+
+    def load_tail(self, parent_hash, rest):
+        return None
+
 
 def manager(budget=1000, tier=None, pins=None, share=0.5) -> KVManager:
     hasher = BlockHasher(namespace_hash("m", "float32", BS), BS)

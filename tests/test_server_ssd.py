@@ -60,9 +60,9 @@ def test_restart_serves_from_ssd(start_server, tiny_model_dir, tmp_path, stop):
     again, cached_again, _ = chat(second)
     assert again == text
     prompt_tokens = usage["usage"]["prompt_tokens"]
-    assert cached_again == (prompt_tokens - 1) // 64 * 64 > 0
+    assert cached_again == prompt_tokens - 1  # whole blocks and the persisted tail
     after = health(second)["cache"]
-    assert after["ssd_hits"] == cached_again // 64 and after["kv_promotions"] == cached_again // 64
+    assert after["ssd_hits"] == after["kv_promotions"] == cached_again // 64 > 0
 
 
 def test_kill9_while_writing_then_restart_serves_verified_blocks(start_server, tiny_model_dir, tmp_path):
@@ -89,7 +89,7 @@ def test_kill9_while_writing_then_restart_serves_verified_blocks(start_server, t
     assert again["choices"][0]["message"]["content"] == text["message"]["content"]
     cache = health(second)["cache"]
     assert cache["ssd_corrupt"] == 0  # nothing half-written was ever read as a block
-    assert cache["ssd_hits"] == again["usage"]["prompt_tokens_details"]["cached_tokens"] // 64
+    assert cache["ssd_hits"] <= again["usage"]["prompt_tokens_details"]["cached_tokens"] // 64
 
 
 def test_disk_full_keeps_serving(start_server, tiny_model_dir, tmp_path):

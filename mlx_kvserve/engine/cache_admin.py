@@ -71,6 +71,7 @@ class CacheAdmin:
             if tier is None:
                 raise InvalidRequestError("there is no SSD tier to flush", param="ssd")
             out["ssd_dropped"] = tier.store.remove_unpinned()
+            out["ssd_tails_dropped"] = tier.tails.clear()
         out["pinned_blocks"] = len(self.manager.pins)
         return out
 

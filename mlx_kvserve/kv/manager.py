@@ -19,7 +19,7 @@ from .base import Block, MatchResult
 from .hashing import BlockHasher
 from .pins import PinRegistry
 from .ram import RAMStore
-from .tails import Tail, TailStore
+from .tails import Tail, TailMatch, TailStore
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,8 @@ class NextTier(Protocol):
     def load(self, block_hash: bytes, token_ids: Sequence[int]) -> tuple[Any, int] | None: ...
     def contains(self, block_hash: bytes) -> bool: ...
     def parent_of(self, block_hash: bytes) -> bytes | None: ...
+    def save_tail(self, parent_hash: bytes, token_ids: Sequence[int], payload: Any) -> None: ...
+    def load_tail(self, parent_hash: bytes, rest: Sequence[int]) -> tuple[tuple[int, ...], Any, int, int] | None: ...
 
 
 class KVManager:
@@ -93,14 +95,29 @@ class KVManager:
             self._stats["hits"] += len(found)
             self._stats["hit_tokens"] += len(found) * bs
             tail = None
+            parent = found[-1].block_hash if found else self.hasher.namespace
+            rest = tokens[len(found) * bs : limit]
             if self._tails is not None:
-                parent = found[-1].block_hash if found else self.hasher.namespace
-                tail = self._tails.match(parent, tokens[len(found) * bs : limit])
-            if tail is None:
-                return MatchResult(found, len(found) * bs)
+                tail = self._tails.match(parent, rest)
+        if tail is None and self._tails is not None and rest and self.next_tier is not None:
+            tail = self._load_tail(parent, rest)
+        if tail is None:
+            return MatchResult(found, len(found) * bs)
+        with self._lock:
             self._stats["tail_hits"] += 1
             self._stats["tail_hit_tokens"] += tail.num_tokens
         return MatchResult(found, len(found) * bs + tail.num_tokens, tail.tail.payload, tail.num_tokens)
+
+    def _load_tail(self, parent: bytes, rest: Sequence[int]) -> TailMatch | None:
+        """A tail from the next tier (no lock held), kept in RAM from then on."""
+        loaded = self.next_tier.load_tail(parent, rest)
+        if loaded is None:
+            return None
+        token_ids, payload, nbytes, shared = loaded
+        tail = Tail(parent, tuple(token_ids), payload, nbytes)
+        with self._lock:
+            self._tails.add(tail)
+        return TailMatch(tail, shared)
 
     def _walk_ram(self, tokens: Sequence[int], hashes: list[bytes]) -> tuple[list[Block], bool]:
         """Referenced RAM blocks of the chain, and whether it stopped at a plain miss. Lock held."""
@@ -273,7 +290,10 @@ class KVManager:
         if self._tails is None or not token_ids:
             return False
         with self._lock:
-            return self._tails.add(Tail(parent_hash, tuple(token_ids), payload, nbytes))
+            added = self._tails.add(Tail(parent_hash, tuple(token_ids), payload, nbytes))
+        if added and self.next_tier is not None:  # outside the lock: disk I/O
+            self.next_tier.save_tail(parent_hash, token_ids, payload)
+        return added
 
     def new_blocks(self, tokens: Sequence[int], start_block: int, end_block: int) -> list[tuple[int, bytes, bytes]]:
         """(index, hash, parent hash) of blocks start..end-1 of `tokens` not yet in RAM."""

@@ -15,6 +15,7 @@ from typing import Any
 from .base import Block
 from .ssd import SSDStore
 from .ssd_index import block_relpath, read_header
+from .ssd_tails import SSDTailStore
 from .writer import SSDWriterThread, WriteJob
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class SSDTier:
         self._last_prune = time.time()
         self.last_shutdown = read_shutdown_record(store.cache_dir)
         self.validation: dict[str, Any] = {}  # the startup validate_index report
+        self.tails = SSDTailStore(store.cache_dir / "tails", store.namespace)
 
     def _write(self, block: Block) -> None:
         job = WriteJob(block.block_hash, block.parent_hash, block.token_ids, self._to_arrays(block.payload))
@@ -79,6 +81,21 @@ class SSDTier:
             log.warning("SSD block %s has an unexpected layout (%s); ignored", block_hash.hex()[:16], exc)
             return None
 
+    def save_tail(self, parent_hash: bytes, token_ids: Sequence[int], payload: Any) -> None:
+        """Persist a tail (synchronously: it is small, and runs after the response was sent)."""
+        self.tails.save(parent_hash, token_ids, self._to_arrays(payload))
+
+    def load_tail(self, parent_hash: bytes, rest: Sequence[int]) -> tuple[tuple[int, ...], Any, int, int] | None:
+        """(token ids, payload, nbytes, tokens shared with `rest`) of the best stored tail, or None."""
+        loaded = self.tails.best(parent_hash, rest)
+        if loaded is None:
+            return None
+        try:
+            payload, nbytes = self._from_arrays(loaded.arrays)
+        except (KeyError, ValueError):
+            return None
+        return loaded.token_ids, payload, nbytes, loaded.num_shared
+
     def contains(self, block_hash: bytes) -> bool:
         return self.store.contains(block_hash)
 
@@ -102,12 +119,14 @@ class SSDTier:
         if time.time() - self._last_prune < PRUNE_INTERVAL_S:
             return 0
         self._last_prune = time.time()
+        self.tails.prune(self.store.ttl_s)
         return self.store.prune_expired()
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {"ssd_policy": self.policy}
         out.update(self.store.stats())
         out.update(self.writer.stats())
+        out.update(self.tails.stats)
         return out
 
     def close(self, drain_timeout_s: float) -> bool:
