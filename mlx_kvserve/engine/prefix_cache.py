@@ -48,14 +48,14 @@ class PrefixCache:
             raise
         return Prepared(cache, match)
 
-    def _keep_tail(self, prompt_cache: list[Any], tokens: list[int], end: int) -> None:
+    def _keep_tail(self, prompt_cache: list[Any], tokens: list[int], end: int, hashes: list[bytes]) -> None:
         """Keep tokens[start:end] as a tail, where start is the block boundary a later lookup of
         tokens[:end] (which may use at most end - 1 tokens) stops at. 1..block_size tokens."""
         if end < 1:
             return
         manager, bs = self.manager, self.manager.block_size
         num_blocks = (end - 1) // bs
-        parent = manager.hasher.hash_blocks(tokens, num_blocks)[-1] if num_blocks else manager.hasher.namespace
+        parent = hashes[num_blocks - 1] if num_blocks else manager.hasher.namespace
         payload, nbytes = blocks.slice_tokens(prompt_cache, num_blocks * bs, end)
         manager.cache_tail(parent, tokens[num_blocks * bs : end], payload, nbytes)
 
@@ -77,7 +77,8 @@ class PrefixCache:
             tokens = list(kv_tokens[:length])
             num_full = length // bs
             first = len(prepared.match.blocks)
-            todo = manager.new_blocks(tokens, first, num_full)
+            hashes = manager.hasher.hash_blocks(tokens, num_full)  # once, for blocks and tails
+            todo = manager.new_blocks(tokens, first, num_full, hashes)
             added = 0
             if todo:
                 start, end = todo[0][0], todo[-1][0] + 1
@@ -88,7 +89,7 @@ class PrefixCache:
                         block_hash, parent, tokens[index * bs : (index + 1) * bs], payload, nbytes
                     )
             for end in {min(prompt_len, length), length}:
-                self._keep_tail(prepared.prompt_cache, tokens, end)
+                self._keep_tail(prepared.prompt_cache, tokens, end, hashes)
             return added
         finally:
             manager.release(prepared.match.blocks)

@@ -295,9 +295,12 @@ class KVManager:
             self.next_tier.save_tail(parent_hash, token_ids, payload)
         return added
 
-    def new_blocks(self, tokens: Sequence[int], start_block: int, end_block: int) -> list[tuple[int, bytes, bytes]]:
-        """(index, hash, parent hash) of blocks start..end-1 of `tokens` not yet in RAM."""
-        hashes = self.hasher.hash_blocks(tokens, end_block)
+    def new_blocks(
+        self, tokens: Sequence[int], start_block: int, end_block: int, hashes: Sequence[bytes] | None = None
+    ) -> list[tuple[int, bytes, bytes]]:
+        """(index, hash, parent hash) of blocks start..end-1 of `tokens` not yet in RAM. `hashes`:
+        the chain of `tokens` if the caller has it already (at least end_block long)."""
+        hashes = self.hasher.hash_blocks(tokens, end_block) if hashes is None else hashes[:end_block]
         with self._lock:
             return [
                 (i, hashes[i], hashes[i - 1] if i else self.hasher.namespace)
