@@ -68,24 +68,20 @@ def run_variant(server: Server, variant: str, depths: list[int], rules: int, flo
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", default=str(ROOT / "results" / "pins"))
-    args = parser.parse_args()
-    depths = [0, 16] if args.quick else [0, 4, 8, 16]
-    rules, flood_n = (12, 12) if args.quick else (16, 12)
-    model_dir = default_model_dir()
-    env = preload_env(dict(os.environ, PYTHONUNBUFFERED="1"))
+# Budgets the flood overflows many times: ~0.7k tokens of RAM, ~1.4k tokens of SSD (SmolLM2: 46 KB/token).
+BUDGETS_TOML = (
+    '[cache]\nram_max_bytes = "40MiB"\npinned_ram_share = 0.9\n[ssd]\nmax_bytes = "64MiB"\nmin_free_bytes = 0\n'
+)
+VARIANTS = [("pinned", "mlx-kvserve"), ("unpinned", "mlx-kvserve"), ("mlx_lm.server", "mlx_lm.server")]
+
+
+def run_pins(model_dir: Path, env: dict[str, str], depths: list[int], rules: int, flood_n: int) -> dict:
+    """All three variants, each on a fresh server (ours with the small budgets): the results dict."""
     home = Path(tempfile.mkdtemp(prefix="kvserve-pins-"))
     config = home / "budgets.toml"
-    # Budgets the flood overflows many times: ~0.7k tokens of RAM, ~1.4k tokens of SSD (SmolLM2: 46 KB/token).
-    config.write_text(
-        '[cache]\nram_max_bytes = "40MiB"\npinned_ram_share = 0.9\n[ssd]\nmax_bytes = "64MiB"\nmin_free_bytes = 0\n'
-    )
-    results: dict = {"depths": depths, "flood_conversations": flood_n}
-    variants = [("pinned", "mlx-kvserve"), ("unpinned", "mlx-kvserve"), ("mlx_lm.server", "mlx_lm.server")]
-    for variant, kind in variants:
+    config.write_text(BUDGETS_TOML)
+    results: dict = {"depths": depths, "flood_conversations": flood_n, "rules": rules}
+    for variant, kind in VARIANTS:
         port = free_port()
         if kind == "mlx-kvserve":
             cmd = [
@@ -110,12 +106,30 @@ def main() -> None:
             results[variant] = run_variant(server, variant, depths, rules, flood_n)
         finally:
             server.stop()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default=str(ROOT / "results" / "pins"))
+    args = parser.parse_args()
+    depths = [0, 16] if args.quick else [0, 4, 8, 16]
+    rules, flood_n = (12, 12) if args.quick else (16, 12)
+    env = preload_env(dict(os.environ, PYTHONUNBUFFERED="1"))
+    results = run_pins(default_model_dir(), env, depths, rules, flood_n)
     write_report(results, Path(args.out))
 
 
 def write_report(results: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2))
+    report = "\n".join(report_lines(results))
+    (out / "report.md").write_text(report + "\n")
+    print(report)
+
+
+def report_lines(results: dict) -> list[str]:
     lines = [
         "| depth | pinned TTFT s (cached) | unpinned TTFT s (cached) | mlx_lm.server TTFT s | unpinned / pinned |",
         "|---|---|---|---|---|",
@@ -126,9 +140,7 @@ def write_report(results: dict, out: Path) -> None:
             f"| {d} | {p['ttft_s']:.3f} ({p['cached_tokens']}) | {u['ttft_s']:.3f} ({u['cached_tokens']}) | "
             f"{m['ttft_s']:.3f} | {u['ttft_s'] / p['ttft_s']:.1f}x |"
         )
-    report = "\n".join(lines)
-    (out / "report.md").write_text(report + "\n")
-    print(report)
+    return lines
 
 
 if __name__ == "__main__":

@@ -292,6 +292,13 @@ def main() -> None:
 def write_report(results: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2))
+    report = "\n".join(report_lines(results))
+    (out / "report.md").write_text(report + "\n")
+    print(report)
+
+
+def report_lines(results: dict) -> list[str]:
+    """Markdown for whichever of this script's scenarios are in `results`."""
     lines: list[str] = []
     if "system_prompt" in results:
         a, b = results["system_prompt"]["mlx-kvserve"], results["system_prompt"]["mlx_lm.server"]
@@ -334,9 +341,7 @@ def write_report(results: dict, out: Path) -> None:
             f"\nDecode right after a request that wrote ~20 blocks: SSD off {w['decode_tps_ssd_off']:.1f} tok/s, "
             f"on {w['decode_tps_ssd_on']:.1f} tok/s, ratio {w['ratio']:.3f}"
         )
-    report = "\n".join(lines)
-    (out / "report.md").write_text(report + "\n")
-    print(report)
+    return lines
 
 
 if __name__ == "__main__":
