@@ -1,5 +1,6 @@
 """SSDWriterThread with an injected save function (slow, failing, gated) and with a real SSDStore."""
 
+import sys
 import threading
 import time
 
@@ -245,3 +246,24 @@ def test_rejects_bad_settings():
         SSDWriterThread(FakeSave(), durability="fsync")
     with pytest.raises(ValueError, match="queue_size"):
         SSDWriterThread(FakeSave(), queue_size=0)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux-only")
+def test_writer_thread_runs_at_lower_priority_than_requests():
+    import os
+    import threading as th
+
+    from mlx_kvserve.kv.writer import WRITER_NICENESS
+
+    seen = []
+
+    def save(block_hash, parent_hash, token_ids, arrays):
+        seen.append(os.getpriority(os.PRIO_PROCESS, th.get_native_id()))
+        return SaveResult.SAVED
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    writer = SSDWriterThread(save)
+    writer.enqueue(WriteJob(b"\x01" * 32, b"\x02" * 32, [1], {}))
+    writer.stop(5)
+    assert seen == [max(base, WRITER_NICENESS)]
+    assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the rest of the process is untouched

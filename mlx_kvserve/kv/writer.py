@@ -17,6 +17,7 @@ Protocol:
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -29,6 +30,20 @@ log = logging.getLogger(__name__)
 
 DURABILITIES = ("best_effort", "persistent")
 _SENTINEL = object()
+
+
+WRITER_NICENESS = 10
+
+
+def _lower_priority() -> None:
+    """Let requests win the CPU over background writes (Linux: per-thread niceness; elsewhere a
+    no-op). Writes still finish; they only yield while a request is prefilling or decoding."""
+    try:
+        tid = threading.get_native_id()
+        if os.getpriority(os.PRIO_PROCESS, tid) < WRITER_NICENESS:  # never raise a priority
+            os.setpriority(os.PRIO_PROCESS, tid, WRITER_NICENESS)
+    except (AttributeError, OSError):
+        pass
 
 
 class WriteJob(NamedTuple):
@@ -155,6 +170,7 @@ class SSDWriterThread:
             self._queue.put(_SENTINEL)
 
     def _run(self) -> None:
+        _lower_priority()
         while True:
             job = self._queue.get()
             if job is _SENTINEL:
