@@ -32,8 +32,10 @@ def make_generator(
     if ssd_dir is not None:
         store = SSDStore(store_dir(ssd_dir, namespace), namespace)
         store.validate_index()
-        writer = SSDWriterThread(store.save_block)
+        holder: list[SSDTier] = []
+        writer = SSDWriterThread(lambda *job: holder[0].save_job(*job))
         tier = SSDTier(store, writer, "write_through", blocks.payload_to_arrays, blocks.payload_from_arrays)
+        holder.append(tier)
         OPEN_TIERS.append(tier)
     manager = KVManager(hasher, RAMStore(ram_bytes), TailStore(ram_bytes // 8) if tails else None, tier)
     return Generator(model, tokenizer, PrefixCache(model, manager, ssd_tier=tier))

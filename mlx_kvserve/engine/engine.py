@@ -84,7 +84,7 @@ def build_ssd_tier(config: Config, namespace: bytes, pins: PinRegistry) -> SSDTi
     )
     holder: list[SSDTier] = []
     writer = SSDWriterThread(
-        store.save_block,
+        lambda *job: holder[0].save_job(*job),
         queue_size=ssd.writer_queue_size,
         durability=ssd.durability,
         max_retries=ssd.persistent_max_retries,

@@ -7,15 +7,16 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from .base import Block
-from .ssd import SSDStore
+from .ssd import SaveResult, SSDStore
 from .ssd_index import block_relpath, read_header
-from .ssd_tails import SSDTailStore
+from .ssd_tails import SSDTailStore, tail_key
 from .writer import SSDWriterThread, WriteJob
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,8 @@ class SSDTier:
         self.last_shutdown = read_shutdown_record(store.cache_dir)
         self.validation: dict[str, Any] = {}  # the startup validate_index report
         self.tails = SSDTailStore(store.cache_dir / "tails", store.namespace)
+        self._tail_lock = threading.Lock()  # guards _tail_keys
+        self._tail_keys: set[bytes] = set()  # writer jobs that are tails, not blocks
 
     def _write(self, block: Block) -> None:
         job = WriteJob(block.block_hash, block.parent_hash, block.token_ids, self._to_arrays(block.payload))
@@ -82,8 +85,26 @@ class SSDTier:
             return None
 
     def save_tail(self, parent_hash: bytes, token_ids: Sequence[int], payload: Any) -> None:
-        """Persist a tail (synchronously: it is small, and runs after the response was sent)."""
-        self.tails.save(parent_hash, token_ids, self._to_arrays(payload))
+        """Persist a tail, through the writer thread like blocks (off the request path)."""
+        arrays = self._to_arrays(payload)
+        if not self.async_writes:
+            self.tails.save(parent_hash, token_ids, arrays)
+            return
+        key = tail_key(parent_hash, token_ids)
+        with self._tail_lock:
+            self._tail_keys.add(key)
+        if not self.writer.enqueue(WriteJob(key, parent_hash, tuple(token_ids), arrays)):
+            with self._tail_lock:
+                self._tail_keys.discard(key)
+
+    def save_job(self, block_hash: bytes, parent_hash: bytes, token_ids: Sequence[int], arrays: dict) -> SaveResult:
+        """The writer's save function: a tail job (its key was registered by save_tail) or a block."""
+        with self._tail_lock:
+            is_tail = block_hash in self._tail_keys
+            self._tail_keys.discard(block_hash)
+        if is_tail:
+            return SaveResult.SAVED if self.tails.save(parent_hash, token_ids, arrays) else SaveResult.SKIPPED
+        return self.store.save_block(block_hash, parent_hash, token_ids, arrays)
 
     def load_tail(self, parent_hash: bytes, rest: Sequence[int]) -> tuple[tuple[int, ...], Any, int, int] | None:
         """(token ids, payload, nbytes, tokens shared with `rest`) of the best stored tail, or None."""
