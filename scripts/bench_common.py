@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -42,3 +43,12 @@ def default_model_dir() -> Path:
     from mlx_kvserve.models.default import ensure_default_model
 
     return ensure_default_model(default_home() / "models", "float32")
+
+
+def write_report(results: dict, out: Path, lines: list[str]) -> None:
+    """results.json + report.md (the markdown `lines`) in `out`; prints the report."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    report = "\n".join(lines)
+    (out / "report.md").write_text(report + "\n")
+    print(report)

@@ -11,7 +11,6 @@ Usage: python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_pins.py [-
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -19,7 +18,7 @@ import time
 from pathlib import Path
 
 import httpx
-from bench_common import ROOT, default_model_dir
+from bench_common import ROOT, default_model_dir, write_report
 from bench_prefix import Server, chat_ttft, free_port
 
 from mlx_kvserve.blas import preload_env
@@ -118,15 +117,7 @@ def main() -> None:
     rules, flood_n = (12, 12) if args.quick else (16, 12)
     env = preload_env(dict(os.environ, PYTHONUNBUFFERED="1"))
     results = run_pins(default_model_dir(), env, depths, rules, flood_n)
-    write_report(results, Path(args.out))
-
-
-def write_report(results: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2))
-    report = "\n".join(report_lines(results))
-    (out / "report.md").write_text(report + "\n")
-    print(report)
+    write_report(results, Path(args.out), report_lines(results))
 
 
 def report_lines(results: dict) -> list[str]:

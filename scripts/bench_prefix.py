@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import httpx
-from bench_common import QUESTIONS, ROOT, default_model_dir, median, system_prompt
+from bench_common import QUESTIONS, ROOT, default_model_dir, median, system_prompt, write_report
 
 from mlx_kvserve.blas import preload_env
 
@@ -286,15 +286,7 @@ def main() -> None:
         results["decode"] = decode_speed(model_dir, reps, 64 if args.quick else 128)
     if "ssd" in wanted:
         results["ssd_write_cost"] = ssd_write_cost(model_dir, reps, 64 if args.quick else 128)
-    write_report(results, Path(args.out))
-
-
-def write_report(results: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2))
-    report = "\n".join(report_lines(results))
-    (out / "report.md").write_text(report + "\n")
-    print(report)
+    write_report(results, Path(args.out), report_lines(results))
 
 
 def report_lines(results: dict) -> list[str]:
