@@ -6,99 +6,37 @@ project's own GGUF tokenizer code, so these models need no download at all.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHATML = (
-    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+from mlx_kvserve.models.synthetic import (  # noqa: F401  (re-exported for the tests)
+    CHATML,
+    SPECIALS,
+    base_vocab_size,
+    byte_tokens,
+    random_llama,
+    tokenizer_meta,
+    write_model_folder,
 )
-
-
-def byte_tokens() -> list[str]:
-    """GPT-2's printable stand-ins for the 256 bytes, in byte order."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
-    table, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return [table[b] for b in range(256)]
-
-
-def tokenizer_meta() -> dict:
-    tokens = SPECIALS + byte_tokens()
-    merges = ["Ġ t", "h e", "Ġt he"]
-    tokens += ["Ġt", "he", "Ġthe"]
-    types = [3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS))
-    return {
-        "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.pre": "smollm",
-        "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.merges": merges,
-        "tokenizer.ggml.token_type": types,
-        "tokenizer.ggml.bos_token_id": 1,
-        "tokenizer.ggml.eos_token_id": 2,
-        "tokenizer.ggml.padding_token_id": 0,
-        "tokenizer.ggml.add_bos_token": False,
-        "tokenizer.chat_template": CHATML,
-    }
-
+from mlx_kvserve.models.synthetic import llama_config as synthetic_config
 
 TINY = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "ffn": 128, "context": 2048}
 
 
 def vocab_size() -> int:
-    return len(tokenizer_meta()["tokenizer.ggml.tokens"])
+    return base_vocab_size()
 
 
 def llama_config(**overrides) -> dict:
-    config = {
-        "model_type": "llama",
-        "hidden_size": TINY["hidden"],
-        "num_hidden_layers": TINY["layers"],
-        "intermediate_size": TINY["ffn"],
-        "num_attention_heads": TINY["heads"],
-        "num_key_value_heads": TINY["kv_heads"],
-        "rms_norm_eps": 1e-5,
-        "vocab_size": vocab_size(),
-        "rope_theta": 10000.0,
-        "max_position_embeddings": TINY["context"],
-        "tie_word_embeddings": False,
-        "eos_token_id": [2],
-    }
-    config.update(overrides)
-    return config
+    return synthetic_config("tiny", **overrides)
 
 
 def build_mlx_model(folder: Path, seed: int = 0, **overrides) -> Path:
     """A random-weight llama in MLX format (float32) with the tiny byte tokenizer."""
-    from mlx_lm.models import llama
-
-    from mlx_kvserve.models.gguf_tokenizer import write_tokenizer_files
-
-    folder.mkdir(parents=True, exist_ok=True)
     config = llama_config(**overrides)
-    mx.random.seed(seed)
-    model = llama.Model(llama.ModelArgs.from_dict(config))
     # Larger-than-default weights so greedy decoding is not flat.
-    params = {k: v * 4 if v.ndim == 2 else v for k, v in _flatten(model.parameters()).items()}
-    mx.save_safetensors(str(folder / "model.safetensors"), params)
-    (folder / "config.json").write_text(json.dumps(config))
-    write_tokenizer_files(tokenizer_meta(), folder)
-    return folder
-
-
-def _flatten(tree, prefix: str = "") -> dict:
-    from mlx.utils import tree_flatten
-
-    return dict(tree_flatten(tree))
+    return write_model_folder(folder, config, random_llama(config, seed=seed, scale=4.0))
 
 
 def write_gguf(path: Path, quant: dict[str, str], seed: int = 0) -> dict[str, np.ndarray]:

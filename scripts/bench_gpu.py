@@ -1,0 +1,267 @@
+"""Long prompts at a real model shape: cold vs RAM hit vs SSD hit after a restart, in-process.
+
+Built for the lent GPU machine (../shared/DEVICE.md): a Llama-3-8B-shaped model with random 4-bit
+weights is built in memory (no download) and prompts of 2k, 8k and 16k tokens go through the
+product's own Engine (worker thread, block cache, SSD tier and its writer). For each length:
+
+- cold: a prompt no tier holds (prefill of every token);
+- RAM hit: the same long prefix with a new question (the prefix from RAM, the question prefilled);
+- SSD hit: after a restart (the engine stopped, its writer drained, a new engine on the same
+  cache folder with an empty RAM tier), the prefix with a third question, read from the SSD;
+- plain mlx-lm: `stream_generate` on the cold prompt, the reference the cold run should match.
+
+TTFT is the engine's first-token time (lookup, SSD reads, assembly, prefill, first sample) and
+excludes HTTP. The model stays loaded across the restart, as model loading is not part of any
+TTFT; the SSD files may still be in the OS page cache, as after a server restart (not a reboot).
+Each length is warmed up once with a throwaway prefix first (MLX compiles kernels per shape).
+
+Usage:
+  GPU:  python3 scripts/bench_gpu.py --out results/gpu
+  CPU smoke run (any machine): python scripts/bench_gpu.py --shape tiny --lengths 256,512 --out /tmp/gpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.metadata
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+from bench_common import median, write_report
+
+QUESTION_TOKENS = 32
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="llama3-8b", help="llama3-8b | tiny (mlx_kvserve.models.synthetic.SHAPES)")
+    p.add_argument("--bits", type=int, default=4, help="weight bits (0: unquantized)")
+    p.add_argument("--dtype", default="float16", help="activation and KV dtype: float16 | bfloat16 | float32")
+    p.add_argument("--lengths", default="2048,8192,16384", help="comma-separated prompt lengths in tokens")
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--block-size", type=int, default=0, help="0: the product's default")
+    p.add_argument("--work-dir", default="", help="model folder and SSD cache (default: a temp folder, removed)")
+    p.add_argument("--out", default="results/gpu")
+    return p.parse_args(argv)
+
+
+class Bench:
+    """An Engine over one loaded model, restartable on the same SSD folder."""
+
+    def __init__(self, loaded, work: Path, block_size: int):
+        from mlx_kvserve.config import load_config
+
+        cache = {"ram_max_bytes": "64GiB" if loaded.config["hidden_size"] >= 1024 else "1GiB"}
+        if block_size:
+            cache["block_size"] = block_size
+        self.config = load_config(overrides={"cache": cache, "ssd": {"cache_dir": str(work / "kv")}})
+        self.loaded = loaded
+        self.engine = None
+
+    def start(self) -> None:
+        from mlx_kvserve.engine.engine import Engine
+
+        self.engine = Engine(self.loaded, self.config)
+        self.engine.start()
+
+    def restart(self) -> None:
+        import mlx.core as mx
+
+        self.stop()
+        gc.collect()
+        mx.clear_cache()
+        self.start()
+
+    def stop(self) -> None:
+        if self.engine is not None:
+            self.engine.stop()
+            self.engine = None
+
+    def ttft(self, tokens: list[int]) -> tuple[float, int]:
+        """(engine TTFT seconds, cached tokens) of a one-token greedy request."""
+        from mlx_kvserve.engine.request import Failed, Finished, GenerationRequest, SamplingParams
+
+        done = threading.Event()
+        events: list = []
+        req = GenerationRequest(
+            f"bench-{time.monotonic_ns()}",
+            tokens,
+            SamplingParams(max_tokens=1, temperature=0.0),
+            events.append,
+            on_done=done.set,
+        )
+        self.engine.submit(req)
+        if not done.wait(3600):
+            raise TimeoutError("request did not finish")
+        last = events[-1]
+        if isinstance(last, Failed):
+            raise last.error
+        assert isinstance(last, Finished), last
+        return last.first_token_s, last.usage.cached_tokens
+
+
+def reference_ttft(loaded, tokens: list[int]) -> float:
+    """Plain mlx-lm: seconds to the first token of stream_generate on a fresh cache."""
+    from mlx_lm.generate import stream_generate
+
+    start = time.perf_counter()
+    for _ in stream_generate(loaded.model, loaded.tokenizer, tokens, max_tokens=1):
+        break
+    return time.perf_counter() - start
+
+
+def build_model(args: argparse.Namespace, folder: Path):
+    import mlx.core as mx
+    from mlx_lm.utils import load_tokenizer
+
+    from mlx_kvserve.models.loader import LoadedModel, context_length
+    from mlx_kvserve.models.synthetic import llama_config, random_llama, write_model_folder
+
+    overrides = {"quantization": {"group_size": 64, "bits": args.bits}} if args.bits else {}
+    longest = max(int(n) for n in args.lengths.split(","))
+    config = llama_config(args.shape, **overrides)
+    config["max_position_embeddings"] = max(config["max_position_embeddings"], longest + 2 * QUESTION_TOKENS)
+    start = time.perf_counter()
+    model = random_llama(config, dtype=getattr(mx, args.dtype))
+    write_model_folder(folder, config)  # config and tokenizer: what the cache's model fingerprint reads
+    print(f"model {args.shape} built in {time.perf_counter() - start:.1f}s", flush=True)
+    tokenizer = load_tokenizer(folder)
+    return LoadedModel(f"random-{args.shape}", folder, model, tokenizer, config, context_length(config))
+
+
+def kv_bytes_per_token(config: dict, dtype_bytes: int) -> int:
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * dtype_bytes
+
+
+def measure_length(bench: Bench, loaded, length: int, reps: int, rng: np.random.Generator) -> dict:
+    vocab = loaded.config["vocab_size"]
+
+    def ids(n: int) -> list[int]:
+        return rng.integers(3, vocab, size=n).tolist()
+
+    warm = ids(length)
+    bench.ttft(warm + ids(QUESTION_TOKENS))  # kernels for these shapes, cold and hit paths
+    bench.ttft(warm + ids(QUESTION_TOKENS))
+    reference_ttft(loaded, ids(length + QUESTION_TOKENS))
+    rows = []
+    for rep in range(reps):
+        prefix = ids(length)
+        cold, cold_cached = bench.ttft(prefix + ids(QUESTION_TOKENS))
+        ram, ram_cached = bench.ttft(prefix + ids(QUESTION_TOKENS))
+        bench.restart()
+        ssd, ssd_cached = bench.ttft(prefix + ids(QUESTION_TOKENS))
+        ref = reference_ttft(loaded, ids(length + QUESTION_TOKENS))
+        row = {
+            "cold_s": cold,
+            "ram_hit_s": ram,
+            "ssd_hit_s": ssd,
+            "mlx_lm_cold_s": ref,
+            "cached_tokens": {"cold": cold_cached, "ram": ram_cached, "ssd": ssd_cached},
+        }
+        print(f"{length} tokens, rep {rep + 1}: {row}", flush=True)
+        rows.append(row)
+    cold = median([r["cold_s"] for r in rows])
+    ram = median([r["ram_hit_s"] for r in rows])
+    ssd = median([r["ssd_hit_s"] for r in rows])
+    return {
+        "prompt_tokens": length + QUESTION_TOKENS,
+        "reps": rows,
+        "cold_s": cold,
+        "ram_hit_s": ram,
+        "ssd_hit_s": ssd,
+        "mlx_lm_cold_s": median([r["mlx_lm_cold_s"] for r in rows]),
+        "cold_over_ram": cold / ram,
+        "cold_over_ssd": cold / ssd,
+    }
+
+
+def machine(loaded, args: argparse.Namespace) -> dict:
+    import mlx.core as mx
+
+    def version(dist: str) -> str | None:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    device = str(mx.default_device())
+    try:
+        info = mx.device_info()
+        device += f" ({info.get('device_name') or info.get('architecture') or ''})"
+    except Exception:  # not every backend reports a name
+        pass
+    return {
+        "platform": platform.platform(),
+        "device": device,
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "mlx": getattr(mx, "__version__", None),
+        "mlx_lm": version("mlx-lm"),
+        "shape": args.shape,
+        "bits": args.bits,
+        "dtype": args.dtype,
+        "block_size": bench_block_size(args),
+        "kv_bytes_per_token": kv_bytes_per_token(loaded.config, 4 if args.dtype == "float32" else 2),
+    }
+
+
+def bench_block_size(args: argparse.Namespace) -> int:
+    from mlx_kvserve.config import load_config
+
+    return args.block_size or load_config().cache.block_size
+
+
+def report_lines(results: dict) -> list[str]:
+    m = results["machine"]
+    lines = [
+        f"# Long prompts: cold vs RAM hit vs SSD hit after a restart ({m['shape']}, {m['bits']}-bit)",
+        "",
+        f"Device: {m['device']}; {m['platform']}; mlx {m['mlx']}, mlx-lm {m['mlx_lm']}; "
+        f"{m['dtype']} KV ({m['kv_bytes_per_token'] / 1024:g} KiB/token), {m['block_size']}-token blocks.",
+        "Engine TTFT (no HTTP), median of the reps; a new 32-token question after the cached prefix.",
+        "",
+        "| prompt tokens | cold s | RAM hit s | SSD hit s (after restart) | cold / RAM | cold / SSD | plain mlx-lm cold s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in results["lengths"]:
+        lines.append(
+            f"| {row['prompt_tokens']} | {row['cold_s']:.3f} | {row['ram_hit_s']:.3f} | {row['ssd_hit_s']:.3f} "
+            f"| {row['cold_over_ram']:.1f}x | {row['cold_over_ssd']:.1f}x | {row['mlx_lm_cold_s']:.3f} |"
+        )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="kvserve-gpu-"))
+    os.environ.setdefault("MLX_KVSERVE_HOME", str(work / "home"))
+    try:
+        loaded = build_model(args, work / "model")
+        bench = Bench(loaded, work, args.block_size)
+        results: dict = {"machine": machine(loaded, args), "lengths": []}
+        rng = np.random.default_rng(0)
+        for length in (int(n) for n in args.lengths.split(",")):
+            bench.start()
+            try:
+                results["lengths"].append(measure_length(bench, loaded, length, args.reps, rng))
+            finally:
+                bench.stop()
+            shutil.rmtree(work / "kv", ignore_errors=True)  # each length starts on an empty SSD
+        write_report(results, Path(args.out), report_lines(results))
+        return results
+    finally:
+        if not args.work_dir:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
