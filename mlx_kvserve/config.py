@@ -114,6 +114,7 @@ class SSDConfig:
     persistent_max_retries: int = 3
     async_writes: bool = True  # false: write on the worker thread (slower decode; for debugging)
     writer_queue_size: int = 512
+    write_hold_s: float = 2.0  # background writes wait up to this long while a request prefills; 0 = never
     flush_interval_s: float = 2.0  # how often the index is written while blocks arrive
     drain_timeout_s: float = 10.0  # how long shutdown waits for queued writes
     max_bytes: int = 0  # disk budget; 0 = unlimited (the free-space floor still applies)
@@ -255,6 +256,7 @@ def validate(config: Config) -> Config:
     _check(d.persistent_max_retries >= 0, "ssd.persistent_max_retries", "must be >= 0")
     _check(d.writer_queue_size >= 1, "ssd.writer_queue_size", "must be >= 1")
     _check(d.flush_interval_s >= 0, "ssd.flush_interval_s", "must be >= 0")
+    _check(d.write_hold_s >= 0, "ssd.write_hold_s", "must be >= 0 (0 = never hold writes)")
     _check(d.drain_timeout_s >= 0, "ssd.drain_timeout_s", "must be >= 0")
     return config
 

@@ -191,22 +191,27 @@ def decode_speed(model_dir: Path, reps: int, max_tokens: int) -> dict:
 
 
 def ssd_write_cost(model_dir: Path, reps: int, max_tokens: int) -> dict:
-    """Decode tokens/s of a request that runs right after another request registered ~20 new
-    blocks, with the SSD tier off vs on (write-through: the writer thread is busy meanwhile)."""
+    """What write-through costs the requests that run while the writer is busy. A request
+    registers ~20 new blocks; right after it come a cache hit (a new question on the same system
+    prompt: TTFT) and a long decode (tokens/s). Modes: the SSD tier off; on, with writes held
+    while a request prefills ([ssd] write_hold_s, the default); on, never held."""
     from mlx_lm.utils import load
 
     sys.path.insert(0, str(ROOT / "tests"))
     from kvharness import close_ssd, make_generator
 
-    from mlx_kvserve.engine.request import GenerationRequest, SamplingParams
+    from mlx_kvserve.config import SSDConfig
+    from mlx_kvserve.engine.request import Finished, GenerationRequest, SamplingParams
 
     model, tokenizer = load(str(model_dir))
+    modes = {"off": None, "on": SSDConfig().write_hold_s, "on_no_hold": 0.0}
 
     def chat(system: str, question: str) -> list[int]:
         messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
         return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
 
-    def decode_tps(gen, prompt) -> float:
+    def run(gen, prompt, tokens) -> tuple[Finished, float]:
+        """(Finished, seconds from start to the last event)."""
         events, stamps = [], []
 
         def emit(event, events=events, stamps=stamps):
@@ -214,30 +219,35 @@ def ssd_write_cost(model_dir: Path, reps: int, max_tokens: int) -> dict:
             stamps.append(time.perf_counter())
 
         start = time.perf_counter()
-        gen.run(GenerationRequest("w", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0), emit))
-        done = events[-1]
-        return (done.usage.completion_tokens - 1) / (stamps[-1] - start - done.first_token_s)
+        gen.run(GenerationRequest("w", prompt, SamplingParams(max_tokens=tokens, temperature=0.0), emit))
+        return events[-1], stamps[-1] - start
 
-    out: dict[str, list[float]] = {"off": [], "on": []}
+    tps: dict[str, list[float]] = {mode: [] for mode in modes}
+    hit: dict[str, list[float]] = {mode: [] for mode in modes}
     story = chat("You are a storyteller.", "Write a long, detailed story about a lighthouse keeper.")
     for rep in range(reps):
-        for mode in ("off", "on"):
-            ssd_dir = Path(tempfile.mkdtemp(prefix="kvserve-ssdcost-")) if mode == "on" else None
-            gen = make_generator(model, tokenizer, 64, ssd_dir=ssd_dir)
-            gen.run(
-                GenerationRequest(
-                    "p",
-                    chat(system_prompt(f"{mode}-{rep}"), QUESTIONS[0]),
-                    SamplingParams(max_tokens=1),
-                    lambda e: None,
-                )
-            )
-            out[mode].append(decode_tps(gen, story))
+        for mode, hold in modes.items():
+            ssd_dir = Path(tempfile.mkdtemp(prefix="kvserve-ssdcost-")) if hold is not None else None
+            gen = make_generator(model, tokenizer, 64, ssd_dir=ssd_dir, write_hold_s=hold or 0.0)
+            system = system_prompt(f"{mode}-{rep}-{time.time()}")
+            run(gen, chat(system, QUESTIONS[0]), 1)
+            done, _ = run(gen, chat(system, QUESTIONS[1]), 1)
+            hit[mode].append(done.first_token_s)
+            done, total = run(gen, story, max_tokens)
+            tps[mode].append((done.usage.completion_tokens - 1) / (total - done.first_token_s))
             if ssd_dir is not None:
                 close_ssd(gen)
-            print("ssd write cost", mode, round(out[mode][-1], 2), flush=True)
-    on, off = median(out["on"]), median(out["off"])
-    return {"decode_tps_ssd_off": off, "decode_tps_ssd_on": on, "ratio": on / off}
+            print(f"ssd write cost {mode}: hit TTFT {hit[mode][-1]:.3f}s, decode {tps[mode][-1]:.2f} tok/s", flush=True)
+    on, off, no_hold = median(tps["on"]), median(tps["off"]), median(tps["on_no_hold"])
+    return {
+        "decode_tps_ssd_off": off,
+        "decode_tps_ssd_on": on,
+        "decode_tps_ssd_on_no_hold": no_hold,
+        "ratio": on / off,
+        "hit_ttft_ssd_off": median(hit["off"]),
+        "hit_ttft_ssd_on": median(hit["on"]),
+        "hit_ttft_ssd_on_no_hold": median(hit["on_no_hold"]),
+    }
 
 
 def main() -> None:
@@ -331,7 +341,12 @@ def report_lines(results: dict) -> list[str]:
         w = results["ssd_write_cost"]
         lines.append(
             f"\nDecode right after a request that wrote ~20 blocks: SSD off {w['decode_tps_ssd_off']:.1f} tok/s, "
-            f"on {w['decode_tps_ssd_on']:.1f} tok/s, ratio {w['ratio']:.3f}"
+            f"on {w['decode_tps_ssd_on']:.1f} tok/s, ratio {w['ratio']:.3f} "
+            f"(on without write_hold_s: {w['decode_tps_ssd_on_no_hold']:.1f} tok/s)"
+        )
+        lines.append(
+            f"\nTTFT of a cache hit right after that request: SSD off {w['hit_ttft_ssd_off']:.3f} s, "
+            f"on {w['hit_ttft_ssd_on']:.3f} s, on without write_hold_s {w['hit_ttft_ssd_on_no_hold']:.3f} s"
         )
     return lines
 

@@ -22,7 +22,13 @@ OPEN_TIERS: list[SSDTier] = []  # closed by conftest after each test: writer thr
 
 
 def make_generator(
-    model, tokenizer, block_size: int, ram_bytes: int = 1 << 30, tails: bool = True, ssd_dir: Path | None = None
+    model,
+    tokenizer,
+    block_size: int,
+    ram_bytes: int = 1 << 30,
+    tails: bool = True,
+    ssd_dir: Path | None = None,
+    write_hold_s: float = 0.0,
 ) -> Generator:
     """A Generator with a fresh RAM tier and, when `ssd_dir` is given, an SSD tier there (close
     it with `close_ssd` to drain the writer, as a server shutdown does)."""
@@ -34,7 +40,14 @@ def make_generator(
         store.validate_index()
         holder: list[SSDTier] = []
         writer = SSDWriterThread(lambda *job: holder[0].save_job(*job))
-        tier = SSDTier(store, writer, "write_through", blocks.payload_to_arrays, blocks.payload_from_arrays)
+        tier = SSDTier(
+            store,
+            writer,
+            "write_through",
+            blocks.payload_to_arrays,
+            blocks.payload_from_arrays,
+            write_hold_s=write_hold_s,
+        )
         holder.append(tier)
         OPEN_TIERS.append(tier)
     manager = KVManager(hasher, RAMStore(ram_bytes), TailStore(ram_bytes // 8) if tails else None, tier)

@@ -1,6 +1,8 @@
 """After a restart the cache is served from the SSD, and a hit from the SSD gives exactly the
 output of a cold run. Damaged files are never served. Never weaken these tests."""
 
+import time
+
 import mlx.core as mx
 import pytest
 from kvharness import close_ssd, cold_logits, final_logits, greedy, make_generator
@@ -116,3 +118,45 @@ def test_evict_only_writes_blocks_only_when_ram_evicts_them(tiny, tmp_path):
     assert evictions > 0
     assert tight.prefix_cache.ssd_tier.store.stats()["ssd_blocks"] == evictions
     assert len(OPEN_TIERS) >= 2
+
+
+def test_writes_wait_while_a_request_prefills(tiny, tmp_path):
+    """With write_hold_s, no block write starts between a request's lookup and its first token;
+    the writes go on afterwards and the output is unchanged."""
+    model, tokenizer = tiny
+    prompt = _prompt(tokenizer, 12)
+    cold_ids, _, _ = greedy(make_generator(model, tokenizer, BS), prompt, 4)
+    gen = make_generator(model, tokenizer, BS, ssd_dir=tmp_path, write_hold_s=10.0)
+    tier, cache = gen.prefix_cache.ssd_tier, gen.prefix_cache
+    starts: list[float] = []
+    windows: list[tuple[float, float]] = []
+    save_job, prepare, first_token = tier.save_job, cache.prepare, cache.first_token
+
+    def slow_save(*job):
+        starts.append(time.monotonic())
+        time.sleep(0.02)  # ~0.25 s of writes for the first request's blocks: still going at the second
+        return save_job(*job)
+
+    def timed_prepare(tokens):
+        tier.hold_writes()  # what prepare does first, here before the window opens
+        windows.append((time.monotonic(), float("inf")))
+        time.sleep(0.05)  # a save already running when the hold began may finish meanwhile
+        return prepare(tokens)
+
+    def timed_first_token():
+        if windows and windows[-1][1] == float("inf"):
+            windows[-1] = (windows[-1][0], time.monotonic())
+        first_token()
+
+    tier.writer._save = slow_save
+    cache.prepare, cache.first_token = timed_prepare, timed_first_token
+    greedy(gen, prompt, 4)
+    ids, _, cached = greedy(gen, prompt[:-3] + prompt[-3:], 4)  # a hit while the writes are pending
+    assert ids == cold_ids and cached == len(prompt) - 1
+    assert close_ssd(gen)
+    assert len(starts) >= 12  # every block (and tail) was still written
+    lo, hi = windows[1]
+    assert hi < float("inf")
+    inside = [t for t in starts if lo + 0.04 < t < hi]
+    assert not inside, f"{len(inside)} writes started during the second request's prefill"
+    assert any(t >= hi for t in starts)  # some writes were held until the first token

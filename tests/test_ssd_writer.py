@@ -267,3 +267,51 @@ def test_writer_thread_runs_at_lower_priority_than_requests():
     writer.stop(5)
     assert seen == [max(base, WRITER_NICENESS)]
     assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the rest of the process is untouched
+
+
+def wait_for(predicate, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+def test_hold_pauses_writes_until_resume():
+    save = FakeSave()
+    writer = SSDWriterThread(save)
+    writer.hold(30)
+    assert writer.enqueue(job(1)) and writer.enqueue(job(2))
+    time.sleep(0.3)
+    assert save.hashes() == []  # accepted, not written while held
+    assert writer.stats()["writer_queue_depth"] + writer.stats()["writer_pending"] >= 2
+    writer.resume()
+    assert wait_for(lambda: len(save.hashes()) == 2, 2.0)
+    assert writer.stats()["writer_held"] == 1
+    assert writer.stop(5)
+
+
+def test_hold_ends_by_itself_after_max_s():
+    save = FakeSave()
+    writer = SSDWriterThread(save)
+    start = time.monotonic()
+    writer.hold(0.4)
+    assert writer.enqueue(job(1))
+    assert wait_for(lambda: save.hashes() == [job(1).block_hash], 5.0)
+    assert time.monotonic() - start >= 0.35
+    assert writer.stop(5)
+
+
+def test_stop_drains_a_held_writer_at_once_and_ignores_later_holds():
+    save = FakeSave()
+    writer = SSDWriterThread(save)
+    writer.hold(60)
+    for i in range(5):
+        assert writer.enqueue(job(i))
+    start = time.monotonic()
+    assert writer.stop(5)
+    assert time.monotonic() - start < 2
+    assert sorted(save.hashes()) == sorted(job(i).block_hash for i in range(5))
+    writer.hold(60)  # after stop: no effect, no error
+    writer.resume()

@@ -98,6 +98,7 @@ def build_ssd_tier(config: Config, namespace: bytes, pins: PinRegistry) -> SSDTi
         blocks.payload_from_arrays,
         ssd.flush_interval_s,
         ssd.async_writes,
+        ssd.write_hold_s,
     )
     holder.append(tier)
     tier.validation = report._asdict()

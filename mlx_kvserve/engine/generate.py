@@ -74,6 +74,7 @@ class Generator:
             generated.append(token)
             if num_generated == 0:
                 first_token_s = time.perf_counter() - started
+                self.prefix_cache.first_token()
             if req.cancelled.is_set():
                 finish_reason = "cancelled"
                 break

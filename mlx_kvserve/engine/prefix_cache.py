@@ -35,7 +35,10 @@ class PrefixCache:
 
     def prepare(self, prompt: Sequence[int]) -> Prepared:
         """A prompt cache holding the longest cached prefix of `prompt`, always leaving at least
-        one token to prefill (its logits pick the first generated token)."""
+        one token to prefill (its logits pick the first generated token). Background SSD writes
+        are held from here until `first_token` (or `finish` / `release`)."""
+        if self.ssd_tier is not None:
+            self.ssd_tier.hold_writes()
         if self.manager is None:
             return Prepared(blocks.assemble(self.model, []), MatchResult([], 0))
         match = self.manager.lookup(prompt, max_tokens=len(prompt) - 1)
@@ -59,8 +62,14 @@ class PrefixCache:
         payload, nbytes = blocks.slice_tokens(prompt_cache, num_blocks * bs, end)
         manager.cache_tail(parent, tokens[num_blocks * bs : end], payload, nbytes)
 
+    def first_token(self) -> None:
+        """The request's prefill is done: background SSD writes may go on."""
+        if self.ssd_tier is not None:
+            self.ssd_tier.resume_writes()
+
     def release(self, prepared: Prepared) -> None:
         """Drop the request's references without registering anything (the request failed)."""
+        self.first_token()
         if self.manager is not None:
             self.manager.release(prepared.match.blocks)
 
@@ -68,6 +77,7 @@ class PrefixCache:
         """Release the request's blocks and register every new full block of the tokens whose
         KV the cache now holds, plus tails ending at the prompt's end and at the sequence's end.
         Returns the number of blocks registered."""
+        self.first_token()
         if self.manager is None:
             return 0
         manager = self.manager

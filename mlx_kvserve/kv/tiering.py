@@ -39,6 +39,7 @@ class SSDTier:
         from_arrays: Callable[[dict], tuple[Any, int]],
         flush_interval_s: float = 2.0,
         async_writes: bool = True,
+        write_hold_s: float = 0.0,
     ):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}")
@@ -49,6 +50,7 @@ class SSDTier:
         self._from_arrays = from_arrays
         self.flush_interval_s = flush_interval_s
         self.async_writes = async_writes
+        self.write_hold_s = write_hold_s
         self._last_prune = time.time()
         self.last_shutdown = read_shutdown_record(store.cache_dir)
         self.validation: dict[str, Any] = {}  # the startup validate_index report
@@ -62,6 +64,14 @@ class SSDTier:
             self.writer.enqueue(job)
         else:
             self.store.save_block(*job)
+
+    def hold_writes(self) -> None:
+        """A request is prefilling: background writes wait until `resume_writes`, at most
+        write_hold_s (its first token is what the user waits for; the writes can wait)."""
+        self.writer.hold(self.write_hold_s)
+
+    def resume_writes(self) -> None:
+        self.writer.resume()
 
     def on_new_block(self, block: Block) -> None:
         if self.policy == "write_through":

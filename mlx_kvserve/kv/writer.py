@@ -12,6 +12,8 @@ Protocol:
 - Durability "best_effort": one attempt per job. "persistent": up to `max_retries` more
   attempts when the save returns ERROR (or raises), with a short linear backoff. Neither rolls
   anything back in RAM, and "persistent" is a retry policy, not an fsync promise.
+- `hold(max_s)` makes the thread wait before its next job until `resume()` or `max_s` passed,
+  so a request's prefill does not share the cores with background writes; `stop` ends a hold.
 """
 
 from __future__ import annotations
@@ -93,9 +95,11 @@ class SSDWriterThread:
         self._inflight_enqueues = 0
         self._sentinel_owed = False  # stop() gave up waiting: the last in-flight enqueue queues it
         self._sentinel_queued = False
+        self._hold = threading.Condition()  # guards _hold_until
+        self._hold_until = 0.0  # monotonic time until which the thread waits before its next job
         self._stats_lock = threading.Lock()  # guards _stats; taken last, never held while taking another
         keys = ("enqueued", "immediate_puts", "timeout_puts", "sync_fallbacks", "dedup_pending", "dropped_after_close")
-        self._stats = dict.fromkeys(keys + ("written", "declined", "retries", "failures"), 0)
+        self._stats = dict.fromkeys(keys + ("written", "declined", "retries", "failures", "held"), 0)
         self._thread = threading.Thread(target=self._run, name="ssd-writer", daemon=False)
         self._thread.start()
 
@@ -138,12 +142,37 @@ class SSDWriterThread:
                     if self._sentinel_owed:
                         self._queue_sentinel()
 
+    def hold(self, max_s: float) -> None:
+        """Pause before the next job until `resume()`, at most `max_s` seconds from now (0: no-op).
+        Jobs keep being accepted; a job already being saved finishes."""
+        with self._life_lock:
+            if self._closing:
+                return
+        if max_s > 0:
+            with self._hold:
+                self._hold_until = time.monotonic() + max_s
+
+    def resume(self) -> None:
+        with self._hold:
+            if self._hold_until:
+                self._hold_until = 0.0
+                self._hold.notify_all()
+
+    def _wait_while_held(self) -> None:
+        with self._hold:
+            if time.monotonic() >= self._hold_until:
+                return
+            self._inc("held")
+            while (remaining := self._hold_until - time.monotonic()) > 0:
+                self._hold.wait(remaining)
+
     def stop(self, drain_timeout: float = 5.0) -> bool:
         """Stop accepting jobs, wait for in-flight enqueues, queue the sentinel last, and wait for
         the thread to save what is queued and exit. True if all of it happened within
         `drain_timeout`. On False the thread still finishes the queue and exits later (it is
         non-daemon, so the process waits for it); nothing is dropped. Safe to call twice."""
         deadline = time.monotonic() + drain_timeout
+        self.resume()  # a held writer drains at once
         with self._life_lock:
             self._closing = True
             while self._inflight_enqueues > 0:
@@ -176,6 +205,7 @@ class SSDWriterThread:
             if job is _SENTINEL:
                 break
             self._slots.release()
+            self._wait_while_held()
             self._process(job)
             if self._after_job is not None:
                 try:
