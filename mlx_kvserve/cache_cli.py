@@ -137,11 +137,14 @@ def verify(config_path: str | None, cache_dir: Path | None) -> None:
     """Offline: check every block file of the SSD cache (run with the server stopped). Damaged
     files are deleted, the index repaired; exits 1 when anything was wrong."""
     from .kv.ssd import SSDStore
+    from .kv.ssd_index import folder_namespace
 
     root = cache_dir or load_config(config_path).ssd_path()
     rows, bad = [], 0
-    for folder in sorted(p for p in root.glob("*") if (p / "index.json").exists()):
-        namespace = bytes.fromhex(json.loads((folder / "index.json").read_text())["namespace"])
+    for folder in sorted(p for p in root.glob("*") if p.is_dir()):
+        namespace = folder_namespace(folder)
+        if namespace is None:  # not a store folder, or one with no readable block file
+            continue
         store = SSDStore(folder, namespace)
         report = store.validate_index(check_headers=True)
         corrupt = store.verify_all()

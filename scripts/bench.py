@@ -12,7 +12,7 @@ Scenarios (--scenarios, comma-separated; default all):
   interleaved   14 conversations round-robin, more than mlx_lm.server's 10 caches    (bench_interleaved.py)
   pins          flood + pin at depths 0, 4, 8, 16 (--quick: 16 only)                (bench_pins.py)
   decode        decode tokens/s, our engine vs mlx-lm stream_generate, in-process    (bench_prefix.py)
-  ssd           decode tokens/s with the SSD tier's write-through on vs off          (bench_prefix.py)
+  ssd           write-through cost: hit TTFT and decode tok/s, SSD off / on / unheld  (bench_prefix.py)
 --quick: one rep and fewer turns/conversations/depths/tokens; under 10 minutes on a 2-core CPU.
 
 Usage: python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench.py [--quick] [--scenarios a,b] [--out DIR]

@@ -59,6 +59,15 @@ def test_verify_offline_finds_and_removes_damaged_files(start_server, tiny_model
     row = out.splitlines()[2].split()
     assert row[1] == str(len(files) - 1) and row[4] == "1"  # blocks, invalid
     assert run("cache", "verify", "--dir", str(kv))[0] == 0  # repaired
+    # A crash before the first index write leaves block files and no index: still verified.
+    (index,) = kv.glob("*/index.json")
+    index.unlink()
+    data = bytearray(files[1].read_bytes())
+    data[-10] ^= 0xFF
+    files[1].write_bytes(bytes(data))
+    code, out = run("cache", "verify", "--dir", str(kv))
+    assert code == 1 and not files[1].exists(), out
+    assert out.splitlines()[2].split()[1] == str(len(files) - 2) and index.exists()
 
 
 def test_pin_on_start_warms_and_pins(start_server, tiny_model_dir, tmp_path):

@@ -97,3 +97,26 @@ def test_smollm_hits_match_cold(smollm_dir):
     # The real model runs the production configuration (tails on); the tiny one covers both.
     _run_all(model, tokenizer, block_size=32, max_tokens=12, modes=(True,))
     _conversation(model, tokenizer, block_size=32, max_tokens=40, modes=(True,))
+
+
+def test_assembled_cache_has_room_to_prefill_in_place(tiny):
+    """assemble(room=n): the prefix's KV plus spare capacity, so prefilling n tokens writes into
+    the buffers instead of copying the whole prefix to grow them; the logits do not change."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_kvserve.kv import blocks
+
+    model, tokenizer = tiny
+    prompt = tokenizer.encode("The harbour light shines over the quiet water tonight. " * 12)[:200]
+    full = make_prompt_cache(model)
+    mx.eval(model(mx.array(prompt[:160])[None], cache=full))
+    payloads = [p for p, _ in blocks.slice_blocks(full, 0, 10, 16)]  # 160 tokens in 16-token blocks
+    rest = mx.array(prompt[160:])[None]
+    tight = blocks.assemble(model, payloads)
+    roomy = blocks.assemble(model, payloads, room=rest.shape[1])
+    assert tight[0].keys.shape[2] == 160 and tight[0].offset == roomy[0].offset == 160
+    assert roomy[0].keys.shape[2] == 256  # 160 + 40 rounded up to mlx-lm's 256-token step
+    expected = model(rest, cache=tight)[0, -1]
+    got = model(rest, cache=roomy)[0, -1]
+    assert roomy[0].keys.shape[2] == 256 and roomy[0].offset == 200  # filled in place, not regrown
+    assert mx.allclose(got, expected, atol=ATOL, rtol=RTOL).item()

@@ -120,6 +120,35 @@ def test_evict_only_writes_blocks_only_when_ram_evicts_them(tiny, tmp_path):
     assert len(OPEN_TIERS) >= 2
 
 
+def test_evict_only_writes_what_is_still_in_ram_at_shutdown(tiny, tiny_model_dir, tmp_path):
+    """A clean stop of an evict_only engine writes its RAM blocks, so a restart serves them."""
+    from mlx_kvserve.config import load_config
+    from mlx_kvserve.engine.engine import Engine
+    from mlx_kvserve.models.loader import LoadedModel
+
+    model, tokenizer = tiny
+    prompt = _prompt(tokenizer, 5)
+    cold_ids, _, _ = greedy(make_generator(model, tokenizer, BS), prompt, 8)
+    config = load_config(
+        overrides={"cache": {"block_size": BS}, "ssd": {"cache_dir": str(tmp_path), "policy": "evict_only"}}
+    )
+    loaded = LoadedModel("tiny", tiny_model_dir, model, tokenizer, {}, 2048)
+
+    def run_engine() -> tuple[Engine, tuple[int, ...], int]:
+        engine = Engine(loaded, config)
+        ids, _, cached = greedy(engine.generator, prompt, 8)
+        return engine, ids, cached
+
+    first, ids, cached = run_engine()
+    assert cached == 0 and ids == cold_ids
+    first.stop()
+    store = first.prefix_cache.ssd_tier.store
+    assert store.stats()["ssd_blocks"] == first.prefix_cache.manager.stats()["kv_ram_blocks"] > 0
+    second, ids, cached = run_engine()
+    assert cached >= 5 * BS and ids == cold_ids  # from the SSD, same output
+    second.stop()
+
+
 def test_writes_wait_while_a_request_prefills(tiny, tmp_path):
     """With write_hold_s, no block write starts between a request's lookup and its first token;
     the writes go on afterwards and the output is unchanged."""

@@ -315,3 +315,11 @@ def test_stop_drains_a_held_writer_at_once_and_ignores_later_holds():
     assert sorted(save.hashes()) == sorted(job(i).block_hash for i in range(5))
     writer.hold(60)  # after stop: no effect, no error
     writer.resume()
+
+
+def test_upkeep_runs_while_idle():
+    """An idle writer still runs its upkeep hook (index flushes, TTL pruning) now and then."""
+    calls = []
+    writer = SSDWriterThread(FakeSave(), after_job=lambda: calls.append(time.monotonic()), idle_upkeep_s=0.05)
+    assert wait_for(lambda: len(calls) >= 3, 5.0)  # no job was ever enqueued
+    assert writer.stop(5)

@@ -161,10 +161,15 @@ class Engine:
 
     def stop(self, timeout: float | None = None) -> None:
         """Stop the worker, then drain the SSD writer and flush its index (in that order: the
-        worker is the writer's only producer)."""
+        worker is the writer's only producer). Under evict_only the blocks still in RAM are
+        written first."""
         self.worker.stop(timeout)
-        tier = self.prefix_cache.ssd_tier
+        tier, manager = self.prefix_cache.ssd_tier, self.prefix_cache.manager
         if tier is not None:
+            if manager is not None:
+                queued = tier.persist_resident(manager.resident_blocks())
+                if queued:
+                    log.info("evict_only: writing %d blocks still in RAM before exit", queued)
             tier.close(self.config.ssd.drain_timeout_s)
 
     def submit(self, req: GenerationRequest) -> None:

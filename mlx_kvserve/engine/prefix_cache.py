@@ -44,7 +44,11 @@ class PrefixCache:
         match = self.manager.lookup(prompt, max_tokens=len(prompt) - 1)
         try:
             cache = blocks.assemble(
-                self.model, [b.payload for b in match.blocks], match.tail_payload, match.tail_tokens
+                self.model,
+                [b.payload for b in match.blocks],
+                match.tail_payload,
+                match.tail_tokens,
+                room=len(prompt) - match.num_tokens,  # the prefill writes in place
             )
         except Exception:
             self.manager.release(match.blocks)
@@ -103,5 +107,3 @@ class PrefixCache:
             return added
         finally:
             manager.release(prepared.match.blocks)
-            if self.ssd_tier is not None:
-                self.ssd_tier.maybe_prune()

@@ -65,18 +65,30 @@ def slice_tokens(prompt_cache: list[KVCache], start: int, end: int) -> tuple[Pay
     return payload, sum(k.nbytes + v.nbytes for k, v in payload)
 
 
-def assemble(model: Any, payloads: list[Payload], tail: Payload | None = None, tail_tokens: int = 0) -> list[KVCache]:
+def assemble(
+    model: Any, payloads: list[Payload], tail: Payload | None = None, tail_tokens: int = 0, room: int = 0
+) -> list[KVCache]:
     """A fresh prompt cache holding the given blocks in order, then the first `tail_tokens`
-    positions of `tail` (empty list and no tail: an empty cache)."""
+    positions of `tail` (empty list and no tail: an empty cache). With `room`, the cache's
+    buffers have space for at least that many more tokens (rounded up to mlx-lm's 256-token
+    step), so prefilling them writes in place instead of copying the whole prefix to grow."""
     prompt_cache = make_prompt_cache(model)
     if tail is not None and tail_tokens:
         payloads = [*payloads, [(k[..., :tail_tokens, :], v[..., :tail_tokens, :]) for k, v in tail]]
     if not payloads:
         return prompt_cache
+    length = sum(p[0][0].shape[2] for p in payloads)
     for layer, cache in enumerate(prompt_cache):
-        cache.keys = mx.concatenate([p[layer][0] for p in payloads], axis=2)
-        cache.values = mx.concatenate([p[layer][1] for p in payloads], axis=2)
-        cache.offset = cache.keys.shape[2]
+        keys = [p[layer][0] for p in payloads]
+        values = [p[layer][1] for p in payloads]
+        if room > 0:
+            spare = -(-(length + room) // cache.step) * cache.step - length
+            k, v = keys[0], values[0]
+            keys.append(mx.zeros((*k.shape[:2], spare, k.shape[3]), k.dtype))
+            values.append(mx.zeros((*v.shape[:2], spare, v.shape[3]), v.dtype))
+        cache.keys = mx.concatenate(keys, axis=2)
+        cache.values = mx.concatenate(values, axis=2)
+        cache.offset = length
     mx.eval([c.keys for c in prompt_cache] + [c.values for c in prompt_cache])
     return prompt_cache
 

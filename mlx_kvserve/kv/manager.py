@@ -221,6 +221,11 @@ class KVManager:
                 self._tails.clear()
         return {"ram_dropped": len(dropped), "ram_kept": kept}
 
+    def resident_blocks(self) -> list[Block]:
+        """The blocks in RAM now, least recently used first (a snapshot)."""
+        with self._lock:
+            return list(self._ram)
+
     def in_ram(self, block_hash: bytes) -> bool:
         with self._lock:
             return block_hash in self._ram

@@ -136,6 +136,34 @@ def read_header(path: Path, namespace: bytes) -> BlockHeader:
     """Parse a block file's safetensors header without reading its arrays: u64 LE length + JSON.
     Also checks that the arrays' extent matches the file size (catches truncation). Raises
     FormatError or OSError."""
+    return parse_metadata(read_metadata(path), namespace)
+
+
+def folder_namespace(folder: Path) -> bytes | None:
+    """The namespace a store folder holds: from its index, else (a crash before the first index
+    write, or a damaged index) from the first block file whose header names a namespace that
+    matches the folder's name. None when neither says."""
+    try:
+        namespace = bytes.fromhex(json.loads((folder / INDEX_NAME).read_text())["namespace"])
+        if namespace.hex().startswith(folder.name):
+            return namespace
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    for path, block_hash in block_files(folder):
+        if block_hash is None:
+            continue
+        try:
+            namespace = bytes.fromhex(read_metadata(path).get("namespace", ""))
+        except (OSError, ValueError):
+            continue
+        if len(namespace) == HASH_BYTES and namespace.hex().startswith(folder.name):
+            return namespace
+    return None
+
+
+def read_metadata(path: Path) -> dict[str, str]:
+    """A block file's safetensors metadata, after checking the header against the file size.
+    Raises FormatError or OSError."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         prefix = f.read(8)
@@ -159,7 +187,7 @@ def read_header(path: Path, namespace: bytes) -> BlockHeader:
         raise FormatError(f"bad tensor entry: {exc}") from exc
     if 8 + length + extent != size:
         raise FormatError(f"file is {size} bytes, header describes {8 + length + extent}")
-    return parse_metadata(meta, namespace)
+    return meta
 
 
 def write_block_file(path: Path, namespace: bytes, header: BlockHeader, arrays: Mapping[str, mx.array]) -> int:

@@ -83,6 +83,18 @@ class SSDTier:
                 if not self.store.contains(block.block_hash):
                     self._write(block)
 
+    def persist_resident(self, blocks: list[Block]) -> int:
+        """At shutdown: under evict_only, hand the RAM blocks the SSD lacks to the writer (most
+        recently used first), so a clean restart finds them. Returns how many were queued."""
+        if self.policy != "evict_only":
+            return 0
+        queued = 0
+        for block in reversed(blocks):
+            if not self.store.contains(block.block_hash):
+                self._write(block)
+                queued += 1
+        return queued
+
     def load(self, block_hash: bytes, token_ids: Sequence[int]) -> tuple[Any, int] | None:
         """(payload, nbytes) of a verified block on the SSD, or None."""
         loaded = self.store.load_block(block_hash, token_ids)
@@ -140,13 +152,14 @@ class SSDTier:
             return None
 
     def after_write(self) -> None:
-        """Upkeep on the writer thread: batched index flushes and TTL pruning by wall time."""
+        """Upkeep on the writer thread, after each write and while idle: batched index flushes
+        (loads mark the index dirty too) and TTL pruning by wall time."""
         self.store.maybe_flush(self.flush_interval_s)
         self.maybe_prune()
 
     def maybe_prune(self) -> int:
-        """TTL pruning at most once per PRUNE_INTERVAL_S of wall time (called after writes and
-        after requests, so an idle-writing server still prunes). Returns the blocks pruned."""
+        """TTL pruning at most once per PRUNE_INTERVAL_S of wall time. Called on the writer thread
+        after each write and every minute while idle. Returns the blocks pruned."""
         if time.time() - self._last_prune < PRUNE_INTERVAL_S:
             return 0
         self._last_prune = time.time()

@@ -70,10 +70,12 @@ class SSDWriterThread:
         retry_backoff_s: float = 0.05,
         put_timeout_s: float = 0.05,
         after_job: Callable[[], None] | None = None,
+        idle_upkeep_s: float = 60.0,
     ):
         """Starts the thread. `save` is usually `SSDStore.save_block`. `after_job` runs on the writer
         thread after each job (e.g. `lambda: store.maybe_flush(1.0)`, keeping index writes off the
-        MLX thread). Raises ValueError for an unknown durability or a queue_size below 1."""
+        MLX thread); it also runs every `idle_upkeep_s` while no job arrives, so an idle server
+        still flushes its index and prunes. Raises ValueError for an unknown durability or a queue_size below 1."""
         if durability not in DURABILITIES:
             raise ValueError(f"durability must be one of {', '.join(DURABILITIES)}, got {durability!r}")
         if queue_size < 1:
@@ -83,6 +85,7 @@ class SSDWriterThread:
         self._retry_backoff_s = retry_backoff_s
         self._put_timeout_s = put_timeout_s
         self._after_job = after_job
+        self._idle_upkeep_s = idle_upkeep_s
         # Capacity lives in a semaphore rather than in the queue so that the sentinel never needs a
         # free slot: stop() can always queue it at once, and the thread always ends after draining.
         self._queue: queue.Queue[Any] = queue.Queue()
@@ -201,17 +204,24 @@ class SSDWriterThread:
     def _run(self) -> None:
         _lower_priority()
         while True:
-            job = self._queue.get()
+            try:
+                job = self._queue.get(timeout=self._idle_upkeep_s)
+            except queue.Empty:  # idle: upkeep only
+                self._upkeep()
+                continue
             if job is _SENTINEL:
                 break
             self._slots.release()
             self._wait_while_held()
             self._process(job)
-            if self._after_job is not None:
-                try:
-                    self._after_job()
-                except Exception:
-                    log.exception("SSD writer: after_job hook failed")
+            self._upkeep()
+
+    def _upkeep(self) -> None:
+        if self._after_job is not None:
+            try:
+                self._after_job()
+            except Exception:
+                log.exception("SSD writer: after_job hook failed")
 
     def _process(self, job: WriteJob) -> SaveResult:
         """Save one job under the durability policy, then release its hash from the pending set."""
