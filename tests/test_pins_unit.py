@@ -9,16 +9,25 @@ BS = 4
 
 
 class FakeTier:
-    """A next tier that keeps whatever it is given (write-through)."""
+    """A next tier that keeps whatever it is given (write-through, or evict_only: blocks leaving
+    RAM and blocks it is asked to persist)."""
 
-    def __init__(self):
+    def __init__(self, evict_only=False):
         self.blocks = {}
+        self.evict_only = evict_only
 
     def on_new_block(self, block):
-        self.blocks[block.block_hash] = block
+        if not self.evict_only:
+            self.blocks[block.block_hash] = block
 
     def on_evicted(self, blocks):
-        pass
+        if self.evict_only:
+            self.persist(blocks)
+
+    def persist(self, blocks):
+        new = [b for b in blocks if b.block_hash not in self.blocks]
+        self.blocks.update((b.block_hash, b) for b in new)
+        return len(new)
 
     def load(self, block_hash, token_ids):
         block = self.blocks.get(block_hash)
@@ -102,6 +111,22 @@ def test_pinned_blocks_are_demoted_to_the_next_tier_never_lost():
     assert all(tier.contains(h) for h in hashes)
     assert cached_tokens(mgr, system) == 12  # promoted back on use
     assert mgr.stats()["kv_pinned_demotions"] >= 2
+    mgr.check_integrity()
+
+
+def test_evict_only_pinning_writes_the_chain_so_it_can_be_demoted():
+    tier = FakeTier(evict_only=True)
+    mgr = manager(budget=500, tier=tier, share=0.2)
+    system = list(range(100, 112))
+    hashes = insert_all(mgr, system)
+    assert not any(tier.contains(h) for h in hashes)  # evict_only: nothing written yet
+    mgr.pin([hashes[-1]])
+    assert all(tier.contains(h) for h in hashes)  # pinning wrote the whole chain
+    for n in range(10):
+        insert_all(mgr, [n * 1000 + i for i in range(12)])
+    assert [mgr.in_ram(h) for h in hashes].count(True) <= 1  # demoted within the share, not held in RAM
+    assert mgr.stats()["kv_ram_bytes"] <= 500
+    assert cached_tokens(mgr, system) == 12
     mgr.check_integrity()
 
 

@@ -31,6 +31,7 @@ class NextTier(Protocol):
     def on_evicted(self, blocks: list[Block]) -> None: ...
     def load(self, block_hash: bytes, token_ids: Sequence[int]) -> tuple[Any, int] | None: ...
     def contains(self, block_hash: bytes) -> bool: ...
+    def persist(self, blocks: list[Block]) -> int: ...
     def parent_of(self, block_hash: bytes) -> bytes | None: ...
     def save_tail(self, parent_hash: bytes, token_ids: Sequence[int], payload: Any) -> None: ...
     def load_tail(self, parent_hash: bytes, rest: Sequence[int]) -> tuple[tuple[int, ...], Any, int, int] | None: ...
@@ -193,12 +194,17 @@ class KVManager:
     def pin(self, block_hashes: Sequence[bytes]) -> list[bytes]:
         """Pin each known block and its ancestors; unknown hashes pin nothing. Returns the hashes
         that were pinned (each with its chain)."""
-        pinned = []
+        pinned, chains = [], set()
         for block_hash in block_hashes:
             chain = self.chain_of(block_hash)
             if chain:
                 self.pins.pin(chain)
                 pinned.append(block_hash)
+                chains.update(chain)
+        if chains and self.next_tier is not None:  # so a pinned block can always be demoted, never lost
+            with self._lock:
+                resident = [b for b in self._ram if b.block_hash in chains]
+            self.next_tier.persist(resident)
         return pinned
 
     def unpin(self, block_hashes: Sequence[bytes]) -> int:

@@ -86,10 +86,13 @@ class SSDTier:
     def persist_resident(self, blocks: list[Block]) -> int:
         """At shutdown: under evict_only, hand the RAM blocks the SSD lacks to the writer (most
         recently used first), so a clean restart finds them. Returns how many were queued."""
-        if self.policy != "evict_only":
-            return 0
+        return self.persist(blocks[::-1]) if self.policy == "evict_only" else 0
+
+    def persist(self, blocks: list[Block]) -> int:
+        """Write the given blocks the SSD lacks, whatever the policy (pinned blocks: so they can be
+        demoted instead of held in RAM beyond the pinned share). Returns how many were queued."""
         queued = 0
-        for block in reversed(blocks):
+        for block in blocks:
             if not self.store.contains(block.block_hash):
                 self._write(block)
                 queued += 1
