@@ -60,15 +60,22 @@ def reexec_with_fast_blas() -> None:
     os.execve(sys.executable, [sys.executable, "-m", "mlx_kvserve", *sys.argv[1:]], env)
 
 
-def blas_in_use() -> str:
-    """Which BLAS this process has mapped: 'openblas (<path>)', 'accelerate' or 'reference'."""
+def mapped_blas(pid: int | str = "self") -> str:
+    """Which BLAS a process has mapped (Linux: /proc/<pid>/maps): 'openblas (<path>)',
+    'accelerate', 'reference' or 'unknown'."""
     if sys.platform == "darwin":
         return "accelerate"
     try:
-        maps = Path("/proc/self/maps").read_text()
+        maps = Path(f"/proc/{pid}/maps").read_text()
     except OSError:
         return "unknown"
     lib = openblas_path()
     if lib is not None and os.path.realpath(lib) in maps:
         return f"openblas ({os.path.realpath(lib)})"
-    return "reference (slow; install libopenblas0-pthread for fast float32)"
+    return "reference"
+
+
+def blas_in_use() -> str:
+    """Which BLAS this process has mapped, with a hint when it is the slow reference one."""
+    blas = mapped_blas()
+    return "reference (slow; install libopenblas0-pthread for fast float32)" if blas == "reference" else blas

@@ -47,7 +47,7 @@ from bench_prefix import (
 )
 from bench_prefix import report_lines as prefix_report_lines
 
-from mlx_kvserve.blas import blas_in_use, openblas_path, preload_env
+from mlx_kvserve.blas import blas_in_use, mapped_blas, preload_env
 
 SCENARIOS = ["system", "restart", "conversation", "interleaved", "pins", "decode", "ssd"]
 SERVER_SCENARIOS = {"system", "restart", "conversation", "interleaved"}
@@ -125,16 +125,7 @@ def stop_servers(servers: list[Server]) -> None:
 
 def process_blas(pid: int) -> str:
     """The BLAS another process has mapped (reads /proc/<pid>/maps, Linux)."""
-    if sys.platform == "darwin":
-        return "accelerate"
-    try:
-        maps = Path(f"/proc/{pid}/maps").read_text()
-    except OSError:
-        return "unknown"
-    lib = openblas_path()
-    if lib is not None and os.path.realpath(lib) in maps:
-        return f"openblas ({os.path.realpath(lib)})"
-    return "reference"
+    return mapped_blas(pid)
 
 
 # -- machine and versions ------------------------------------------------------------------------
