@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 import click
 
+from .checked_json import DamagedFile
 from .config import load_config
 
 DEFAULT_URL = "http://127.0.0.1:8000"
+_STORE_NAME = re.compile(r"[0-9a-f]{16}")  # a namespace folder (kv.ssd.store_dir); verify locks only these
 
 
 def _client(ctx: click.Context):
@@ -134,35 +137,82 @@ def prune(ctx: click.Context) -> None:
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False))
 @click.option("--dir", "cache_dir", type=click.Path(file_okay=False, path_type=Path), help="SSD cache folder.")
 def verify(config_path: str | None, cache_dir: Path | None) -> None:
-    """Offline: check every block file of the SSD cache (run with the server stopped). Damaged
-    files are deleted, the index repaired; exits 1 when anything was wrong."""
-    from .kv.ssd import SSDStore
+    """Offline: check every block file, tail file and bookkeeping file (index, pins, shutdown
+    record) of the SSD cache (run with the server stopped). Damaged block and tail files are
+    deleted, damaged bookkeeping files set aside as `<name>.damaged-<time>`, the index repaired and
+    temp leftovers removed; exits 1 when anything was wrong, 2 (checking and changing nothing)
+    while a server holds the cache folder's lock."""
     from .kv.ssd_index import folder_namespace
 
     root = cache_dir or load_config(config_path).ssd_path()
-    rows, bad = [], 0
+    _lock_store_folders(root)  # exits 2, changing nothing, while a server uses the cache
+    rows, notes, bad = [], [], 0
     for folder in sorted(p for p in root.glob("*") if p.is_dir()):
         namespace = folder_namespace(folder)
         if namespace is None:  # not a store folder, or one with no readable block file
             continue
-        store = SSDStore(folder, namespace)
-        report = store.validate_index(check_headers=True)
-        corrupt = store.verify_all()
-        store.flush()
-        problems = report.dropped_missing + report.deleted_invalid + report.deleted_temp + corrupt
-        bad += problems
-        rows.append(
-            {
-                "namespace": folder.name,
-                "blocks": report.kept + report.adopted - corrupt,
-                "adopted": report.adopted,
-                "missing": report.dropped_missing,
-                "invalid": report.deleted_invalid + corrupt,
-                "temp": report.deleted_temp,
-            }
-        )
-    click.echo(
-        table(rows, ["namespace", "blocks", "adopted", "missing", "invalid", "temp"]) if rows else f"no cache in {root}"
-    )
+        row, damaged = _verify_folder(folder, namespace)
+        rows.append(row)
+        bad += row["missing"] + row["invalid"] + row["temp"] + row["bad_tails"] + row["damaged"]
+        for d in damaged:
+            moved = f"set aside as {d.moved_to.name}" if d.moved_to else "could not be set aside"
+            notes.append(f"{folder.name}/{d.path.name}: {d.reason}; {moved}")
+    columns = ["namespace", "blocks", "adopted", "missing", "invalid", "temp", "tails", "bad_tails", "damaged"]
+    click.echo(table(rows, columns) if rows else f"no cache in {root}")
+    for note in notes:
+        click.echo(note)
     if bad:
         raise SystemExit(1)
+
+
+def _lock_store_folders(root: Path) -> None:
+    """Hold the lock of every store folder under `root` until the command ends, so that no server
+    starts on a folder while it is checked. When another process (a server, another verify) holds
+    one, print who and exit 2 before anything is read or changed: verify deletes temp files, which
+    would be a running server's writes in progress."""
+    from .kv.folder_lock import FolderBusyError, FolderLock
+
+    ctx = click.get_current_context()
+    refused = []
+    for folder in sorted(p for p in root.glob("*") if _STORE_NAME.fullmatch(p.name) and p.is_dir()):
+        try:
+            ctx.call_on_close(FolderLock.acquire(folder, "cache verify").release)
+        except FolderBusyError as exc:
+            refused.append(exc.message)
+        except OSError as exc:
+            refused.append(f"cannot lock the cache folder {folder}: {exc}")
+    if refused:
+        for message in refused:
+            click.echo(f"Error: {message}", err=True)
+        click.echo("cache verify checked and changed nothing; run it with the server stopped.", err=True)
+        ctx.exit(2)
+
+
+def _verify_folder(folder: Path, namespace: bytes) -> tuple[dict[str, Any], list[DamagedFile]]:
+    """Check one namespace folder: (its table row, the bookkeeping files set aside)."""
+    from .checked_json import remove_leftover_temps
+    from .kv.pins import PINS_FILE, PinRegistry
+    from .kv.ssd import SSDStore
+    from .kv.ssd_tails import SSDTailStore
+    from .kv.tiering import SHUTDOWN_FILE, read_shutdown_record
+
+    temps = remove_leftover_temps(folder / PINS_FILE) + remove_leftover_temps(folder / SHUTDOWN_FILE)
+    store = SSDStore(folder, namespace)
+    report = store.validate_index(check_headers=True)
+    corrupt = store.verify_all()
+    store.flush()
+    tails = SSDTailStore(folder / "tails", namespace).verify_all()
+    damaged = store.damaged_files + PinRegistry(folder / PINS_FILE).damaged_files
+    read_shutdown_record(folder, damaged, consume=False)  # the next start still needs it
+    row = {
+        "namespace": folder.name,
+        "blocks": report.kept + report.adopted - corrupt,
+        "adopted": report.adopted,
+        "missing": report.dropped_missing,
+        "invalid": report.deleted_invalid + corrupt,
+        "temp": report.deleted_temp + tails.deleted_temp + temps,
+        "tails": tails.kept,
+        "bad_tails": tails.deleted_invalid,
+        "damaged": len(damaged),
+    }
+    return row, damaged

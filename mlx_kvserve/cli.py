@@ -21,6 +21,9 @@ from .service.commands import service_group
 log = logging.getLogger("mlx_kvserve")
 API_KEY_ENV = "MLX_KVSERVE_API_KEY"
 ADMIN_API_KEY_ENV = "MLX_KVSERVE_ADMIN_API_KEY"
+# Files holding those keys: what an installed service names, so no key is written into its unit or plist.
+API_KEY_FILE_ENV = "MLX_KVSERVE_API_KEY_FILE"
+ADMIN_API_KEY_FILE_ENV = "MLX_KVSERVE_ADMIN_API_KEY_FILE"
 
 
 def _setup_logging(level: str) -> None:
@@ -67,8 +70,14 @@ def _overrides(model, dtype, host, port, api_key=None, api_key_file=None) -> dic
     if api_key and api_key_file:
         raise click.UsageError("give --api-key or --api-key-file, not both")
     server = {"host": host, "port": port}
-    server.update(key_overrides("admin_api_key", os.environ.get(ADMIN_API_KEY_ENV), None))
-    server.update(key_overrides("api_key", os.environ.get(API_KEY_ENV), None))
+    for name, key_env, file_env in (
+        ("admin_api_key", ADMIN_API_KEY_ENV, ADMIN_API_KEY_FILE_ENV),
+        ("api_key", API_KEY_ENV, API_KEY_FILE_ENV),
+    ):
+        key, path = os.environ.get(key_env), os.environ.get(file_env)
+        if key and path:
+            raise click.UsageError(f"set ${key_env} or ${file_env}, not both")
+        server.update(key_overrides(name, key, path))
     server.update(key_overrides("api_key", api_key, api_key_file))
     return {"server": server, "model": {"path": model, "dtype": dtype}}
 
@@ -96,7 +105,12 @@ def run(config_path, model, dtype, host, port, api_key, api_key_file) -> None:
         loaded = load_model(config.model.path, config.models_path(), config.model.dtype, config.model.served_name)
     except KVServeError as exc:
         raise click.ClickException(exc.message) from None
-    app = create_app(Engine(loaded, config), keys)
+    try:
+        engine = Engine(loaded, config)
+    except KVServeError as exc:  # e.g. another server holds the cache folder: say so, exit 1
+        log.error("%s", exc.message)
+        raise click.ClickException(exc.message) from None
+    app = create_app(engine, keys)
     # uvicorn re-raises the SIGTERM it handled once its graceful shutdown is done, which would end
     # the process as killed by the signal; for service managers that shutdown is a clean exit (0).
     signal.signal(signal.SIGTERM, _exit_cleanly)

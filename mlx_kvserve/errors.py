@@ -73,3 +73,16 @@ class RequestTimeoutError(KVServeError):
 
     status_code = 504
     error_type = "server_error"
+
+
+class BodyTimeoutError(InvalidRequestError):
+    """The request body did not arrive within server.body_read_timeout_s (408)."""
+
+    status_code = 408
+
+
+class InsufficientStorageError(KVServeError):
+    """A change could not be persisted (a full or read-only disk); it was not applied (507)."""
+
+    status_code = 507
+    error_type = "server_error"

@@ -183,15 +183,26 @@ def test_health_degraded_reasons():
     engine, now = FakeEngine(), [0.0]
     monitor = HealthMonitor(engine, clock=lambda: now[0])
     assert monitor.report() == ({**engine.health(), "problems": []}, 200)
-    engine.stats["writer_failures"] = 2  # writes started failing
+    engine.stats.update(ssd_errors=2, writer_failures=2)  # two writes failed: the store and the writer both count them
     body, status = monitor.report()
-    assert status == 200 and body["status"] == "degraded" and "SSD writes are failing" in body["problems"][0]
+    assert status == 200 and body["status"] == "degraded"
+    assert "SSD writes are failing (2 errors since start" in body["problems"][0]  # counted once, not 4
     now[0] += ERROR_WINDOW_S + 1  # no new failures for a while: healthy again
     assert monitor.report()[0]["status"] == "ok"
     engine.worker.is_alive = False
     engine.prefix_cache.ssd_tier = None  # [ssd] enabled, but the tier could not start
     problems = monitor.report()[0]["problems"]
     assert len(problems) == 2 and "worker" in problems[0] and "SSD tier is off" in problems[1]
+
+
+def test_health_degraded_when_the_disk_is_below_its_free_space_floor():
+    engine, now = FakeEngine(), [0.0]
+    monitor = HealthMonitor(engine, clock=lambda: now[0])
+    engine.stats["ssd_tail_skipped_low_space"] = 3  # tails refused by the floor: the disk is (nearly) full
+    problems = monitor.report()[0]["problems"]
+    assert len(problems) == 1 and "free-space floor" in problems[0] and "3 writes skipped" in problems[0]
+    now[0] += ERROR_WINDOW_S + 1
+    assert monitor.report()[0]["status"] == "ok"
 
 
 def test_health_is_503_once_shutdown_begins():

@@ -2,14 +2,13 @@
 
 import errno
 import logging
-import pathlib
 import shutil
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_kvserve.kv import ssd_index
+from mlx_kvserve.kv import fsmode, ssd_index
 from mlx_kvserve.kv.hashing import BlockHasher, namespace_hash
 from mlx_kvserve.kv.ssd import SaveResult, SSDStore
 from mlx_kvserve.kv.ssd_index import INDEX_NAME, block_relpath
@@ -316,7 +315,7 @@ def _raise(exc):
     [
         (ssd_index, "fsync_path", _raise(OSError(errno.ENOSPC, "No space left on device"))),
         (ssd_index.os, "replace", _raise(OSError(errno.ENOSPC, "No space left on device"))),
-        (pathlib.Path, "mkdir", _raise(PermissionError(errno.EACCES, "Permission denied"))),
+        (fsmode.os, "mkdir", _raise(PermissionError(errno.EACCES, "Permission denied"))),
         (mx, "save_safetensors", _raise(RuntimeError("[save_safetensors] read-only file system"))),
     ],
 )

@@ -5,6 +5,7 @@ import time
 
 import mlx.core as mx
 
+from mlx_kvserve.kv.ssd import SaveResult
 from mlx_kvserve.kv.ssd_tails import SSDTailStore
 
 NS = b"\x05" * 32
@@ -23,7 +24,7 @@ def test_best_tail_is_the_longest_shared_prefix_and_round_trips(tmp_path):
     a = arrays(3, 1)
     assert store.save(PARENT, [1, 2, 3], a)
     assert store.save(PARENT, [1, 2, 9, 9], arrays(4, 2))
-    assert not store.save(PARENT, [1, 2, 3], a)  # already stored
+    assert store.save(PARENT, [1, 2, 3], a) is SaveResult.DEDUP  # already stored
     got = store.best(PARENT, [1, 2, 3, 7])
     assert got.token_ids == (1, 2, 3) and got.num_shared == 3
     assert all(mx.array_equal(got.arrays[k], a[k]).item() for k in a)

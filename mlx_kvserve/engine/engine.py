@@ -14,8 +14,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from ..checked_json import DamagedFile
 from ..config import Config, default_home
 from ..kv import blocks
+from ..kv.folder_lock import FolderLock
+from ..kv.fsmode import ensure_private_root, private_mkdir
 from ..kv.hashing import BlockHasher, model_fingerprint, namespace_hash
 from ..kv.manager import KVManager
 from ..kv.pins import PinRegistry
@@ -31,6 +34,7 @@ from .request import Failed, GenerationRequest, SamplingParams
 from .worker import InferenceWorker
 
 log = logging.getLogger(__name__)
+PINS_NAME = "pins.json"  # in the namespace folder, also when the SSD tier is off
 
 
 def physical_memory_bytes() -> int:
@@ -40,10 +44,20 @@ def physical_memory_bytes() -> int:
         return 8 * 1024**3
 
 
-def pins_path(config: Config, namespace: bytes) -> Path:
-    folder = store_dir(config.ssd_path(), namespace)
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder / "pins.json"
+def lock_store_folder(config: Config, namespace: bytes) -> FolderLock | None:
+    """This namespace's folder under the SSD cache root (pins.json, blocks, tails, index), created
+    private and locked for this server until Engine.stop. None when it cannot be created or locked
+    (logged; pins then stay in memory and the SSD tier is off). Raises ConfigError when the root is
+    a folder other users may read, FolderBusyError when another process holds the folder."""
+    root = config.ssd_path()
+    folder = store_dir(root, namespace)
+    try:
+        ensure_private_root(root, "ssd.cache_dir")
+        private_mkdir(folder)
+        return FolderLock.acquire(folder, "server")
+    except OSError as exc:
+        log.error("cache folder %s unusable (%s): pins will not persist and the SSD tier is off", folder, exc)
+        return None
 
 
 def build_ssd_tier(config: Config, namespace: bytes, pins: PinRegistry) -> SSDTier | None:
@@ -53,10 +67,6 @@ def build_ssd_tier(config: Config, namespace: bytes, pins: PinRegistry) -> SSDTi
     if not ssd.enabled:
         return None
     try:
-        # KV blocks hold prompt contents: only this user may read them (mode before umask, so chmod too).
-        for folder in (config.ssd_path(), store_dir(config.ssd_path(), namespace)):
-            os.makedirs(folder, mode=0o700, exist_ok=True)
-            os.chmod(folder, 0o700)
         store = SSDStore(
             store_dir(config.ssd_path(), namespace),
             namespace,
@@ -105,25 +115,32 @@ def build_ssd_tier(config: Config, namespace: bytes, pins: PinRegistry) -> SSDTi
     return tier
 
 
-def build_prefix_cache(loaded: LoadedModel, config: Config) -> PrefixCache:
-    """The block cache for this model, or a disabled one with the reason (logged once)."""
+def build_prefix_cache(
+    loaded: LoadedModel, config: Config, damaged: list[DamagedFile] | None = None
+) -> tuple[PrefixCache, FolderLock | None]:
+    """The block cache for this model, or a disabled one with the reason (logged once), and the
+    lock on its cache folder (None when it uses none), which the caller releases at shutdown. A
+    damaged fingerprint memo is appended to `damaged` (the stores keep their own damaged files).
+    Raises ConfigError or FolderBusyError (see lock_store_folder)."""
     if not config.cache.enabled:
-        return PrefixCache(loaded.model, None, "disabled by configuration ([cache] enabled = false)")
+        return PrefixCache(loaded.model, None, "disabled by configuration ([cache] enabled = false)"), None
     support = blocks.cache_support(loaded.model)
     if not support.supported:
         log.warning("block caching is off for this model: %s", support.reason)
-        return PrefixCache(loaded.model, None, support.reason)
-    fingerprint = model_fingerprint(loaded.path, default_home() / "fingerprints.json")
+        return PrefixCache(loaded.model, None, support.reason), None
+    fingerprint = model_fingerprint(loaded.path, default_home() / "fingerprints.json", damaged)
     namespace = namespace_hash(fingerprint, support.kv_dtype, config.cache.block_size)
     budget = config.cache.ram_max_bytes or physical_memory_bytes() // 4
     # Partial last blocks get an eighth of the RAM budget; full blocks the rest.
     tails = TailStore(budget // 8)
+    folder_lock = lock_store_folder(config, namespace)  # before anything reads or writes the folder
     try:
-        pins = PinRegistry(pins_path(config, namespace))
-    except OSError as exc:
-        log.error("pins will not persist: %s", exc)
-        pins = PinRegistry(None)
-    ssd_tier = build_ssd_tier(config, namespace, pins)
+        pins = PinRegistry(folder_lock.folder / PINS_NAME if folder_lock else None)
+        ssd_tier = build_ssd_tier(config, namespace, pins) if folder_lock else None
+    except BaseException:
+        if folder_lock is not None:
+            folder_lock.release()
+        raise
     hasher = BlockHasher(namespace, config.cache.block_size)
     ram = RAMStore(budget - tails.max_bytes)
     manager = KVManager(hasher, ram, tails, ssd_tier, pins, config.cache.pinned_ram_share)
@@ -134,14 +151,16 @@ def build_prefix_cache(loaded: LoadedModel, config: Config) -> PrefixCache:
         "on" if ssd_tier else "off",
         fingerprint[:12],
     )
-    return PrefixCache(loaded.model, manager, ssd_tier=ssd_tier)
+    return PrefixCache(loaded.model, manager, ssd_tier=ssd_tier), folder_lock
 
 
 class Engine:
     def __init__(self, loaded: LoadedModel, config: Config):
         self.loaded = loaded
         self.config = config
-        self.prefix_cache = build_prefix_cache(loaded, config)
+        self._memo_damage: list[DamagedFile] = []  # a fingerprint memo set aside at startup
+        # The folder lock is held from here to stop(): one process per cache folder.
+        self.prefix_cache, self.folder_lock = build_prefix_cache(loaded, config, self._memo_damage)
         self.generator = Generator(
             loaded.model, loaded.tokenizer, self.prefix_cache, config.generation.prefill_step_size
         )
@@ -162,7 +181,7 @@ class Engine:
     def stop(self, timeout: float | None = None) -> None:
         """Stop the worker, then drain the SSD writer and flush its index (in that order: the
         worker is the writer's only producer). Under evict_only the blocks still in RAM are
-        written first."""
+        written first. The cache folder's lock goes last, when nothing writes there any more."""
         self.worker.stop(timeout)
         tier, manager = self.prefix_cache.ssd_tier, self.prefix_cache.manager
         if tier is not None:
@@ -171,6 +190,8 @@ class Engine:
                 if queued:
                     log.info("evict_only: writing %d blocks still in RAM before exit", queued)
             tier.close(self.config.ssd.drain_timeout_s)
+        if self.folder_lock is not None:
+            self.folder_lock.release()
 
     def submit(self, req: GenerationRequest) -> None:
         self.worker.submit(req)
@@ -233,7 +254,19 @@ class Engine:
             out.update(tier.stats())
             out["ssd_startup_validation"] = tier.validation
             out.update(tier.last_shutdown)
+        out["damaged_files"] = [damaged.as_json() for damaged in self.damaged_files()]
         return out
+
+    def damaged_files(self) -> list[DamagedFile]:
+        """Bookkeeping files found damaged at startup, each set aside and rebuilt: the fingerprint
+        memo, the pins file, the SSD index and the shutdown record."""
+        found = list(self._memo_damage)
+        manager, tier = self.prefix_cache.manager, self.prefix_cache.ssd_tier
+        if manager is not None:
+            found += manager.pins.damaged_files
+        if tier is not None:
+            found += tier.store.damaged_files + tier.damaged_files
+        return found
 
     def health(self) -> dict[str, Any]:
         return {

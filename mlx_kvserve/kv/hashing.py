@@ -7,7 +7,9 @@ fingerprint, KV dtype, cache layout version, block size) can produce the same by
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import struct
 from collections.abc import Sequence
@@ -16,9 +18,16 @@ from pathlib import Path
 import numpy as np
 from blake3 import blake3
 
+from ..checked_json import DamagedFile, Hex, MapOf, Str, load_json
+from .fsmode import open_private, private_mkdir
+
+log = logging.getLogger(__name__)
+
 LAYOUT_VERSION = 1
 HASH_BYTES = 32
 IGNORED_FILES = {"mlx_kvserve_conversion.json"}
+MAX_MEMO_BYTES = 16 * 1024 * 1024
+MEMO_SCHEMA = MapOf(Str(4096), Hex(HASH_BYTES), max_items=50_000)  # "path|size|mtime_ns" -> blake3 hex digest
 
 
 def framed(*parts: bytes) -> bytes:
@@ -66,18 +75,19 @@ def _file_digest(path: Path) -> str:
     return hasher.hexdigest()
 
 
-def model_fingerprint(model_dir: Path, memo_file: Path | None = None) -> str:
+def model_fingerprint(model_dir: Path, memo_file: Path | None = None, damaged: list[DamagedFile] | None = None) -> str:
     """A hash of the model's config and weight files' contents, stable across restarts.
 
     Hashing weights costs about a second per GB, so per-file digests are memoized in `memo_file`
-    keyed by (path, size, mtime): a restart with unchanged files reads only the memo.
+    keyed by (path, size, mtime): a restart with unchanged files reads only the memo. A damaged
+    memo is set aside (appended to `damaged`) and rebuilt; failing to write it is only logged.
     """
     memo: dict[str, str] = {}
     if memo_file is not None:
-        try:
-            memo = json.loads(memo_file.read_text())
-        except (OSError, ValueError):
-            memo = {}
+        loaded = load_json(memo_file, MEMO_SCHEMA, MAX_MEMO_BYTES, "fingerprint memo")
+        memo = loaded.value if loaded.value is not None else {}
+        if loaded.damaged is not None and damaged is not None:
+            damaged.append(loaded.damaged)
     # Only what defines the model: not our conversion marker, which names the source file's path and mtime.
     files = sorted(
         p
@@ -93,8 +103,19 @@ def model_fingerprint(model_dir: Path, memo_file: Path | None = None) -> str:
             changed = True
         parts.append(framed(path.name.encode(), memo[key].encode()))
     if memo_file is not None and changed:
-        memo_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = memo_file.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(memo))
-        os.replace(tmp, memo_file)
+        _write_memo(memo_file, memo)
     return blake3(b"".join(parts)).hexdigest()
+
+
+def _write_memo(memo_file: Path, memo: dict[str, str]) -> None:
+    """Best effort: without the memo the next start hashes the weights again."""
+    tmp = memo_file.with_suffix(f".tmp{os.getpid()}")
+    try:
+        private_mkdir(memo_file.parent)
+        with open_private(tmp, "w") as f:
+            f.write(json.dumps(memo))
+        os.replace(tmp, memo_file)
+    except OSError as exc:
+        log.warning("cannot write the fingerprint memo %s: %s", memo_file, exc)
+        with contextlib.suppress(OSError):
+            tmp.unlink()

@@ -14,26 +14,37 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
+from ..checked_json import Const, DamagedFile, Hex, Int, MapOf, Obj, load_json, remove_leftover_temps
+from .fsmode import open_private
+from .hashing import HASH_BYTES
+
 log = logging.getLogger(__name__)
+
+PINS_FILE = "pins.json"  # in the namespace's SSD folder
+MAX_PINS_BYTES = 64 * 1024 * 1024  # ~900k pinned blocks
+PINS_SCHEMA = Obj({"version": Const(1), "pins": MapOf(Hex(HASH_BYTES), Int(1, 2**31 - 1), max_items=1_000_000)})
 
 
 class PinRegistry:
     def __init__(self, path: Path | None):
         """`path`: where pins persist (JSON, written atomically on every change); None keeps
-        them in memory only. A missing or unreadable file starts empty (logged)."""
+        them in memory only. A missing or damaged file starts empty (logged, see `_read`)."""
         self.path = path
         self._lock = threading.Lock()  # guards _counts
+        self.damaged_files: list[DamagedFile] = []  # a pins file found damaged (and set aside) at startup
         self._counts: dict[bytes, int] = self._read()
 
     def _read(self) -> dict[bytes, int]:
-        if self.path is None or not self.path.exists():
+        """The persisted counts, after removing temp files an interrupted write left. A damaged
+        file is set aside and listed in damaged_files; the registry then starts without pins."""
+        if self.path is None:
             return {}
-        try:
-            raw = json.loads(self.path.read_text())
-            return {bytes.fromhex(h): int(n) for h, n in raw.get("pins", {}).items() if int(n) > 0}
-        except (OSError, ValueError, AttributeError) as exc:
-            log.warning("pins file %s unreadable (%s); starting without pins", self.path, exc)
-            return {}
+        remove_leftover_temps(self.path)
+        loaded = load_json(self.path, PINS_SCHEMA, MAX_PINS_BYTES, "pins file")
+        if loaded.damaged is not None:
+            self.damaged_files.append(loaded.damaged)
+        pins = loaded.value["pins"] if loaded.value is not None else {}
+        return {bytes.fromhex(h): n for h, n in pins.items()}
 
     def _save(self) -> None:
         """Persist the counts. Caller holds _lock."""
@@ -41,7 +52,7 @@ class PinRegistry:
             return
         data = json.dumps({"version": 1, "pins": {h.hex(): n for h, n in self._counts.items()}})
         tmp = self.path.with_name(f".{self.path.name}.tmp")
-        with open(tmp, "w") as f:
+        with open_private(tmp, "w") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

@@ -23,12 +23,16 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import mlx.core as mx
 
+from ..checked_json import DamagedFile, load_json
+from .fsmode import private_mkdir
 from .ssd_index import (
     INDEX_NAME,
+    INDEX_SCHEMA,
+    MAX_INDEX_BYTES,
     TEMP_SUFFIX,
     BlockHeader,
     BlockIndex,
@@ -73,6 +77,15 @@ class ValidationReport(NamedTuple):
     elapsed_s: float
 
 
+class SecondaryFiles(Protocol):
+    """Files of another kind in the store's folder (tails) that count in its byte budget and take
+    part in its LRU eviction. Called under the store's lock: must not call the store."""
+
+    def used_bytes(self, fresh: bool = False) -> int: ...
+    def files(self) -> list[tuple[float, int, Path]]: ...  # (last use, size, path), oldest first
+    def delete(self, path: Path) -> int: ...  # bytes freed
+
+
 def store_dir(root: Path, namespace: bytes) -> Path:
     """The folder for one namespace under the SSD cache root."""
     return root / namespace.hex()[:16]
@@ -104,11 +117,13 @@ class SSDStore:
         self.ttl_s = ttl_s
         self._clock = clock
         self._is_pinned = is_pinned or (lambda _hash: False)
+        self._secondary: SecondaryFiles | None = None  # set once by attach_secondary
         self._free_bytes = free_bytes
         self._temp_ids = itertools.count()
-        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        private_mkdir(self.cache_dir)
         self._flush_lock = threading.Lock()  # serializes index writes; taken before _lock, never inside it
         self._lock = threading.Lock()  # guards _index, _noncacheable, _stats, _dirty, _last_flush and block files
+        self.damaged_files: list[DamagedFile] = []  # bookkeeping files found damaged (and set aside) here
         self._index = self._read_index()
         self._noncacheable: dict[bytes, float] = {}  # hash -> end of its collision isolation
         self._dirty = False
@@ -120,14 +135,18 @@ class SSDStore:
         return self.cache_dir / block_relpath(block_hash)
 
     def _read_index(self) -> BlockIndex:
-        path = self.cache_dir / INDEX_NAME
-        try:
-            return BlockIndex.from_json(path.read_bytes(), self.namespace)
-        except FileNotFoundError:
-            return BlockIndex()
-        except (OSError, ValueError) as exc:
-            log.warning("SSD index %s unusable (%s); starting empty", path, exc)
-            return BlockIndex()
+        """The persisted index, or an empty one when it is missing or damaged: a damaged index is
+        set aside and listed in damaged_files (validate_index then adopts the block files)."""
+        loaded = load_json(
+            self.cache_dir / INDEX_NAME,
+            INDEX_SCHEMA,
+            MAX_INDEX_BYTES,
+            "SSD index",
+            build=lambda doc: BlockIndex.from_doc(doc, self.namespace),
+        )
+        if loaded.damaged is not None:
+            self.damaged_files.append(loaded.damaged)
+        return loaded.value if loaded.value is not None else BlockIndex()
 
     # --- save ----------------------------------------------------------------------------------
 
@@ -142,7 +161,7 @@ class SSDStore:
         if verdict is not None:
             return verdict
         try:
-            if self._free_bytes(self.cache_dir) - sum(a.nbytes for a in arrays.values()) < self.min_free_bytes:
+            if not self.has_free_space(sum(a.nbytes for a in arrays.values())):
                 with self._lock:
                     self._stats["skipped_low_space"] += 1
                 return SaveResult.SKIPPED
@@ -162,6 +181,33 @@ class SSDStore:
         else:
             tmp.unlink(missing_ok=True)
         return verdict
+
+    def has_free_space(self, num_bytes: int) -> bool:
+        """Whether writing `num_bytes` more keeps the disk's free space above min_free_bytes."""
+        return self._free_bytes(self.cache_dir) - num_bytes >= self.min_free_bytes
+
+    def attach_secondary(self, files: SecondaryFiles) -> None:
+        """Count `files` (the tails) in the byte budget and evict them by LRU together with blocks."""
+        self._secondary = files
+
+    def make_room(self, num_bytes: int) -> SaveResult | None:
+        """Before a secondary file of `num_bytes` is written into this folder: None when it may be
+        (room made within max_bytes by evicting least recently used unpinned blocks and tails),
+        else SKIPPED (free space below the floor, or no room; nothing removed)."""
+        if not self.has_free_space(num_bytes):
+            return SaveResult.SKIPPED
+        with self._lock:
+            if self._evict_to_fit(num_bytes) is None:
+                return SaveResult.SKIPPED
+        return None
+
+    def used_bytes(self) -> int:
+        """Bytes of the block files plus any secondary files."""
+        with self._lock:
+            return self._index.used_bytes + self._secondary_bytes()
+
+    def _secondary_bytes(self, fresh: bool = False) -> int:
+        return self._secondary.used_bytes(fresh) if self._secondary is not None else 0
 
     def _admit(self, block_hash: bytes, num_tokens: int, digest: str) -> SaveResult | None:
         """The seed's dedup guard: None means "write it". Caller holds _lock."""
@@ -198,7 +244,7 @@ class SSDStore:
     def _write_temp(self, header: BlockHeader, arrays: Mapping[str, mx.array]) -> tuple[Path, int]:
         """Write and fsync a temp file next to the final path: (path, size). Raises on I/O failure."""
         final = self._path(header.block_hash)
-        final.parent.mkdir(exist_ok=True)
+        private_mkdir(final.parent)  # the namespace folder too, if someone removed it meanwhile
         tmp = final.with_name(f"{header.block_hash.hex()}.{os.getpid()}-{next(self._temp_ids)}{TEMP_SUFFIX}")
         return tmp, write_block_file(tmp, self.namespace, header, arrays)
 
@@ -219,23 +265,32 @@ class SSDStore:
         return SaveResult.SAVED
 
     def _evict_to_fit(self, incoming: int, partial: bool = False) -> int | None:
-        """Remove least recently used unpinned blocks until `incoming` more bytes fit the budget.
-        Returns how many were removed. When they cannot fit, removes nothing and returns None,
-        unless `partial`: then it removes every unpinned block it can. Caller holds _lock."""
-        if self.max_bytes <= 0 or self._index.used_bytes + incoming <= self.max_bytes:
+        """Remove least recently used unpinned blocks and tails until `incoming` more bytes fit the
+        budget. Returns how many were removed. When they cannot fit, removes nothing and returns
+        None, unless `partial`: then it removes every unpinned file it can. Caller holds _lock."""
+        if self.max_bytes <= 0 or self._index.used_bytes + self._secondary_bytes() + incoming <= self.max_bytes:
             return 0
-        need = self._index.used_bytes + incoming - self.max_bytes
+        # The running total of the secondary files may be stale: be exact before removing anything.
+        need = self._index.used_bytes + self._secondary_bytes(fresh=True) + incoming - self.max_bytes
+        if need <= 0:
+            return 0
+        candidates = [(e.last_accessed, h, e.size) for h, e in self._index.items() if not self._is_pinned(h)]
+        if self._secondary is not None:
+            candidates += [(used, path, size) for used, size, path in self._secondary.files()]
+        candidates.sort(key=lambda c: c[0])
         victims, freed = [], 0
-        for block_hash, entry in self._index.items():
+        for _, victim, size in candidates:
             if freed >= need:
                 break
-            if not self._is_pinned(block_hash):
-                victims.append(block_hash)
-                freed += entry.size
+            victims.append(victim)
+            freed += size
         if freed < need and not partial:
             return None
-        for block_hash in victims:
-            self._remove(block_hash)
+        for victim in victims:
+            if isinstance(victim, bytes):
+                self._remove(victim)
+            else:
+                self._secondary.delete(victim)
         self._stats["evictions"] += len(victims)
         return len(victims)
 
@@ -398,5 +453,6 @@ class SSDStore:
                 assert path.stat().st_size == entry.size, f"size of {block_hash.hex()[:16]} differs from the index"
             on_disk = {h for _, h in block_files(self.cache_dir) if h is not None}
             assert on_disk == {h for h, _ in entries}, "block files and index differ"
-            if 0 < self.max_bytes < self._index.used_bytes:
+            if 0 < self.max_bytes < self._index.used_bytes + self._secondary_bytes(fresh=True):
                 assert all(self._is_pinned(h) for h, _ in entries), "over budget while unpinned blocks remain"
+                assert not self._secondary_bytes(), "over budget while tails remain"

@@ -25,6 +25,8 @@ import mlx.core as mx
 import numpy as np
 from blake3 import blake3
 
+from ..checked_json import Const, Float, Hex, Int, MapOf, Obj, parse_json, read_json
+from .fsmode import create_private, open_private
 from .hashing import HASH_BYTES, framed
 
 log = logging.getLogger(__name__)
@@ -36,6 +38,22 @@ INDEX_NAME = "index.json"
 BLOCK_SUFFIX = ".safetensors"
 TEMP_SUFFIX = ".tmp.safetensors"  # mx.save_safetensors appends ".safetensors" to any other name
 _MAX_HEADER_BYTES = 16 * 1024 * 1024
+MAX_INDEX_BYTES = 512 * 1024 * 1024  # ~3 million entries; a larger file is treated as damaged
+INDEX_ENTRY_SCHEMA = Obj(
+    {
+        "num_tokens": Int(0, 2**31 - 1),
+        "tokens_digest": Hex(16),
+        "last_accessed": Float(0.0),
+        "size": Int(0, 2**62),
+    }
+)
+INDEX_SCHEMA = Obj(
+    {
+        "version": Const(INDEX_VERSION),
+        "namespace": Hex(HASH_BYTES),
+        "entries": MapOf(Hex(HASH_BYTES), INDEX_ENTRY_SCHEMA, max_items=10_000_000),
+    }
+)
 
 
 class FormatError(ValueError):
@@ -116,7 +134,7 @@ def parse_metadata(meta: Mapping[str, str], namespace: bytes) -> BlockHeader:
     if meta.get("format") != FORMAT_MAGIC:
         raise FormatError("not a block file")
     if meta.get("version") != str(FORMAT_VERSION):
-        raise FormatError(f"format version {meta.get('version')!r}, expected {FORMAT_VERSION}")
+        raise FormatError(f"format version {repr(meta.get('version'))[:40]}, expected {FORMAT_VERSION}")
     if meta.get("namespace") != namespace.hex():
         raise FormatError("block of another namespace")
     try:
@@ -125,8 +143,8 @@ def parse_metadata(meta: Mapping[str, str], namespace: bytes) -> BlockHeader:
             bytes.fromhex(meta["block_hash"]), bytes.fromhex(meta["parent_hash"]), token_ids, meta["checksum"]
         )
         num_tokens = int(meta["num_tokens"])
-    except (KeyError, ValueError) as exc:
-        raise FormatError(f"bad metadata: {exc}") from exc
+    except (KeyError, ValueError, TypeError, OverflowError) as exc:  # any JSON may stand in a field
+        raise FormatError(f"bad metadata: {type(exc).__name__}") from None
     if num_tokens != len(token_ids):
         raise FormatError("num_tokens does not match the token ids")
     return header
@@ -144,10 +162,11 @@ def folder_namespace(folder: Path) -> bytes | None:
     write, or a damaged index) from the first block file whose header names a namespace that
     matches the folder's name. None when neither says."""
     try:
-        namespace = bytes.fromhex(json.loads((folder / INDEX_NAME).read_text())["namespace"])
+        doc = read_json(folder / INDEX_NAME, Obj({"namespace": Hex(HASH_BYTES)}), MAX_INDEX_BYTES)
+        namespace = bytes.fromhex(doc["namespace"])
         if namespace.hex().startswith(folder.name):
             return namespace
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError):  # the store sets a damaged index aside when it opens the folder
         pass
     for path, block_hash in block_files(folder):
         if block_hash is None:
@@ -174,8 +193,8 @@ def read_metadata(path: Path) -> dict[str, str]:
             raise FormatError("header length exceeds the file")
         try:
             tensors = json.loads(f.read(length))
-        except ValueError as exc:
-            raise FormatError(f"header is not JSON: {exc}") from exc
+        except (ValueError, RecursionError) as exc:
+            raise FormatError(f"header is not JSON: {type(exc).__name__}") from None
     if not isinstance(tensors, dict):
         raise FormatError("header is not a JSON object")
     meta = tensors.pop("__metadata__", None)
@@ -183,8 +202,8 @@ def read_metadata(path: Path) -> dict[str, str]:
         raise FormatError("no metadata")
     try:
         extent = max((int(t["data_offsets"][1]) for t in tensors.values()), default=0)
-    except (KeyError, IndexError, TypeError, ValueError) as exc:
-        raise FormatError(f"bad tensor entry: {exc}") from exc
+    except (KeyError, IndexError, TypeError, ValueError, OverflowError) as exc:
+        raise FormatError(f"bad tensor entry: {type(exc).__name__}") from None
     if 8 + length + extent != size:
         raise FormatError(f"file is {size} bytes, header describes {8 + length + extent}")
     return meta
@@ -195,6 +214,7 @@ def write_block_file(path: Path, namespace: bytes, header: BlockHeader, arrays: 
     Raises on I/O failure, leaving no file behind."""
     try:
         header = header._replace(checksum=block_checksum(namespace, header, arrays))
+        create_private(path)  # mlx creates files 0644 but keeps the mode of one it overwrites
         mx.save_safetensors(str(path), dict(arrays), metadata=block_metadata(namespace, header))
         fsync_path(path)
         return path.stat().st_size
@@ -235,7 +255,7 @@ def atomic_write(path: Path, data: bytes) -> None:
     """Write `data` to `path` via a temp file in the same folder, fsync, rename. Raises OSError."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "wb") as f:
+        with open_private(tmp) as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -312,25 +332,19 @@ class BlockIndex:
 
     @classmethod
     def from_json(cls, data: bytes, namespace: bytes) -> BlockIndex:
-        """Raises ValueError for a damaged index or one written for another namespace or version."""
-        doc = json.loads(data)
-        if not isinstance(doc, dict) or doc.get("version") != INDEX_VERSION or doc.get("namespace") != namespace.hex():
-            raise ValueError("index of another version or namespace")
+        """Raises ValueError (checked_json.DamagedFileError) for a damaged index or one written for
+        another namespace or version."""
+        return cls.from_doc(parse_json(data, INDEX_SCHEMA), namespace)
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any], namespace: bytes) -> BlockIndex:
+        """The index from a document that passed INDEX_SCHEMA. Raises ValueError when it was
+        written for another namespace."""
+        if doc["namespace"] != namespace.hex():
+            raise ValueError("index of another namespace")
         index = cls()
-        try:
-            for name, fields in doc["entries"].items():
-                block_hash = bytes.fromhex(name)
-                if len(block_hash) != HASH_BYTES:
-                    raise ValueError(f"bad hash {name!r}")
-                entry = IndexEntry(
-                    int(fields["num_tokens"]),
-                    str(fields["tokens_digest"]),
-                    float(fields["last_accessed"]),
-                    int(fields["size"]),
-                )
-                index.add(block_hash, entry)
-        except (KeyError, TypeError, AttributeError) as exc:
-            raise ValueError(f"bad index entry: {exc}") from exc
+        for name, fields in doc["entries"].items():
+            index.add(bytes.fromhex(name), IndexEntry(**fields))
         index.sort_by_access()
         return index
 

@@ -8,22 +8,35 @@ replaced first; pruned with the blocks' TTL. Never raises: a failure is a miss, 
 
 from __future__ import annotations
 
+import contextlib
+import contextlib
 import logging
 import os
+import re
 import shutil
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from stat import S_ISDIR
 from typing import Any, NamedTuple
 
 import numpy as np
 from blake3 import blake3
 
-from .ssd_index import BlockHeader, read_block_file, read_header, write_block_file
+from .hashing import HASH_BYTES
+from .ssd import SaveResult
+from .fsmode import private_mkdir
+from .ssd_index import BlockHeader, FormatError, read_block_file, read_header, write_block_file
 from .tails import common_prefix
 
 log = logging.getLogger(__name__)
 SUFFIX = ".safetensors"
+
+
+class TailReport(NamedTuple):
+    kept: int
+    deleted_invalid: int  # files failing a check, foreign names, links
+    deleted_temp: int  # leftovers of interrupted saves
 
 
 class LoadedTail(NamedTuple):
@@ -41,48 +54,57 @@ class SSDTailStore:
         self.folder = folder
         self.namespace = namespace
         self.per_parent = per_parent
-        self.stats = {"ssd_tail_saves": 0, "ssd_tail_hits": 0, "ssd_tail_errors": 0}
+        keys = ("saves", "hits", "errors", "write_errors", "skipped_low_space", "skipped_budget", "evictions")
+        self.stats = {f"ssd_tail_{k}": 0 for k in keys}
+        # An estimate between rescans: deletions by other paths (damaged files, TTL) only make it
+        # high, and whoever relies on it to refuse a write rescans first (used_bytes(fresh=True)).
+        self._used_bytes = self._scan_bytes()
 
     def _dir(self, parent_hash: bytes) -> Path:
         return self.folder / parent_hash.hex()
 
-    def save(self, parent_hash: bytes, token_ids: Sequence[int], arrays: Mapping[str, Any]) -> bool:
-        """Persist one tail (atomically: temp file, fsync, rename). False when skipped or failed."""
+    def save(self, parent_hash: bytes, token_ids: Sequence[int], arrays: Mapping[str, Any]) -> SaveResult:
+        """Persist one tail (atomically: temp file, fsync, rename): SAVED, DEDUP (already there) or
+        ERROR (counted in `ssd_tail_write_errors`; nothing left behind). The caller makes room within
+        the byte budget and checks the free-space floor first (SSDStore.make_room)."""
         folder = self._dir(parent_hash)
         key = tail_key(parent_hash, token_ids)
         path = folder / f"{key.hex()}{SUFFIX}"
         if path.exists():
-            return False
+            return SaveResult.DEDUP
         tmp = folder / f".{key.hex()}.tmp{SUFFIX}"
         try:
-            folder.mkdir(parents=True, exist_ok=True)
-            write_block_file(tmp, self.namespace, BlockHeader(key, parent_hash, tuple(token_ids), ""), arrays)
+            private_mkdir(folder)  # tails/ too, if someone removed it meanwhile
+            size = write_block_file(tmp, self.namespace, BlockHeader(key, parent_hash, tuple(token_ids), ""), arrays)
             os.replace(tmp, path)
+            self._used_bytes += size
             siblings = sorted(folder.glob(f"*{SUFFIX}"), key=lambda p: p.stat().st_mtime)
             for old in siblings[: max(0, len(siblings) - self.per_parent)]:
-                old.unlink(missing_ok=True)
+                self._used_bytes = max(0, self._used_bytes - _unlink_size(old))
         except Exception as exc:  # a tail is a convenience: never fail a request for it
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # the folder itself may be what failed
+                tmp.unlink(missing_ok=True)
             self.stats["ssd_tail_errors"] += 1
+            self.stats["ssd_tail_write_errors"] += 1
             log.warning("could not save a tail under %s: %s", parent_hash.hex()[:16], exc)
-            return False
+            return SaveResult.ERROR
         self.stats["ssd_tail_saves"] += 1
-        return True
+        return SaveResult.SAVED
 
     def best(self, parent_hash: bytes, rest: Sequence[int]) -> LoadedTail | None:
         """The verified tail under `parent_hash` sharing the longest prefix with `rest`, or None.
-        Damaged files are deleted."""
-        folder = self._dir(parent_hash)
-        if not rest or not folder.is_dir():
+        A tail is served only when its file passes `check_identity` for `parent_hash` (so a file
+        copied in from another parent's folder never is) and its checksum verifies. A file that
+        fails is a miss, deleted and counted in ssd_tail_errors."""
+        if not rest or not _real_dir(self.folder):
             return None
         best: tuple[int, Path, BlockHeader] | None = None
-        for path in folder.glob(f"*{SUFFIX}"):
-            if path.name.startswith("."):
-                continue
+        for path in _tail_files(self._dir(parent_hash)):
             try:
                 header = read_header(path, self.namespace)
-            except (OSError, ValueError):
-                path.unlink(missing_ok=True)
+                check_identity(header, path, parent_hash)
+            except (OSError, ValueError) as exc:
+                self._discard(path, exc)
                 continue
             n = common_prefix(header.token_ids, rest)
             if n and (best is None or n > best[0]):
@@ -92,32 +114,194 @@ class SSDTailStore:
         n, path, header = best
         try:
             header, arrays = read_block_file(path, self.namespace, header.block_hash)
+            check_identity(header, path, parent_hash)  # again: the file may have been replaced meanwhile
         except Exception as exc:  # mlx raises RuntimeError for unreadable files
-            log.warning("tail file %s unusable (%s); deleted", path.name[:16], exc)
-            path.unlink(missing_ok=True)
-            self.stats["ssd_tail_errors"] += 1
+            self._discard(path, exc)
             return None
         os.utime(path)  # recently used: kept longest by the per-parent limit and the TTL
         self.stats["ssd_tail_hits"] += 1
         return LoadedTail(header.token_ids, arrays, n)
 
+    def _discard(self, path: Path, exc: Exception) -> None:
+        log.warning("tail file %s unusable (%s); deleted", path.name[:16], exc)
+        self._used_bytes = max(0, self._used_bytes - _unlink_size(path))
+        self.stats["ssd_tail_errors"] += 1
+
     def prune(self, ttl_s: float, now: float | None = None) -> int:
-        """Delete tails unused for `ttl_s` seconds; returns the count."""
-        if ttl_s <= 0 or not self.folder.is_dir():
+        """Delete tail files (and leftovers of interrupted saves) unused for `ttl_s` seconds;
+        returns the count. Never follows a link out of the tails folder."""
+        if ttl_s <= 0:
             return 0
         cutoff = (time.time() if now is None else now) - ttl_s
         removed = 0
-        for path in self.folder.glob(f"*/*{SUFFIX}"):
-            try:
-                if path.stat().st_mtime < cutoff:
-                    path.unlink()
-                    removed += 1
-            except OSError:
-                continue
+        for folder in _parent_dirs(self.folder):
+            for path in _plain_files(folder):
+                try:
+                    if path.lstat().st_mtime < cutoff:
+                        path.unlink()
+                        removed += 1
+                except OSError:
+                    continue
+        self._used_bytes = self._scan_bytes()
         return removed
 
     def clear(self) -> int:
         """Delete every tail (the admin flush with ssd=true). Returns the count."""
-        count = len(list(self.folder.glob(f"*/*{SUFFIX}"))) if self.folder.is_dir() else 0
-        shutil.rmtree(self.folder, ignore_errors=True)
+        count = sum(len(_tail_files(folder)) for folder in _parent_dirs(self.folder))
+        _remove_any(self.folder)  # a link in its place is removed, never followed
+        self._used_bytes = self._scan_bytes()
         return count
+
+    def verify_all(self) -> TailReport:
+        """Offline (`cache verify`, while nothing else writes here): read every tail file in full;
+        delete those failing the checks of `best`, leftovers of interrupted saves, anything else
+        in the tails folder (links included, never followed) and empty parent folders."""
+        if not os.path.lexists(self.folder):
+            return TailReport(0, 0, 0)
+        if not _real_dir(self.folder):
+            return TailReport(0, _remove_any(self.folder), 0)
+        kept = invalid = temp = 0
+        for entry in _scandir(self.folder):
+            path = Path(entry.path)
+            parent = _hash_from_name(entry.name, "")
+            if parent is None or not entry.is_dir(follow_symlinks=False):
+                invalid += _remove_any(path)
+                continue
+            counts = self._verify_parent(path, parent)
+            kept, invalid, temp = kept + counts.kept, invalid + counts.deleted_invalid, temp + counts.deleted_temp
+            with contextlib.suppress(OSError):
+                path.rmdir()  # only when empty
+        self._used_bytes = self._scan_bytes()
+        return TailReport(kept, invalid, temp)
+
+    def _verify_parent(self, folder: Path, parent_hash: bytes) -> TailReport:
+        kept = invalid = temp = 0
+        for entry in _scandir(folder):
+            path = Path(entry.path)
+            key = _hash_from_name(entry.name, SUFFIX)
+            if not entry.is_file(follow_symlinks=False) or key is None:
+                if _is_temp_name(entry.name) and entry.is_file(follow_symlinks=False):
+                    temp += _remove_any(path)
+                else:
+                    invalid += _remove_any(path)
+                continue
+            try:
+                header, _ = read_block_file(path, self.namespace, key)
+                check_identity(header, path, parent_hash)
+                kept += 1
+            except Exception as exc:  # mlx raises RuntimeError for unreadable files
+                log.info("tail file %s/%s invalid (%s); deleted", folder.name[:16], entry.name[:16], exc)
+                invalid += _remove_any(path)
+        return TailReport(kept, invalid, temp)
+
+    # --- byte accounting: tails count in the SSD tier's budget like blocks -----------------------
+
+    def used_bytes(self, fresh: bool = False) -> int:
+        """Bytes of the tail files; `fresh` rescans the folder (exact) instead of the running total."""
+        if fresh:
+            self._used_bytes = self._scan_bytes()
+        return self._used_bytes
+
+    def files(self) -> list[tuple[float, int, Path]]:
+        """(last use as mtime, size, path) of every tail file, least recently used first."""
+        out = []
+        if self.folder.is_dir():
+            for path in self.folder.glob(f"*/*{SUFFIX}"):
+                try:
+                    stat = path.stat()
+                except OSError:
+                    continue
+                out.append((stat.st_mtime, stat.st_size, path))
+        return sorted(out)
+
+    def _scan_bytes(self) -> int:
+        return sum(size for _, size, _ in self.files())
+
+    def delete(self, path: Path) -> int:
+        """Delete one tail file to make room (the store's LRU eviction). Returns the bytes freed."""
+        size = _unlink_size(path)
+        self._used_bytes = max(0, self._used_bytes - size)
+        self.stats["ssd_tail_evictions"] += 1 if size else 0
+        return size
+
+
+def check_identity(header: BlockHeader, path: Path, parent_hash: bytes) -> None:
+    """Raise FormatError unless the tail file at `path` belongs under `parent_hash`: its header
+    records that parent, and the header's key field and the file name are both the tail key of
+    (parent, its token ids). The checksum (read_block_file) covers these fields and the namespace."""
+    if header.parent_hash != parent_hash:
+        raise FormatError("tail recorded under another parent")
+    key = tail_key(parent_hash, header.token_ids)
+    if header.block_hash != key or path.name != f"{key.hex()}{SUFFIX}":
+        raise FormatError("tail not named for its parent and tokens")
+
+
+# --- the tails folder, walked without following links (they could point out of the cache) ------
+
+
+def _scandir(folder: Path) -> list[os.DirEntry]:
+    try:
+        with os.scandir(folder) as entries:
+            return list(entries)
+    except OSError:
+        return []
+
+
+def _real_dir(path: Path) -> bool:
+    try:
+        return S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _parent_dirs(tails: Path) -> list[Path]:
+    """The per-parent folders (real ones, not links) in the tails folder."""
+    if not _real_dir(tails):
+        return []
+    return [Path(e.path) for e in _scandir(tails) if e.is_dir(follow_symlinks=False)]
+
+
+def _plain_files(folder: Path) -> list[Path]:
+    if not _real_dir(folder):
+        return []
+    return [Path(e.path) for e in _scandir(folder) if e.is_file(follow_symlinks=False)]
+
+
+def _tail_files(folder: Path) -> list[Path]:
+    """The tail files in a per-parent folder: plain files with a tail key's name (saves in
+    progress, `.<key>.tmp.safetensors`, and anything else are left out)."""
+    return [p for p in _plain_files(folder) if _hash_from_name(p.name, SUFFIX) is not None]
+
+
+def _hash_from_name(name: str, suffix: str) -> bytes | None:
+    """The hash a canonical name `<64 lowercase hex><suffix>` stands for, else None."""
+    stem = name.removesuffix(suffix) if suffix else name
+    if (suffix and stem == name) or not re.fullmatch(f"[0-9a-f]{{{2 * HASH_BYTES}}}", stem):
+        return None
+    return bytes.fromhex(stem)
+
+
+def _is_temp_name(name: str) -> bool:
+    return name.startswith(".") and name.endswith(f".tmp{SUFFIX}")
+
+
+def _remove_any(path: Path) -> int:
+    """Delete a file, link or folder (a link itself, never its target); 1 when done, else 0."""
+    try:
+        if _real_dir(path):
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+        return 1
+    except OSError:
+        return 0
+
+
+def _unlink_size(path: Path) -> int:
+    """Delete `path`; its size in bytes, or 0 when it was already gone or cannot be deleted."""
+    try:
+        size = path.stat().st_size
+        path.unlink()
+        return size
+    except OSError:
+        return 0

@@ -13,7 +13,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..checked_json import Bool, DamagedFile, Obj, load_json, remove_leftover_temps
 from .base import Block
+from .fsmode import open_private
 from .ssd import SaveResult, SSDStore
 from .ssd_index import block_relpath, read_header
 from .ssd_tails import SSDTailStore, tail_key
@@ -23,6 +25,8 @@ log = logging.getLogger(__name__)
 
 POLICIES = ("write_through", "evict_only")
 SHUTDOWN_FILE = "shutdown.json"
+MAX_SHUTDOWN_RECORD_BYTES = 64 * 1024
+SHUTDOWN_SCHEMA = Obj({"shutdown_clean": Bool(), "shutdown_partial_flush": Bool()})  # "at" is not used
 PRUNE_INTERVAL_S = 3600.0
 
 
@@ -52,9 +56,11 @@ class SSDTier:
         self.async_writes = async_writes
         self.write_hold_s = write_hold_s
         self._last_prune = time.time()
-        self.last_shutdown = read_shutdown_record(store.cache_dir)
+        self.damaged_files: list[DamagedFile] = []  # a shutdown record found damaged (and set aside)
+        self.last_shutdown = read_shutdown_record(store.cache_dir, self.damaged_files)
         self.validation: dict[str, Any] = {}  # the startup validate_index report
         self.tails = SSDTailStore(store.cache_dir / "tails", store.namespace)
+        store.attach_secondary(self.tails)  # every byte the tier writes counts in one budget
         self._tail_lock = threading.Lock()  # guards _tail_keys
         self._tail_keys: set[bytes] = set()  # writer jobs that are tails, not blocks
 
@@ -113,7 +119,7 @@ class SSDTier:
         """Persist a tail, through the writer thread like blocks (off the request path)."""
         arrays = self._to_arrays(payload)
         if not self.async_writes:
-            self.tails.save(parent_hash, token_ids, arrays)
+            self._save_tail(parent_hash, token_ids, arrays)
             return
         key = tail_key(parent_hash, token_ids)
         with self._tail_lock:
@@ -128,8 +134,18 @@ class SSDTier:
             is_tail = block_hash in self._tail_keys
             self._tail_keys.discard(block_hash)
         if is_tail:
-            return SaveResult.SAVED if self.tails.save(parent_hash, token_ids, arrays) else SaveResult.SKIPPED
+            return self._save_tail(parent_hash, token_ids, arrays)
         return self.store.save_block(block_hash, parent_hash, token_ids, arrays)
+
+    def _save_tail(self, parent_hash: bytes, token_ids: Sequence[int], arrays: dict) -> SaveResult:
+        """A tail within the same free-space floor and byte budget as blocks (LRU across both)."""
+        # The file's size: its arrays plus a safetensors header (identity, token ids, one entry per array).
+        refused = self.store.make_room(sum(a.nbytes for a in arrays.values()) + 1024 + 160 * len(arrays))
+        if refused is not None:
+            low_space = not self.store.has_free_space(0)
+            self.tails.stats["ssd_tail_skipped_low_space" if low_space else "ssd_tail_skipped_budget"] += 1
+            return refused
+        return self.tails.save(parent_hash, token_ids, arrays)
 
     def load_tail(self, parent_hash: bytes, rest: Sequence[int]) -> tuple[tuple[int, ...], Any, int, int] | None:
         """(token ids, payload, nbytes, tokens shared with `rest`) of the best stored tail, or None."""
@@ -174,17 +190,17 @@ class SSDTier:
         out.update(self.store.stats())
         out.update(self.writer.stats())
         out.update(self.tails.stats)
+        out["ssd_tail_bytes"] = self.tails.used_bytes()
         return out
 
     def close(self, drain_timeout_s: float) -> bool:
         """Drain the writer, flush the index and record how the shutdown went. True when clean."""
         drained = self.writer.stop(drain_timeout_s)
-        flushed = True
-        try:
-            self.store.flush()
-        except OSError as exc:
-            log.error("SSD index flush failed at shutdown: %s", exc)
-            flushed = False
+        # Clean means everything acknowledged reached the disk, the index included: flush() reports
+        # a failed index write (a full disk, index.json replaced by a folder) as False, never raises.
+        flushed = self.store.flush()
+        if not flushed:
+            log.error("SSD index write failed at shutdown: the shutdown is recorded as not clean")
         clean = bool(drained and flushed)
         write_shutdown_record(self.store.cache_dir, clean, partial_flush=not drained)
         log.info("SSD tier closed: shutdown_clean=%s", clean)
@@ -195,7 +211,7 @@ def write_shutdown_record(cache_dir: Path, clean: bool, partial_flush: bool) -> 
     record = {"shutdown_clean": clean, "shutdown_partial_flush": partial_flush, "at": time.time()}
     tmp = cache_dir / f".{SHUTDOWN_FILE}.tmp"
     try:
-        with open(tmp, "w") as f:
+        with open_private(tmp, "w") as f:
             f.write(json.dumps(record))
             f.flush()
             os.fsync(f.fileno())
@@ -204,15 +220,26 @@ def write_shutdown_record(cache_dir: Path, clean: bool, partial_flush: bool) -> 
         log.error("cannot record the shutdown in %s: %s", cache_dir, exc)
 
 
-def read_shutdown_record(cache_dir: Path) -> dict[str, Any]:
-    """How the previous run ended. A missing record after a previous run means it crashed; the
-    record is removed on reading so a crash of this run is visible to the next one."""
+def read_shutdown_record(
+    cache_dir: Path, damaged: list[DamagedFile] | None = None, consume: bool = True
+) -> dict[str, bool | None]:
+    """How the previous run ended: exactly `shutdown_clean` and `shutdown_partial_flush`, each a
+    bool, or None when there is no record (the previous run crashed, or none ran here). The record
+    is removed on reading (unless not `consume`: `cache verify`), so a crash of this run is visible
+    to the next one. A damaged record reads as not clean: it is set aside and appended to
+    `damaged`. Temp files of an interrupted record write are removed."""
     path = cache_dir / SHUTDOWN_FILE
-    try:
-        record = json.loads(path.read_text())
-        path.unlink()
-        return record
-    except FileNotFoundError:
-        return {"shutdown_clean": None, "shutdown_partial_flush": None}
-    except (OSError, ValueError):
-        return {"shutdown_clean": False, "shutdown_partial_flush": None}
+    remove_leftover_temps(path)
+    loaded = load_json(path, SHUTDOWN_SCHEMA, MAX_SHUTDOWN_RECORD_BYTES, "shutdown record")
+    if loaded.damaged is not None and damaged is not None:
+        damaged.append(loaded.damaged)
+    if loaded.value is None:
+        return {"shutdown_clean": False if loaded.damaged else None, "shutdown_partial_flush": None}
+    if consume:
+        try:
+            path.unlink()
+        except OSError as exc:  # it would outlive this run, and a crash of this run would look clean
+            log.warning("cannot remove the shutdown record %s (%s): reported as not clean", path, exc)
+            return {"shutdown_clean": False, "shutdown_partial_flush": None}
+    record = loaded.value  # only the checked fields: nothing else in the file reaches /health
+    return {"shutdown_clean": record["shutdown_clean"], "shutdown_partial_flush": record["shutdown_partial_flush"]}

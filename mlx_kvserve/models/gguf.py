@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import mlx.core as mx
 
+from ..checked_json import Int, Obj, Str, read_json
 from ..errors import ModelLoadError
 from .gguf_tokenizer import eos_token_ids, write_tokenizer_files
 
@@ -30,6 +31,16 @@ log = logging.getLogger(__name__)
 GGUF_GROUP_SIZE = 32
 CONVERSION_VERSION = 2  # 2: quantized tensors dequantized in float32
 MARKER_FILE = "mlx_kvserve_conversion.json"
+MAX_MARKER_BYTES = 64 * 1024
+MARKER_SCHEMA = Obj(
+    {
+        "version": Int(0, 2**31),
+        "source": Str(16384),
+        "size": Int(0, 2**63),
+        "mtime_ns": Int(-(2**63), 2**63),
+        "dtype": Str(16),
+    }
+)
 Dtype = Literal["float32", "float16", "bfloat16", "keep"]
 DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16", "keep")
 
@@ -160,11 +171,15 @@ def _source_stamp(src: Path, dtype: str) -> dict[str, Any]:
 
 
 def is_converted(src: Path, dst: Path, dtype: str) -> bool:
-    """True when `dst` holds a finished conversion of this exact `src` file and dtype."""
+    """True when `dst` holds a finished conversion of this exact `src` file and dtype. A damaged
+    marker is logged and means "not converted": the conversion then replaces the whole folder."""
     marker = dst / MARKER_FILE
     try:
-        return json.loads(marker.read_text()) == _source_stamp(src, dtype)
-    except (OSError, ValueError):
+        return read_json(marker, MARKER_SCHEMA, MAX_MARKER_BYTES) == _source_stamp(src, dtype)
+    except FileNotFoundError:
+        return False
+    except ValueError as exc:  # checked_json.DamagedFileError
+        log.warning("conversion marker %s is damaged (%s): converting again", marker, exc)
         return False
 
 

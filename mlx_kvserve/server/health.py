@@ -20,8 +20,10 @@ class HealthMonitor:
         self.engine = engine
         self.shutting_down = False
         self._clock = clock
-        self._num_errors = 0  # ssd_errors + writer_failures when last seen
+        self._num_errors = 0  # SSD write errors (blocks and tails) when last seen
         self._last_error_at: float | None = None
+        self._num_low_space = 0  # writes skipped for the free-space floor when last seen
+        self._last_low_space_at: float | None = None
 
     def problems(self, cache: dict[str, Any]) -> list[str]:
         """What is wrong now, each in a sentence; [] when healthy. `cache` is engine.cache_stats()."""
@@ -35,13 +37,23 @@ class HealthMonitor:
                 found.append("the SSD tier is off: its folder could not be used at startup (see the log)")
             elif not tier.writer.is_alive:
                 found.append("the SSD writer thread is not running; new blocks are not saved")
-        num_errors = cache.get("ssd_errors", 0) + cache.get("writer_failures", 0)
+        # Each failed write attempt counts once: the store counts it (blocks and tails); the writer's
+        # `writer_failures` counts the same failures again per job, so it is not added.
+        num_errors = cache.get("ssd_errors", 0) + cache.get("ssd_tail_write_errors", 0)
+        num_low_space = cache.get("ssd_skipped_low_space", 0) + cache.get("ssd_tail_skipped_low_space", 0)
         now = self._clock()
         if num_errors > self._num_errors:
             self._num_errors, self._last_error_at = num_errors, now
+        if num_low_space > self._num_low_space:
+            self._num_low_space, self._last_low_space_at = num_low_space, now
         if self._last_error_at is not None and now - self._last_error_at < ERROR_WINDOW_S:
             found.append(
                 f"SSD writes are failing ({num_errors} errors since start, the last within {ERROR_WINDOW_S:.0f}s)"
+            )
+        if self._last_low_space_at is not None and now - self._last_low_space_at < ERROR_WINDOW_S:
+            found.append(
+                f"the SSD cache's disk is below its free-space floor ([ssd] min_free_bytes): {num_low_space} "
+                f"writes skipped since start, the last within {ERROR_WINDOW_S:.0f}s"
             )
         return found
 

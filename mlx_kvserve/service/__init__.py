@@ -15,16 +15,36 @@ import sys
 import urllib.error
 import urllib.request
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
 from ..config import Config, default_home, load_config
+from ..errors import ConfigError
+from ..kv.fsmode import open_private, private_mkdir
 
 PLATFORMS = ("macos", "linux")
 # Seconds between the last phase of the server's shutdown and the service manager's SIGKILL.
 STOP_MARGIN_S = 30
 _ENV_PREFIX = "MLX_KVSERVE_"  # the server's own settings travel into the service environment
+# Secrets never go into the service file, which other local users may be able to read: install
+# writes each into a 0600 key file and the environment names the file (`<variable>_FILE`) instead.
+SECRET_ENV = {"MLX_KVSERVE_API_KEY": "api", "MLX_KVSERVE_ADMIN_API_KEY": "admin"}
+
+
+@dataclass(frozen=True)
+class KeyFile:
+    """A key from the install environment, kept in `path` (mode 0600) for the service to read."""
+
+    variable: str  # where the key came from, e.g. MLX_KVSERVE_API_KEY
+    path: Path
+    key: str = field(repr=False)
+
+    @property
+    def file_variable(self) -> str:
+        """The variable that names the file in the service environment (the server reads it)."""
+        return f"{self.variable}_FILE"
 
 
 @dataclass(frozen=True)
@@ -38,6 +58,7 @@ class ServiceSpec:
     log_path: Path  # stdout and stderr both append here
     stop_timeout_s: int  # SIGTERM to SIGKILL
     description: str = "mlx-kvserve: local OpenAI-compatible LLM server"
+    key_files: tuple[KeyFile, ...] = ()  # written by install before the service file
 
 
 class Step(NamedTuple):
@@ -86,16 +107,51 @@ def server_args(config_path: Path | None, model: str | None, port: int | None) -
     return args
 
 
-def service_env(environ: dict[str, str], program: str) -> tuple[tuple[str, str], ...]:
+def key_folder(home: Path) -> Path:
+    """Where install keeps key files: the user's config folder (the server's home is a cache)."""
+    return Path(os.environ.get("XDG_CONFIG_HOME") or home / ".config") / "mlx-kvserve"
+
+
+def key_path(folder: Path, label: str, variable: str) -> Path:
+    """The file for the key in `variable` of the service `label`: `<label>.api.key` or `<label>.admin.key`."""
+    return folder / f"{label}.{SECRET_ENV[variable]}.key"
+
+
+def key_files(environ: Mapping[str, str], label: str, folder: Path) -> tuple[KeyFile, ...]:
+    """The key files for the secrets set in `environ`. Raises ConfigError when a key and its key
+    file variable are both set, as the server would."""
+    out = []
+    for variable in SECRET_ENV:
+        if environ.get(variable) and environ.get(f"{variable}_FILE"):
+            raise ConfigError(f"set ${variable} or ${variable}_FILE, not both")
+        if environ.get(variable):
+            out.append(KeyFile(variable, key_path(folder, label, variable), environ[variable]))
+    return tuple(out)
+
+
+def write_key_file(key_file: KeyFile) -> None:
+    """Write the key into its file atomically, mode 0600 (folder 0700 if created). Raises OSError."""
+    private_mkdir(key_file.path.parent)
+    tmp = key_file.path.with_name(f".{key_file.path.name}.tmp")
+    with open_private(tmp, "w") as f:
+        f.write(key_file.key + "\n")
+    os.replace(tmp, key_file.path)
+
+
+def service_env(environ: Mapping[str, str], program: str, keys: Sequence[KeyFile] = ()) -> tuple[tuple[str, str], ...]:
     """The environment the service starts with. launchd gives agents a bare PATH, so name one that
-    finds the interpreter's own bin folder first; HOME is set explicitly for the same reason."""
+    finds the interpreter's own bin folder first; HOME is set explicitly for the same reason. The
+    secrets of SECRET_ENV are left out: `keys` name the files that hold them."""
     path_dirs = [str(Path(program).parent), "/opt/homebrew/bin", "/usr/local/bin", "/usr/bin", "/bin"]
     env = [
         ("PATH", ":".join(dict.fromkeys(path_dirs))),
         ("HOME", str(Path.home())),
         ("PYTHONUNBUFFERED", "1"),  # log lines reach the log file as they happen
     ]
-    env += sorted((k, v) for k, v in environ.items() if k.startswith(_ENV_PREFIX))
+    own = {k: v for k, v in environ.items() if k.startswith(_ENV_PREFIX) and k not in SECRET_ENV}
+    own.update((f"{v}_FILE", os.path.abspath(own[f"{v}_FILE"])) for v in SECRET_ENV if own.get(f"{v}_FILE"))
+    own.update((key.file_variable, str(key.path)) for key in keys)
+    env += sorted(own.items())
     return tuple(env)
 
 
@@ -108,16 +164,21 @@ def build_spec(
     model: str | None,
     port: int | None,
     drain_s: float,
+    keys_in: Path | None = None,
 ) -> ServiceSpec:
-    """The ServiceSpec for `config` (already loaded with the same overrides, so it is valid)."""
+    """The ServiceSpec for `config` (already loaded with the same overrides, so it is valid). API
+    keys set in the environment go to key files in `keys_in` (default: key_folder). Raises
+    ConfigError when a key and its key file variable are both set."""
     args = server_args(config_path, model, port)
+    keys = key_files(os.environ, label, keys_in or key_folder(Path.home()))
     return ServiceSpec(
         label=label,
         program_args=tuple(args),
-        env=service_env(dict(os.environ), args[0]),
+        env=service_env(os.environ, args[0], keys),
         working_dir=default_home(),
         log_path=log_path,
         stop_timeout_s=stop_timeout_s(config.server.shutdown_timeout_s, drain_s),
+        key_files=keys,
     )
 
 

@@ -14,16 +14,20 @@ from ..config import Config, load_config
 from ..errors import KVServeError
 from . import (
     PLATFORMS,
+    SECRET_ENV,
     ServiceSpec,
     Step,
     build_spec,
     current_platform,
     health_url,
+    key_folder,
+    key_path,
     launchd,
     probe_health,
     run_command,
     systemd,
     tail_lines,
+    write_key_file,
     writer_drain_s,
 )
 
@@ -106,15 +110,18 @@ def install(
     config = _load(config_path, {"server": {"port": port}, "model": {"path": model}})
     home = Path.home()
     path = backend.service_path(label, home)
-    spec = build_spec(
-        label,
-        backend.log_path(label, home),
-        config,
-        config_path=config_path,
-        model=model,
-        port=port,
-        drain_s=writer_drain_s(config),
-    )
+    try:
+        spec = build_spec(
+            label,
+            backend.log_path(label, home),
+            config,
+            config_path=config_path,
+            model=model,
+            port=port,
+            drain_s=writer_drain_s(config),
+        )
+    except KVServeError as exc:
+        raise click.ClickException(exc.message) from None
     content = backend.render_file(spec)
     steps = backend.install_steps(spec, path, os.getuid())
     if dry_run:
@@ -122,6 +129,11 @@ def install(
         return
     for folder in (path.parent, spec.log_path.parent, spec.working_dir):
         folder.mkdir(parents=True, exist_ok=True)
+    for key_file in spec.key_files:  # before the service file that names them
+        try:
+            write_key_file(key_file)
+        except OSError as exc:
+            raise click.ClickException(f"cannot write the key file {key_file.path}: {exc}") from None
     path.write_bytes(content)
     _run_steps(steps)
     click.echo(f"installed {path}\nlogs: {spec.log_path}\ncheck: mlx-kvserve service status --label {label}")
@@ -130,6 +142,8 @@ def install(
 
 
 def _print_plan(path: Path, content: bytes, spec: ServiceSpec, steps: list[Step]) -> None:
+    for key_file in spec.key_files:
+        click.echo(f"# would write the key from ${key_file.variable} to {key_file.path} (mode 0600; not shown)")
     click.echo(f"# would write {path}:")
     click.echo(content.decode(), nl=False)
     folders = dict.fromkeys(str(p) for p in (path.parent, spec.log_path.parent, spec.working_dir))
@@ -153,6 +167,11 @@ def uninstall(label: str | None, platform: str | None) -> None:
     path.unlink(missing_ok=True)
     _run_steps(after)
     click.echo(f"removed {path}" if existed else f"nothing installed at {path}")
+    for variable in SECRET_ENV:  # the key files install wrote for this label
+        key = key_path(key_folder(Path.home()), label, variable)
+        if key.exists():
+            key.unlink()
+            click.echo(f"removed {key}")
 
 
 @service_group.command("status")
