@@ -68,6 +68,7 @@ class ServerConfig:
     max_completion_tokens: int = 0  # 0 = only the context limits a request's max_tokens
     first_token_timeout_s: float = 0.0  # arrival to first token; 0 = none
     request_timeout_s: float = 0.0  # arrival to last token; 0 = none
+    body_read_timeout_s: float = 30.0  # arrival to the body's last byte (else 408); read before a slot is taken
     # Secrets stay out of repr() so a logged config never shows them; see load_api_keys.
     api_key: str = field(default="", repr=False)  # "" = no key needed (unless api_key_file names one)
     api_key_file: str = ""
@@ -237,6 +238,7 @@ def validate(config: Config) -> Config:
     _check(s.max_queue >= 1, "server.max_queue", f"must be >= 1, got {s.max_queue}")
     _check(s.max_body_bytes >= 1024, "server.max_body_bytes", "must be at least 1KiB")
     _check(s.shutdown_timeout_s >= 0, "server.shutdown_timeout_s", "must be >= 0")
+    _check(s.body_read_timeout_s > 0, "server.body_read_timeout_s", "must be > 0 (a slow upload must end)")
     levels = ("critical", "error", "warning", "info", "debug")
     _check(s.log_level in levels, "server.log_level", f"must be one of {', '.join(levels)}")
     _validate_limits(s)

@@ -110,3 +110,16 @@ def test_shutdown_is_clean_when_everything_reached_the_disk(tmp_path):
     assert tier.close(drain_timeout_s=5) is True
     assert (tmp_path / SHUTDOWN_FILE).exists()
     assert read_shutdown_record(tmp_path)["shutdown_clean"] is True
+
+
+def test_a_store_folder_deleted_while_running_is_recreated_by_the_next_write(tmp_path):
+    import shutil
+
+    folder = tmp_path / "ns"
+    tier = make_tier(folder)
+    shutil.rmtree(folder)
+    tier.on_new_block(block(0))  # the free-space check must not fail on the missing folder
+    assert tier.store.stats()["ssd_saves"] == 1 and tier.store.contains(block(0).block_hash)
+    assert (folder.stat().st_mode & 0o777) == 0o700
+    tier.save_tail(b"\x01" * 32, [1, 2, 3], arrays(3, 0))
+    assert tier.stats()["ssd_tail_saves"] == 1

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import click
 import mlx.core as mx
 import pytest
 from click.testing import CliRunner
@@ -358,3 +359,5 @@ def test_install_refuses_a_key_and_a_key_file_together(service_home, tmp_path, m
     assert result.exit_code == 1
     assert "set $MLX_KVSERVE_API_KEY or $MLX_KVSERVE_API_KEY_FILE, not both" in result.output
     assert not service_home.exists()
+    with pytest.raises(click.UsageError, match="not both"):  # `run` refuses the same pair
+        _overrides(None, None, None, None)

@@ -21,7 +21,7 @@ from ..kv.folder_lock import FolderLock
 from ..kv.fsmode import ensure_private_root, private_mkdir
 from ..kv.hashing import BlockHasher, model_fingerprint, namespace_hash
 from ..kv.manager import KVManager
-from ..kv.pins import PinRegistry
+from ..kv.pins import PINS_FILE, PinRegistry
 from ..kv.ram import RAMStore
 from ..kv.ssd import SSDStore, store_dir
 from ..kv.tails import TailStore
@@ -34,7 +34,6 @@ from .request import Failed, GenerationRequest, SamplingParams
 from .worker import InferenceWorker
 
 log = logging.getLogger(__name__)
-PINS_NAME = "pins.json"  # in the namespace folder, also when the SSD tier is off
 
 
 def physical_memory_bytes() -> int:
@@ -56,7 +55,7 @@ def lock_store_folder(config: Config, namespace: bytes) -> FolderLock | None:
         private_mkdir(folder)
         return FolderLock.acquire(folder, "server")
     except OSError as exc:
-        log.error("cache folder %s unusable (%s): pins will not persist and the SSD tier is off", folder, exc)
+        log.error("SSD tier off: cannot use %s (%s); pins will not persist", folder, exc)
         return None
 
 
@@ -135,7 +134,7 @@ def build_prefix_cache(
     tails = TailStore(budget // 8)
     folder_lock = lock_store_folder(config, namespace)  # before anything reads or writes the folder
     try:
-        pins = PinRegistry(folder_lock.folder / PINS_NAME if folder_lock else None)
+        pins = PinRegistry(folder_lock.folder / PINS_FILE if folder_lock else None)
         ssd_tier = build_ssd_tier(config, namespace, pins) if folder_lock else None
     except BaseException:
         if folder_lock is not None:

@@ -193,14 +193,17 @@ class KVManager:
 
     def pin(self, block_hashes: Sequence[bytes]) -> list[bytes]:
         """Pin each known block and its ancestors; unknown hashes pin nothing. Returns the hashes
-        that were pinned (each with its chain)."""
-        pinned, chains = [], set()
+        that were pinned (each with its chain). All or nothing: one pins-file write, and
+        InsufficientStorageError, pinning nothing, when it fails."""
+        pinned, chains, counted = [], set(), []
         for block_hash in block_hashes:
             chain = self.chain_of(block_hash)
             if chain:
-                self.pins.pin(chain)
+                counted += chain  # ancestors shared by two pinned blocks count twice, as two pins
                 pinned.append(block_hash)
                 chains.update(chain)
+        if counted:
+            self.pins.pin(counted)
         if chains and self.next_tier is not None:  # so a pinned block can always be demoted, never lost
             with self._lock:
                 resident = [b for b in self._ram if b.block_hash in chains]
@@ -208,13 +211,19 @@ class KVManager:
         return pinned
 
     def unpin(self, block_hashes: Sequence[bytes]) -> int:
-        """Remove one pin from each pinned block and its ancestors. Returns how many were unpinned."""
-        count = 0
+        """Remove one pin from each pinned block and its ancestors. Returns how many were unpinned.
+        All or nothing, as `pin`."""
+        removed: dict[bytes, int] = {}  # pins taken off so far, so a hash named twice is seen as it will be
+        counted = []
         for block_hash in block_hashes:
-            if self.pins.count(block_hash) > 0:
-                self.pins.unpin(self.chain_of(block_hash) or [block_hash])
-                count += 1
-        return count
+            if self.pins.count(block_hash) > removed.get(block_hash, 0):
+                chain = self.chain_of(block_hash) or [block_hash]
+                for h in chain:
+                    removed[h] = removed.get(h, 0) + 1
+                counted.append(chain)
+        if counted:
+            self.pins.unpin([h for chain in counted for h in chain])
+        return len(counted)
 
     def flush(self) -> dict[str, int]:
         """Drop every RAM block that is neither in use nor pinned, and all tails."""

@@ -7,6 +7,7 @@ passes the chain), so a pinned prefix is always usable from its first token. Thr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -15,6 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ..checked_json import Const, DamagedFile, Hex, Int, MapOf, Obj, load_json, remove_leftover_temps
+from ..errors import InsufficientStorageError
 from .fsmode import open_private
 from .hashing import HASH_BYTES
 
@@ -46,35 +48,51 @@ class PinRegistry:
         pins = loaded.value["pins"] if loaded.value is not None else {}
         return {bytes.fromhex(h): n for h, n in pins.items()}
 
-    def _save(self) -> None:
-        """Persist the counts. Caller holds _lock."""
-        if self.path is None:
-            return
-        data = json.dumps({"version": 1, "pins": {h.hex(): n for h, n in self._counts.items()}})
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        with open_private(tmp, "w") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+    def _save(self, counts: dict[bytes, int]) -> None:
+        """Persist `counts`, then make them the registry's: a change that cannot be written is
+        not applied (InsufficientStorageError naming the file and the OS error, 507 over HTTP).
+        Caller holds _lock."""
+        if self.path is not None:
+            data = json.dumps({"version": 1, "pins": {h.hex(): n for h, n in counts.items()}})
+            tmp = self.path.with_name(f".{self.path.name}.tmp")
+            try:
+                with open_private(tmp, "w") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, self.path)
+            except OSError as exc:
+                with contextlib.suppress(OSError):
+                    tmp.unlink(missing_ok=True)
+                log.error("pins file %s could not be written (%s); the pin change was not applied", self.path, exc)
+                raise InsufficientStorageError(
+                    f"the pin change was not applied: the pins file {self.path} could not be written "
+                    f"({exc.strerror or exc})",
+                    code="pins_not_saved",
+                ) from None
+        self._counts = counts  # one assignment: is_pinned (lock-free) sees the old or the new counts
 
     def pin(self, chain: Iterable[bytes]) -> None:
-        """Add one pin to every hash of `chain` (a block and its ancestors)."""
+        """Add one pin to every hash of `chain` (a block and its ancestors; a hash listed twice
+        gets two). All or nothing: raises InsufficientStorageError, changing nothing, when the
+        pins file cannot be written."""
         with self._lock:
+            counts = dict(self._counts)
             for block_hash in chain:
-                self._counts[block_hash] = self._counts.get(block_hash, 0) + 1
-            self._save()
+                counts[block_hash] = counts.get(block_hash, 0) + 1
+            self._save(counts)
 
     def unpin(self, chain: Iterable[bytes]) -> None:
-        """Remove one pin from every hash of `chain` that has one."""
+        """Remove one pin from every hash of `chain` that has one. All or nothing, as `pin`."""
         with self._lock:
+            counts = dict(self._counts)
             for block_hash in chain:
-                n = self._counts.get(block_hash, 0)
+                n = counts.get(block_hash, 0)
                 if n <= 1:
-                    self._counts.pop(block_hash, None)
+                    counts.pop(block_hash, None)
                 else:
-                    self._counts[block_hash] = n - 1
-            self._save()
+                    counts[block_hash] = n - 1
+            self._save(counts)
 
     def count(self, block_hash: bytes) -> int:
         with self._lock:

@@ -92,6 +92,10 @@ def store_dir(root: Path, namespace: bytes) -> Path:
 
 
 def _free_bytes(path: Path) -> int:
+    """Free bytes on the disk that holds `path`, measured at its nearest existing folder (the
+    store's folder may have been deleted while running: the next write recreates it)."""
+    while not path.exists() and path.parent != path:
+        path = path.parent
     return shutil.disk_usage(path).free
 
 

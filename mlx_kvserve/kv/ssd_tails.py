@@ -23,9 +23,9 @@ from typing import Any, NamedTuple
 import numpy as np
 from blake3 import blake3
 
+from .fsmode import private_mkdir
 from .hashing import HASH_BYTES
 from .ssd import SaveResult
-from .fsmode import private_mkdir
 from .ssd_index import BlockHeader, FormatError, read_block_file, read_header, write_block_file
 from .tails import common_prefix
 

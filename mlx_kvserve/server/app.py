@@ -13,7 +13,7 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -26,12 +26,12 @@ from ..errors import (
     NotFoundError,
     PayloadTooLargeError,
     RequestTimeoutError,
-    ValidationError,
 )
 from . import openai as oa
+from . import prompts
 from .cache_routes import cache_routes
 from .deadlines import Deadlines, EventTracker
-from .gate import RECORD_KEY, RequestGate, error_response
+from .gate import CLIENT_CLOSED, RECORD_KEY, RequestGate, error_response
 from .health import HealthMonitor
 from .metrics import RequestRecord, ServerMetrics
 
@@ -39,7 +39,18 @@ log = logging.getLogger(__name__)
 _DISCONNECT_POLL_S = 0.2
 
 
-async def read_json(request: Request, limit: int) -> Any:
+class _NotJSON(ValueError):
+    pass
+
+
+def _refuse_constant(name: str) -> Any:
+    raise _NotJSON(f"{name} is not a JSON value")  # Python's json takes NaN and Infinity; JSON does not
+
+
+async def read_json(request: Request, limit: int, allow_empty: bool = False) -> Any:
+    """The body parsed as JSON ({} for an empty one when `allow_empty`). Raises
+    PayloadTooLargeError (413) past `limit`, InvalidRequestError (400) for anything else that is
+    not JSON a request field can hold."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLargeError(f"request body of {declared} bytes exceeds the limit of {limit} bytes")
@@ -49,10 +60,15 @@ async def read_json(request: Request, limit: int) -> Any:
         if size > limit:
             raise PayloadTooLargeError(f"request body exceeds the limit of {limit} bytes")
         chunks.append(chunk)
+    raw = b"".join(chunks)
+    if allow_empty and not raw.strip():
+        return {}
     try:
-        return json.loads(b"".join(chunks))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return json.loads(raw, parse_constant=_refuse_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError, _NotJSON) as exc:
         raise InvalidRequestError(f"request body is not valid JSON: {exc}") from None
+    except ValueError:  # the one other: an integer past int()'s digit limit (4300 by default)
+        raise InvalidRequestError("request body holds an integer with too many digits to read") from None
     except RecursionError:  # a few thousand nested brackets fit in any body limit
         raise InvalidRequestError("request body is nested too deeply") from None
 
@@ -75,21 +91,11 @@ class CompletionHandler:
 
     async def tokens(self, req: oa.CompletionRequest) -> list[int]:
         if req.kind == "chat":
-            try:
-                return await run_in_threadpool(self.engine.chat_tokens, req.messages)
-            except Exception as exc:  # jinja raises its own types for templates that reject input
-                raise InvalidRequestError(
-                    f"the chat template rejected these messages: {exc}", param="messages"
-                ) from None
+            return await prompts.chat_tokens(self.engine, req.messages)
         if isinstance(req.prompt, list):
-            vocab = self.engine.loaded.config.get("vocab_size", 0)
-            if vocab and any(not 0 <= t < vocab for t in req.prompt):
-                raise ValidationError(f"token ids in 'prompt' must be in [0, {vocab})", param="prompt")
+            prompts.check_token_ids(self.engine, req.prompt)
             return req.prompt
-        try:
-            return await run_in_threadpool(self.engine.text_tokens, req.prompt)
-        except Exception as exc:  # e.g. a lone surrogate (a "\ud800" escape), which the tokenizer refuses
-            raise InvalidRequestError(f"the prompt could not be tokenized: {exc}", param="prompt") from None
+        return await prompts.text_tokens(self.engine, req.prompt)
 
     async def __call__(self, request: Request, kind: str) -> Response:
         server = self.engine.config.server
@@ -245,6 +251,10 @@ def create_app(engine: Engine, keys: ApiKeys | None = None) -> Starlette:
         err.status_code = exc.status_code
         return error_response(err)
 
+    async def on_client_gone(request: Request, exc: Exception) -> Response:
+        # The gate reads bodies first, so this is a backstop: a client that left is not a server error.
+        return Response(status_code=CLIENT_CLOSED)
+
     async def on_unexpected(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error on %s", request.url.path)
         return error_response(KVServeError(f"internal error: {type(exc).__name__}"))
@@ -270,9 +280,22 @@ def create_app(engine: Engine, keys: ApiKeys | None = None) -> Starlette:
         Route("/metrics", metrics_text, methods=["GET"]),
         *cache_routes(engine, read_json),
     ]
-    handlers = {KVServeError: on_kvserve_error, HTTPException: on_http_error, Exception: on_unexpected}
+    handlers = {
+        KVServeError: on_kvserve_error,
+        HTTPException: on_http_error,
+        ClientDisconnect: on_client_gone,
+        Exception: on_unexpected,
+    }
     app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
     keys = keys if keys is not None else load_api_keys(engine.config.server)
-    limit = engine.config.server.in_flight_limit()
-    app.add_middleware(RequestGate, keys=keys, in_flight_limit=limit, metrics=metrics, routes=app.router.routes)
+    server = engine.config.server
+    app.add_middleware(
+        RequestGate,
+        keys=keys,
+        in_flight_limit=server.in_flight_limit(),
+        metrics=metrics,
+        routes=app.router.routes,
+        max_body_bytes=server.max_body_bytes,
+        body_read_timeout_s=server.body_read_timeout_s,
+    )
     return app

@@ -12,7 +12,8 @@ from starlette.routing import Route
 from ..engine.cache_admin import CacheAdmin, parse_hashes
 from ..engine.engine import Engine
 from ..errors import InvalidRequestError, ValidationError
-from .openai import parse_messages
+from . import prompts
+from .openai import check_text, parse_messages
 
 
 async def _target_hashes(
@@ -30,12 +31,12 @@ async def _target_hashes(
         if not isinstance(add_prompt, bool):
             raise ValidationError("'add_generation_prompt' must be a boolean", param="add_generation_prompt")
         messages = parse_messages(body["messages"])
-        tokens = await run_in_threadpool(engine.chat_tokens, messages, add_prompt)
+        tokens = await prompts.chat_tokens(engine, messages, add_prompt)
     else:
         prompt = body["prompt"]
         if not isinstance(prompt, str) or not prompt:
             raise ValidationError("'prompt' must be a non-empty string", param="prompt")
-        tokens = await run_in_threadpool(engine.text_tokens, prompt)
+        tokens = await prompts.text_tokens(engine, check_text(prompt, "prompt"))
     hashes = admin.block_hashes(tokens)
     if not hashes:
         raise InvalidRequestError(
@@ -51,8 +52,8 @@ async def _target_hashes(
 def cache_routes(engine: Engine, read_json) -> list[Route]:
     admin = CacheAdmin(engine.prefix_cache)
 
-    async def body_of(request: Request) -> dict[str, Any]:
-        body = await read_json(request, engine.config.server.max_body_bytes)
+    async def body_of(request: Request, allow_empty: bool = False) -> dict[str, Any]:
+        body = await read_json(request, engine.config.server.max_body_bytes, allow_empty)
         if not isinstance(body, dict):
             raise ValidationError("request body must be a JSON object")
         return body
@@ -77,13 +78,14 @@ def cache_routes(engine: Engine, read_json) -> list[Route]:
         return JSONResponse(engine.cache_stats())
 
     async def flush(request: Request) -> Response:
-        body = await body_of(request) if int(request.headers.get("content-length") or 0) else {}
+        body = await body_of(request, allow_empty=True)  # chunked bodies have no Content-Length: read any
         include_ssd = body.get("ssd", False)
         if not isinstance(include_ssd, bool):
             raise ValidationError("'ssd' must be a boolean", param="ssd")
         return JSONResponse(await run_in_threadpool(admin.flush, include_ssd))
 
     async def prune(request: Request) -> Response:
+        await body_of(request, allow_empty=True)  # no fields, but a body that is no JSON object is an error
         return JSONResponse(await run_in_threadpool(admin.prune))
 
     return [

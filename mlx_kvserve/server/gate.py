@@ -5,6 +5,10 @@ becomes an HTTP response.
 An ASGI middleware rather than per-route code, so that routes added elsewhere (the cache admin
 routes under /v1/cache/) are covered by path, and so that a streaming response holds its in-flight
 slot until its last byte (or its client's disconnect).
+
+The gate reads a request's whole body (bounded by server.max_body_bytes and
+server.body_read_timeout_s) before it takes an in-flight slot, then replays it to the app: a client
+that uploads slowly, or stops half-way, holds a connection but never a slot.
 """
 
 from __future__ import annotations
@@ -14,12 +18,14 @@ import logging
 import time
 import uuid
 
+import anyio
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..config import ApiKeys
-from ..errors import AuthenticationError, KVServeError, OverloadedError
+from ..errors import AuthenticationError, BodyTimeoutError, KVServeError, OverloadedError, PayloadTooLargeError
 from . import openai as oa
 from .metrics import RequestRecord, ServerMetrics
 
@@ -28,9 +34,16 @@ OPEN_PATHS = frozenset({"/health"})  # answered without a key: service managers 
 LIMITED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 ADMIN_PREFIX = "/v1/cache"
 QUIET_ENDPOINTS = frozenset({"/health", "/metrics"})  # polled often: their lines are logged at debug level
+BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})  # requests whose body the gate reads before the app runs
+CLIENT_CLOSED = 499  # nginx's "client closed request": recorded, never sent (nobody is left to read it)
 request_log = logging.getLogger("mlx_kvserve.requests")
 
-_HEADERS = {429: {"Retry-After": "1"}, 503: {"Retry-After": "1"}, 401: {"WWW-Authenticate": "Bearer"}}
+_HEADERS = {
+    429: {"Retry-After": "1"},
+    503: {"Retry-After": "1"},
+    401: {"WWW-Authenticate": "Bearer"},
+    408: {"Connection": "close"},  # the rest of the body may still be on its way: this connection is done
+}
 
 
 def error_response(exc: KVServeError) -> JSONResponse:
@@ -63,18 +76,47 @@ def log_line(record: RequestRecord) -> str:
     )
 
 
+def _declared_length(scope: Scope) -> int | None:
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            return int(value) if value.isdigit() else None
+    return None
+
+
+def replay(body: bytes, receive: Receive) -> Receive:
+    """A `receive` that hands the app `body` as one message, then passes on to `receive` (which
+    reports the client's disconnect)."""
+    pending: list[Message] = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive_replayed() -> Message:
+        return pending.pop() if pending else await receive()
+
+    return receive_replayed
+
+
 class RequestGate:
-    """ASGI middleware. Per HTTP request: check the API key its path needs (401), admit a completion
-    request only while fewer than `in_flight_limit` are in flight (429), then run the app and
-    record the outcome. `in_flight` is only touched on the event loop, so it needs no lock."""
+    """ASGI middleware. Per HTTP request: check the API key its path needs (401), read the whole
+    body of a POST (413 past `max_body_bytes`, 408 past `body_read_timeout_s`, 499 recorded when the
+    client leaves first), admit a completion request only while fewer than `in_flight_limit` are in
+    flight (429), then run the app with the body replayed and record the outcome. `in_flight` is
+    only touched on the event loop, so it needs no lock."""
 
     def __init__(
-        self, app: ASGIApp, keys: ApiKeys, in_flight_limit: int, metrics: ServerMetrics, routes: list[BaseRoute]
+        self,
+        app: ASGIApp,
+        keys: ApiKeys,
+        in_flight_limit: int,
+        metrics: ServerMetrics,
+        routes: list[BaseRoute],
+        max_body_bytes: int,
+        body_read_timeout_s: float,
     ):
         self.app = app
         self.routes = routes  # the app's live route list, to name the endpoint of a request the gate rejected
         self.keys = ApiKeys(*(k.encode() for k in keys))
         self.in_flight_limit = in_flight_limit
+        self.max_body_bytes = max_body_bytes
+        self.body_read_timeout_s = body_read_timeout_s
         self.metrics = metrics
         self.in_flight = 0
         metrics.track_in_flight(lambda: self.in_flight)
@@ -111,6 +153,34 @@ class RequestGate:
         self.in_flight += 1
         return True
 
+    async def read_body(self, scope: Scope, receive: Receive) -> bytes:
+        """The request's whole body. Raises PayloadTooLargeError (413) past max_body_bytes, by its
+        Content-Length or as it arrives; BodyTimeoutError (408) when it has not all arrived within
+        body_read_timeout_s; ClientDisconnect when the client goes away first."""
+        limit = self.max_body_bytes
+        declared = _declared_length(scope)
+        if declared is not None and declared > limit:
+            raise PayloadTooLargeError(f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+        chunks, size, more = [], 0, True
+        with anyio.move_on_after(self.body_read_timeout_s):
+            while more:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise ClientDisconnect()
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    raise PayloadTooLargeError(f"request body exceeds the limit of {limit} bytes")
+                chunks.append(chunk)
+                more = message.get("more_body", False)
+        if more:
+            raise BodyTimeoutError(
+                f"the request body did not arrive within server.body_read_timeout_s "
+                f"({self.body_read_timeout_s:g}s); {size} bytes came",
+                code="body_timeout",
+            )
+        return b"".join(chunks)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
@@ -127,16 +197,22 @@ class RequestGate:
         try:
             try:
                 self.check_key(scope)
+                if scope["method"] in BODY_METHODS:  # before admit: a slow upload never holds a slot
+                    receive = replay(await self.read_body(scope, receive), receive)
                 admitted = self.admit(scope)
             except KVServeError as exc:
+                record.error = exc.code or exc.error_type
                 await error_response(exc)(scope, receive, send_recording)
+                return
+            except ClientDisconnect:  # gone mid-upload: nothing to answer, nothing went wrong here
+                record.status, record.error = CLIENT_CLOSED, "client_closed"
                 return
             await self.app(scope, receive, send_recording)
         except BaseException as exc:
             # No response started: the client went away (cancelled) or the app raised; the
             # outer server-error middleware answers 500 to the latter.
             if not record.status:
-                record.status = 500 if isinstance(exc, Exception) else 499
+                record.status = 500 if isinstance(exc, Exception) else CLIENT_CLOSED
             raise
         finally:
             if admitted:

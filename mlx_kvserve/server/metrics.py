@@ -18,7 +18,7 @@ from prometheus_client.registry import Collector
 
 PREFIX = "mlx_kvserve_"
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-_TIMEOUT_KINDS = {"first_token_timeout": "first_token", "request_timeout": "total"}
+_TIMEOUT_KINDS = {"first_token_timeout": "first_token", "request_timeout": "total", "body_timeout": "body"}
 _LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 

@@ -6,6 +6,7 @@ for requests that cannot be served as asked; every message names the field.
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -56,9 +57,14 @@ def _field(body: dict[str, Any], name: str, kinds: tuple[type, ...], what: str, 
 
 
 def _number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
-    value = float(_field(body, name, (int, float), "a number", default))
-    if not low <= value <= high:
-        raise ValidationError(f"'{name}' must be between {low} and {high}, got {value}", param=name)
+    raw = _field(body, name, (int, float), "a number", default)
+    try:
+        value = float(raw)
+    except OverflowError:  # an integer beyond float range, e.g. 10**400
+        value = math.copysign(math.inf, raw)
+    if not low <= value <= high:  # also false for inf (1e999 parses as inf) and NaN
+        shown = value if math.isfinite(value) or isinstance(raw, float) else "an integer too large for a float"
+        raise ValidationError(f"'{name}' must be between {low} and {high}, got {shown}", param=name)
     return value
 
 
@@ -69,16 +75,30 @@ def _top_p(body: dict[str, Any], default: float) -> float:
     return value
 
 
+def check_text(text: str, param: str) -> str:
+    """`text`, unless it holds a lone surrogate (a JSON escape like "\\ud800" with no pair), which is
+    not Unicode text and which no tokenizer takes: then InvalidRequestError (400) naming `param`."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = ord(text[exc.start])
+        raise InvalidRequestError(
+            f"'{param}' holds a lone surrogate (\\u{code:04x} at character {exc.start}), which is not valid Unicode text",
+            param=param,
+        ) from None
+    return text
+
+
 def _content_text(content: Any, where: str) -> str:
     if isinstance(content, str):
-        return content
+        return check_text(content, f"{where}.content")
     if isinstance(content, list):
         parts = []
         for i, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise ValidationError(f"{where}.content[{i}] must be a text part", param=f"{where}.content")
             parts.append(part["text"])
-        return "".join(parts)
+        return check_text("".join(parts), f"{where}.content")
     raise ValidationError(f"{where}.content must be a string or a list of text parts", param=f"{where}.content")
 
 
@@ -120,7 +140,7 @@ def _parse_prompt(body: dict[str, Any]) -> str | list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise ValidationError("'prompt' must not be empty", param="prompt")
-        return prompt
+        return check_text(prompt, "prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return prompt
     raise ValidationError("'prompt' must be a non-empty string or an array of token ids", param="prompt")

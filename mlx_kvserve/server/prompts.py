@@ -1,0 +1,37 @@
+"""Prompt tokenization for the HTTP routes (completions and cache pins alike): the tokenizer and the
+chat template run in a thread, and whatever they refuse becomes a 400 naming the field, never a 500."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from starlette.concurrency import run_in_threadpool
+
+from ..engine.engine import Engine
+from ..errors import InvalidRequestError, ValidationError
+
+MAX_TOKEN_ID = 2**31  # bound on token ids when the model's config names no vocab_size
+
+
+async def chat_tokens(engine: Engine, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of `messages` under the chat template. InvalidRequestError when the template (or
+    the tokenizer) rejects them."""
+    try:
+        return await run_in_threadpool(engine.chat_tokens, messages, add_generation_prompt)
+    except Exception as exc:  # jinja raises its own types for templates that reject input
+        raise InvalidRequestError(f"the chat template rejected these messages: {exc}", param="messages") from None
+
+
+async def text_tokens(engine: Engine, prompt: str) -> list[int]:
+    """Token ids of `prompt`. InvalidRequestError when the tokenizer refuses it."""
+    try:
+        return await run_in_threadpool(engine.text_tokens, prompt)
+    except Exception as exc:  # tokenizers raise their own types
+        raise InvalidRequestError(f"the prompt could not be tokenized: {exc}", param="prompt") from None
+
+
+def check_token_ids(engine: Engine, tokens: Sequence[int]) -> None:
+    """ValidationError (422) unless every id is in [0, vocab_size)."""
+    vocab = engine.loaded.config.get("vocab_size", 0) or MAX_TOKEN_ID
+    if any(not 0 <= t < vocab for t in tokens):
+        raise ValidationError(f"token ids in 'prompt' must be in [0, {vocab})", param="prompt")
