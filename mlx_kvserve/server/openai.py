@@ -61,7 +61,7 @@ def _number(body: dict[str, Any], name: str, default: float, low: float, high: f
     try:
         value = float(raw)
     except OverflowError:  # an integer beyond float range, e.g. 10**400
-        value = math.copysign(math.inf, raw)
+        value = math.inf if raw > 0 else -math.inf
     if not low <= value <= high:  # also false for inf (1e999 parses as inf) and NaN
         shown = value if math.isfinite(value) or isinstance(raw, float) else "an integer too large for a float"
         raise ValidationError(f"'{name}' must be between {low} and {high}, got {shown}", param=name)
