@@ -9,7 +9,6 @@ replaced first; pruned with the blocks' TTL. Never raises: a failure is a miss, 
 from __future__ import annotations
 
 import contextlib
-import contextlib
 import logging
 import os
 import re
