@@ -123,3 +123,18 @@ def test_a_store_folder_deleted_while_running_is_recreated_by_the_next_write(tmp
     assert (folder.stat().st_mode & 0o777) == 0o700
     tier.save_tail(b"\x01" * 32, [1, 2, 3], arrays(3, 0))
     assert tier.stats()["ssd_tail_saves"] == 1
+
+
+def test_budget_eviction_never_deletes_through_a_linked_tails_folder(tmp_path):
+    outside = tmp_path / "model"
+    outside.mkdir()
+    victim = outside / ("ab" * 32 + ".safetensors")  # named like a tail, in a folder we do not own
+    victim.write_bytes(b"x" * 100_000)
+    tier = make_tier(tmp_path / "ns", max_bytes=50_000)
+    (tmp_path / "ns" / "tails").mkdir()
+    (tmp_path / "ns" / "tails" / ("cd" * 32)).symlink_to(outside)
+    tier.on_new_block(block(0))
+    tier.save_tail(b"\x01" * 32, [1, 2, 3], arrays(3, 0))
+    assert victim.exists()
+    assert tier.tails.save(bytes.fromhex("cd" * 32), [4, 5], arrays(2, 0)) is SaveResult.ERROR  # not through the link
+    assert sorted(p.name for p in outside.iterdir()) == [victim.name]

@@ -74,10 +74,12 @@ class SSDTailStore:
         tmp = folder / f".{key.hex()}.tmp{SUFFIX}"
         try:
             private_mkdir(folder)  # tails/ too, if someone removed it meanwhile
+            if not (_real_dir(self.folder) and _real_dir(folder)):
+                raise OSError(f"{folder} is not a plain folder (a link?); tails are never written through links")
             size = write_block_file(tmp, self.namespace, BlockHeader(key, parent_hash, tuple(token_ids), ""), arrays)
             os.replace(tmp, path)
             self._used_bytes += size
-            siblings = sorted(folder.glob(f"*{SUFFIX}"), key=lambda p: p.stat().st_mtime)
+            siblings = sorted(_tail_files(folder), key=lambda p: p.stat().st_mtime)
             for old in siblings[: max(0, len(siblings) - self.per_parent)]:
                 self._used_bytes = max(0, self._used_bytes - _unlink_size(old))
         except Exception as exc:  # a tail is a convenience: never fail a request for it
@@ -204,8 +206,8 @@ class SSDTailStore:
     def files(self) -> list[tuple[float, int, Path]]:
         """(last use as mtime, size, path) of every tail file, least recently used first."""
         out = []
-        if self.folder.is_dir():
-            for path in self.folder.glob(f"*/*{SUFFIX}"):
+        for folder in _parent_dirs(self.folder):  # never through links: eviction deletes what it lists
+            for path in _tail_files(folder):
                 try:
                     stat = path.stat()
                 except OSError:
