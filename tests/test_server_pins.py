@@ -31,6 +31,18 @@ def cached(server, tag: str, question: str = "Which lighthouse is tallest?") -> 
     return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
+def settled_stats(server, timeout: float = 60.0) -> dict:
+    """Cache stats once the SSD writer has nothing queued or in progress: its writes (and the
+    evictions they make) run in the background, after the responses that caused them."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = httpx.get(f"{server.base_url}/v1/cache/stats", timeout=10).json()
+        if stats.get("writer_queue_depth", 0) == 0 and stats.get("writer_pending", 0) == 0:
+            return stats
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.1)
+
+
 def pins(server) -> dict[str, int]:
     r = httpx.get(f"{server.base_url}/v1/cache/pins", timeout=10)
     assert r.status_code == 200
@@ -116,7 +128,7 @@ def test_pinned_prefix_survives_a_flood_of_ram_and_ssd(start_server, tiny_model_
     cached(server, "victim")
     for i in range(12):  # several times the RAM and SSD budgets
         cached(server, f"flood{i}")
-    stats = httpx.get(f"{server.base_url}/v1/cache/stats", timeout=10).json()
+    stats = settled_stats(server)
     assert stats["kv_evictions"] > 0 and stats["ssd_evictions"] + stats["ssd_skipped_budget"] > 0
     assert cached(server, "victim") < BLOCK  # the unpinned prompt is gone
     assert cached(server, "pinned", "A brand new question?") >= n * BLOCK - BLOCK
