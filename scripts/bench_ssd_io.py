@@ -1,11 +1,17 @@
-"""SSD block I/O per block: save_block and load_block of the real store, and the cost of reading a
-block file array by array (what load_block did before it evaluated the loaded arrays at once).
+"""Store benchmark without a model: SSDStore save and load next to the raw disk of the same folder.
 
-Block shapes: SmolLM2-135M (30 layers x 3 KV heads x 64 dims, float32: 2.9 MB per 64-token
-block) and Llama-3-8B (32 layers x 8 KV heads x 128 dims, float16: 8 MB per 64-token block).
-Files are read back from the OS page cache (right after writing), as after a server restart.
+Blocks have the Llama-3-8B shape (32 layers x 8 KV heads x 128 dims, float16, 64 tokens: 8 MiB).
+One run, one folder, the same total size for every row:
+- raw: one file written sequentially in block-size chunks and fsync'd, then read back from the page
+  cache and cold (dropped with posix_fadvise(DONTNEED) after an fsync);
+- store: SSDStore.save_block for every block, then load_block from the page cache and cold;
+- stages: where a block load (file read, header parse, array creation, checksum) and a block save
+  (checksum, serialize + write, fsync, rename) spend their time;
+- checksum: the block checksum next to other designs, on the same block.
+Dropping pages is advisory: on tmpfs "cold" equals "page cache" (the report names the filesystem).
+The machine's other work shows up in every figure: compare rows of one run, not runs.
 
-Usage: .venv/bin/python scripts/bench_ssd_io.py [--blocks 32] [--out results/ssd_io]
+Usage: .venv/bin/python scripts/bench_ssd_io.py [--total-gib 1] [--small] [--dir DIR] [--out results/ssd_io]
 """
 
 from __future__ import annotations
@@ -15,90 +21,363 @@ import os
 import shutil
 import tempfile
 import time
+import zlib
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 from bench_common import median, write_report
+from blake3 import blake3
+from xxhash import xxh3_128
 
-from mlx_kvserve.kv.ssd import SSDStore
-from mlx_kvserve.kv.ssd_index import block_checksum, block_relpath, parse_metadata
+from mlx_kvserve.kv.fsmode import create_private
+from mlx_kvserve.kv.ssd import SaveResult, SSDStore
+from mlx_kvserve.kv.ssd_index import (
+    FORMAT_VERSION,
+    BlockHeader,
+    block_checksum,
+    block_metadata,
+    block_relpath,
+    fsync_dir,
+    fsync_path,
+    parse_metadata,
+)
 
-SHAPES = {
-    "smollm2-135m f32": (30, 3, 64, mx.float32),
-    "llama3-8b f16": (32, 8, 128, mx.float16),
-}
+GIB = 1024**3
 NS = b"\x01" * 32
+PARENT = b"\x00" * 32
+CAN_DROP = hasattr(os, "posix_fadvise")  # Linux; macOS has no posix_fadvise
 
 
-def lazy_read(path: Path, block_hash: bytes) -> None:
-    """The old read: mx.load, then the checksum forces each of the lazy arrays on its own."""
-    arrays, meta = mx.load(str(path), return_metadata=True)
-    header = parse_metadata(meta, NS)
-    assert block_checksum(NS, header, arrays) == header.checksum and header.block_hash == block_hash
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    heads: int
+    head_dim: int
+    tokens: int
+    dtype: mx.Dtype = mx.float16
+
+    @property
+    def block_bytes(self) -> int:
+        return 2 * self.layers * self.heads * self.tokens * self.head_dim * self.dtype.size
 
 
-def measure(shape: tuple, num_blocks: int, block_size: int) -> dict:
-    layers, heads, dim, dtype = shape
-    folder = Path(tempfile.mkdtemp(prefix="kvserve-ssdio-"))
+LLAMA3_8B = Shape(32, 8, 128, 64)
+
+
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def drop_cache(path: Path) -> None:
+    """Evict a file's pages from the page cache (after an fsync: dirty pages cannot be dropped)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
-        store = SSDStore(folder, NS)
-        tokens = tuple(range(block_size))
-        blocks = []
-        for _ in range(num_blocks):
-            arrays = {
-                f"{i}.{kv}": mx.random.normal((1, heads, block_size, dim)).astype(dtype)
-                for i in range(layers)
-                for kv in "kv"
-            }
-            mx.eval(arrays)
-            blocks.append((os.urandom(32), arrays))
-        nbytes = sum(a.nbytes for a in blocks[0][1].values())
-        start = time.perf_counter()
-        for block_hash, arrays in blocks:
-            store.save_block(block_hash, NS, tokens, arrays)
-        save_ms = (time.perf_counter() - start) / num_blocks * 1e3
-        load, lazy = [], []
-        for _ in range(3):  # alternate the two reads
-            start = time.perf_counter()
-            for block_hash, _ in blocks:
-                assert store.load_block(block_hash, tokens) is not None
-            load.append((time.perf_counter() - start) / num_blocks * 1e3)
-            start = time.perf_counter()
-            for block_hash, _ in blocks:
-                lazy_read(folder / block_relpath(block_hash), block_hash)
-            lazy.append((time.perf_counter() - start) / num_blocks * 1e3)
-        load_ms, lazy_ms = median(load), median(lazy)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def read_file(path: Path, buf: memoryview) -> int:
+    """Read a whole file sequentially in len(buf) chunks with plain os reads; returns the bytes read."""
+    total = 0
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            total += n
+    return total
+
+
+def make_payloads(shape: Shape, count: int) -> list[dict[str, mx.array]]:
+    """`count` random payloads (random bits do not compress); blocks reuse them under distinct hashes."""
+    payloads = []
+    for _ in range(count):
+        arrays = {
+            f"{i}.{kv}": mx.random.normal((1, shape.heads, shape.tokens, shape.head_dim)).astype(shape.dtype)
+            for i in range(shape.layers)
+            for kv in "kv"
+        }
+        mx.eval(arrays)
+        payloads.append(arrays)
+    return payloads
+
+
+def raw_write(path: Path, num_chunks: int, chunk: memoryview) -> float:
+    """Seconds to write num_chunks x chunk sequentially into one new file and fsync it."""
+
+    def write() -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            for _ in range(num_chunks):
+                done = 0
+                while done < len(chunk):
+                    done += os.write(fd, chunk[done:])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    return timed(write)
+
+
+def read_pass(paths: list[Path], cold: bool, read: Callable[[Path], object]) -> float:
+    """Seconds to read every path with `read`; a cold pass drops each file from the page cache first."""
+    if cold:
+        for path in paths:
+            drop_cache(path)
+    return timed(lambda: [read(path) for path in paths])
+
+
+def save_pass(store: SSDStore, hashes: list[bytes], tokens: tuple, payloads: list[dict[str, mx.array]]) -> float:
+    """Seconds to save_block every hash (each a new block) into `store`."""
+
+    def save_all() -> None:
+        for i, block_hash in enumerate(hashes):
+            assert store.save_block(block_hash, PARENT, tokens, payloads[i % len(payloads)]) is SaveResult.SAVED
+
+    return timed(save_all)
+
+
+def io_bandwidth(folder: Path, shape: Shape, num_blocks: int, reps: int) -> tuple[dict, SSDStore, list, list]:
+    """Raw and store bandwidth (GiB/s, medians of `reps`) on the same folder and total; raw and store
+    passes alternate, so that the machine's other work falls on both. Also returns the store of the
+    first save pass, its (hash, path) blocks and the payloads, for the stage measurements."""
+    total = num_blocks * shape.block_bytes
+    chunk = memoryview(np.random.default_rng(0).integers(0, 256, shape.block_bytes, dtype=np.uint8))
+    payloads = make_payloads(shape, min(num_blocks, 4))
+    tokens = tuple(range(shape.tokens))
+    raw_path, hashes = folder / "raw.bin", [os.urandom(32) for _ in range(num_blocks)]
+    store = SSDStore(folder / "store", NS)
+    modes = ["page_cache", "cold"] if CAN_DROP else ["page_cache"]
+    kinds = ["raw_write", "store_save"] + [f"{kind}_{mode}" for kind in ("raw_read", "store_load") for mode in modes]
+    times: dict[str, list[float]] = {kind: [] for kind in kinds}
+    for rep in range(reps):  # later reps save into a throwaway store: a saved block is not written again
+        times["raw_write"].append(raw_write(raw_path, num_blocks, chunk))
+        target = store if rep == 0 else SSDStore(folder / f"store{rep}", NS)
+        times["store_save"].append(save_pass(target, hashes, tokens, payloads))
+        if target is not store:
+            shutil.rmtree(target.cache_dir)
+    paths = [store.cache_dir / block_relpath(h) for h in hashes]
+    by_path = dict(zip(paths, hashes, strict=True))
+    buf = memoryview(bytearray(shape.block_bytes))
+
+    def load(path: Path) -> None:
+        if store.load_block(by_path[path], tokens) is None:
+            raise RuntimeError(f"load_block missed {path.name}")
+
+    for _ in range(reps):
+        for mode in modes:
+            times[f"raw_read_{mode}"].append(read_pass([raw_path], mode == "cold", lambda p: read_file(p, buf)))
+            times[f"store_load_{mode}"].append(read_pass(paths, mode == "cold", load))
+    raw_path.unlink()
+    result = {"total_gib": total / GIB, "num_blocks": num_blocks, "reps": reps}
+    result.update({name: total / median(ts) / GIB for name, ts in times.items()})
+    result["save_vs_raw"] = result["store_save"] / result["raw_write"]
+    for mode in modes:
+        result[f"load_vs_raw_{mode}"] = result[f"store_load_{mode}"] / result[f"raw_read_{mode}"]
+    return result, store, list(zip(hashes, paths, strict=True)), payloads
+
+
+class Laps:
+    """Durations of consecutive steps: `lap(name)` records the time since the previous lap (or start)."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, list[float]] = {}
+        self._last = time.perf_counter()
+
+    def start(self) -> None:
+        self._last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.times.setdefault(name, []).append(now - self._last)
+        self._last = now
+
+    def medians_ms(self) -> dict[str, float]:
+        return {name: median(ts) * 1e3 for name, ts in self.times.items()}
+
+
+def load_stages(blocks: list[tuple[bytes, Path]], cold: bool) -> dict[str, float]:
+    """Median ms per block of each step of read_block_file, after a plain read of the same file."""
+    laps = Laps()
+    for block_hash, path in blocks:
+        buf = memoryview(bytearray(path.stat().st_size))
+        if cold:
+            drop_cache(path)
+        laps.start()
+        read_file(path, buf)
+        laps.lap("file_read")
+        if cold:
+            drop_cache(path)  # mx.load reads the file cold too
+        laps.start()
+        arrays, meta = mx.load(str(path), return_metadata=True)
+        laps.lap("mx_load_header")
+        header = parse_metadata(meta, NS)
+        laps.lap("parse_metadata")
+        mx.eval(arrays)
+        laps.lap("mx_eval_read_and_create")
+        checksum = block_checksum(NS, header, arrays)
+        laps.lap("checksum")
+        assert checksum == header.checksum and header.block_hash == block_hash
+    return laps.medians_ms()
+
+
+def save_stages(folder: Path, shape: Shape, payloads: list[dict[str, mx.array]], count: int) -> dict[str, float]:
+    """Median ms per block of each step of write_block_file and the store's rename."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tokens = tuple(range(shape.tokens))
+    laps = Laps()
+    for i in range(count):
+        arrays = payloads[i % len(payloads)]
+        header = BlockHeader(os.urandom(32), PARENT, tokens, "")
+        tmp, final = folder / f"{i}.tmp.safetensors", folder / f"{i}.safetensors"
+        laps.start()
+        header = header._replace(checksum=block_checksum(NS, header, arrays))
+        laps.lap("checksum")
+        create_private(tmp)
+        mx.save_safetensors(str(tmp), dict(arrays), metadata=block_metadata(NS, header))
+        laps.lap("serialize_write")
+        fsync_path(tmp)
+        laps.lap("fsync")
+        os.replace(tmp, final)
+        fsync_dir(folder)
+        laps.lap("rename")
+    return laps.medians_ms()
+
+
+def _numpy_bytes(arr: mx.array) -> np.ndarray:
+    """How format v1 fed an array to its hash (float dtypes only here: numpy has no bfloat16)."""
+    return np.ascontiguousarray(np.asarray(arr)).reshape(-1).view(np.uint8)
+
+
+def _u8(arr: mx.array) -> memoryview:
+    """The array's memory as bytes, without a copy (blake3 accepts only byte-format buffers)."""
+    return memoryview(arr).cast("B")
+
+
+def checksum_designs(
+    arrays: Mapping[str, mx.array], data: memoryview, pool: ThreadPoolExecutor
+) -> dict[str, Callable[[], object]]:
+    """Ways to hash one block: over its arrays (what a load holds) or its file's bytes in one buffer."""
+    ordered = [arrays[name] for name in sorted(arrays)]
+
+    def per_array(new: Callable[[], object], to_bytes: Callable[[mx.array], object]) -> None:
+        hasher = new()
+        for arr in ordered:
+            hasher.update(to_bytes(arr))
+        hasher.digest()
+
+    def tree() -> bytes:
+        return blake3(b"".join(pool.map(lambda a: blake3(_u8(a)).digest(), ordered))).digest()
+
+    header = BlockHeader(PARENT, PARENT, (1,), "")
+    return {
+        "blake3 per array via numpy, 1 thread (format v1)": lambda: per_array(blake3, _numpy_bytes),
+        "blake3 per array via memoryview, 1 thread": lambda: per_array(blake3, _u8),
+        "blake3 per array, AUTO threads": lambda: per_array(lambda: blake3(max_threads=blake3.AUTO), _u8),
+        "blake3 per-array digests on a thread pool": tree,
+        "blake3 file bytes, 1 thread": lambda: blake3(data).digest(),
+        "blake3 file bytes, AUTO threads": lambda: blake3(data, max_threads=blake3.AUTO).digest(),
+        "zlib.crc32 file bytes": lambda: zlib.crc32(data),
+        "xxh3-128 file bytes": lambda: xxh3_128(data).digest(),
+        "xxh3-128 per array via memoryview": lambda: per_array(xxh3_128, memoryview),
+        "numpy uint64 sum (weak; a floor)": lambda: np.frombuffer(data[: len(data) // 8 * 8], np.uint64).sum(),
+        f"block_checksum as built (format v{FORMAT_VERSION})": lambda: block_checksum(NS, header, arrays),
+    }
+
+
+def checksum_costs(store: SSDStore, blocks: list[tuple[bytes, Path]], tokens: tuple, reps: int) -> dict[str, float]:
+    """Median ms per block of each checksum design on loaded blocks (data in memory)."""
+    times: dict[str, list[float]] = {}
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        for block_hash, path in blocks:
+            arrays = store.load_block(block_hash, tokens).arrays
+            designs = checksum_designs(arrays, memoryview(path.read_bytes()), pool)
+            for _ in range(reps):
+                for name, fn in designs.items():
+                    times.setdefault(name, []).append(timed(fn))
+    return {name: median(ts) * 1e3 for name, ts in times.items()}
+
+
+def filesystem_of(folder: Path) -> str:
+    """The mount's filesystem type from /proc/mounts (Linux), else 'unknown'."""
+    best, fs = "", "unknown"
+    try:
+        for line in Path("/proc/mounts").read_text().splitlines():
+            mount, kind = line.split()[1:3]
+            if Path(mount) in (folder.resolve(), *folder.resolve().parents) and len(mount) > len(best):
+                best, fs = mount, kind
+    except OSError:
+        pass
+    return fs
+
+
+def run(total_bytes: int, folder: Path, shape: Shape = LLAMA3_8B, reps: int = 2, stage_blocks: int = 8) -> dict:
+    """Measure everything in a fresh subfolder of `folder` (removed afterwards); returns the results."""
+    work = Path(tempfile.mkdtemp(prefix="kvserve-ssdio-", dir=folder))
+    try:
+        num_blocks = max(1, total_bytes // shape.block_bytes)
+        bandwidth, store, blocks, payloads = io_bandwidth(work, shape, num_blocks, reps)
+        sample = blocks[:stage_blocks]
+        stages = {"load_page_cache_ms": load_stages(sample, cold=False)}
+        if CAN_DROP:
+            stages["load_cold_ms"] = load_stages(sample, cold=True)
+        stages["save_ms"] = save_stages(work / "stages", shape, payloads, len(sample))
         return {
-            "block_mb": nbytes / 1e6,
-            "save_ms": save_ms,
-            "load_ms": load_ms,
-            "lazy_load_ms": lazy_ms,
-            "load_gb_s": nbytes / load_ms / 1e6,
-            "speedup": lazy_ms / load_ms,
+            "folder": str(folder),
+            "filesystem": filesystem_of(folder),
+            "device": str(mx.default_device()),
+            "cpu_count": os.cpu_count(),
+            "block_mib": shape.block_bytes / 2**20,
+            "gib_s": bandwidth,
+            "stages": stages,
+            "checksum_ms": checksum_costs(store, sample[:4], tuple(range(shape.tokens)), reps=3),
         }
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--blocks", type=int, default=32)
-    parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--out", default="results/ssd_io")
-    args = parser.parse_args()
-    results = {name: measure(shape, args.blocks, args.block_size) for name, shape in SHAPES.items()}
+def report_lines(r: dict) -> list[str]:
+    bw, mib = r["gib_s"], r["block_mib"]
     lines = [
-        f"# SSD block I/O ({args.block_size}-token blocks, {args.blocks} blocks, {mx.default_device()})",
+        f"# Store benchmark, no model ({bw['num_blocks']} blocks of {mib:.0f} MiB = {bw['total_gib']:.2f} GiB; "
+        f"{r['filesystem']} at {r['folder']}; {r['device']}, {r['cpu_count']} CPUs)",
         "",
-        "| shape | block MB | save_block ms | load_block ms | load GB/s | array-by-array read ms | speedup |",
-        "|---|---|---|---|---|---|---|",
+        "| GiB/s | raw file I/O | SSDStore | store / raw |",
+        "|---|---|---|---|",
+        f"| write (+fsync) / save_block | {bw['raw_write']:.2f} | {bw['store_save']:.2f} | {bw['save_vs_raw']:.2f}x |",
     ]
-    for name, r in results.items():
-        lines.append(
-            f"| {name} | {r['block_mb']:.1f} | {r['save_ms']:.1f} | {r['load_ms']:.1f} | {r['load_gb_s']:.2f} "
-            f"| {r['lazy_load_ms']:.1f} | {r['speedup']:.1f}x |"
-        )
-    write_report(results, Path(args.out), lines)
+    for mode in ("page_cache", "cold"):
+        if f"raw_read_{mode}" in bw:
+            lines.append(
+                f"| read / load_block, {mode.replace('_', ' ')} | {bw[f'raw_read_{mode}']:.2f} "
+                f"| {bw[f'store_load_{mode}']:.2f} | {bw[f'load_vs_raw_{mode}']:.2f}x |"
+            )
+    for name, steps in r["stages"].items():
+        lines += ["", f"| {name.removesuffix('_ms').replace('_', ' ')}: step | ms per block |", "|---|---|"]
+        lines += [f"| {step} | {ms:.2f} |" for step, ms in steps.items()]
+    lines += ["", "| checksum design | ms per block | GiB/s |", "|---|---|---|"]
+    for name, ms in r["checksum_ms"].items():
+        lines.append(f"| {name} | {ms:.2f} | {mib / 1024 / ms * 1e3:.2f} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--total-gib", type=float, default=1.0, help="bytes to save and load (default 1 GiB)")
+    parser.add_argument("--small", action="store_true", help="a quick run: 64 MiB")
+    parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()), help="folder on the disk to test")
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path("results/ssd_io"))
+    args = parser.parse_args(argv)
+    total_gib = 1 / 16 if args.small else args.total_gib
+    results = run(int(total_gib * GIB), args.dir, reps=max(1, args.reps))
+    write_report(results, args.out, report_lines(results))
+    return results
 
 
 if __name__ == "__main__":

@@ -234,11 +234,21 @@ class Engine:
             except Exception as exc:  # a bad file must not stop the server
                 log.error("pin_on_start: %s not pinned: %s", path, exc)
 
-    def chat_tokens(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def chat_tokens(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
         """Token ids of `messages` under the model's chat template (by default ready for the
-        assistant's turn, exactly as a chat request renders them)."""
+        assistant's turn, exactly as a chat request renders them), with `tools` (OpenAI's shape)
+        and `template_kwargs` (e.g. enable_thinking) given to the template."""
         tokenizer = self.loaded.tokenizer
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt))
+        extra = dict(template_kwargs or {})
+        if tools:  # only when given: a template that takes no tools renders as before
+            extra["tools"] = tools
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra))
 
     def text_tokens(self, prompt: str) -> list[int]:
         return list(self.loaded.tokenizer.encode(prompt))

@@ -19,7 +19,7 @@ from starlette.routing import Route
 
 from ..config import ApiKeys, load_api_keys
 from ..engine.engine import Engine
-from ..engine.request import Event, Failed, Finished, GenerationRequest, TextDelta
+from ..engine.request import Event, Finished, GenerationRequest, TextDelta
 from ..errors import (
     InvalidRequestError,
     KVServeError,
@@ -28,12 +28,15 @@ from ..errors import (
     RequestTimeoutError,
 )
 from . import openai as oa
-from . import prompts
+from . import prompts, tools
+from .anthropic import anthropic_routes
 from .cache_routes import cache_routes
 from .deadlines import Deadlines, EventTracker
 from .gate import CLIENT_CLOSED, RECORD_KEY, RequestGate, error_response
 from .health import HealthMonitor
 from .metrics import RequestRecord, ServerMetrics
+from .output import REASONING, TOOL, ChatOutput, Segment
+from .output import collect as collect_segments
 
 log = logging.getLogger(__name__)
 _DISCONNECT_POLL_S = 0.2
@@ -91,17 +94,44 @@ class CompletionHandler:
 
     async def tokens(self, req: oa.CompletionRequest) -> list[int]:
         if req.kind == "chat":
-            return await prompts.chat_tokens(self.engine, req.messages)
+            tools.check_support(self.engine.loaded.tokenizer, req.tools)
+            offered = req.tools.tools if req.tools else None
+            return await prompts.chat_tokens(self.engine, req.messages, True, offered, req.template_kwargs)
         if isinstance(req.prompt, list):
             prompts.check_token_ids(self.engine, req.prompt)
             return req.prompt
         return await prompts.text_tokens(self.engine, req.prompt)
 
     async def __call__(self, request: Request, kind: str) -> Response:
+        body = await read_json(request, self.engine.config.server.max_body_bytes)
+        req = oa.parse_request(body, kind, self.defaults)
+        gen_req, track = await self.submit(request, req)
+        if req.stream:
+            return StreamingResponse(self._stream(req, gen_req, track), media_type="text/event-stream")
+        done = await self.collect(request, gen_req, track)
+        if isinstance(done, Response):
+            return done
+        text, ev = done
+        body = self._reply_body(req, gen_req, text, ev)
+        return JSONResponse(self._with_extension(body, req, gen_req))
+
+    def output(self, req: oa.CompletionRequest, gen_req: GenerationRequest) -> ChatOutput:
+        """The splitter of this chat reply into reasoning, content and tool calls."""
+        return ChatOutput(self.engine.loaded.tokenizer, gen_req.prompt_tokens, req.tools)
+
+    def _reply_body(self, req: oa.CompletionRequest, gen_req: GenerationRequest, text: str, ev: Finished) -> dict:
+        rid, model = gen_req.request_id, self.engine.model_name
+        if req.kind != "chat":
+            return oa.response_body(req, rid, model, text, ev.finish_reason, ev.usage)
+        out = self.output(req, gen_req)
+        content, reasoning, calls = collect_segments(out.feed(text) + out.finish())
+        return oa.response_body(req, rid, model, content, ev.finish_reason, ev.usage, reasoning, calls)
+
+    async def submit(self, request: Request, req: oa.CompletionRequest) -> tuple[GenerationRequest, EventTracker]:
+        """Tokenize `req`, check its limits and hand it to the engine. Raises KVServeError (mapped
+        to 4xx) for anything the request cannot have."""
         server = self.engine.config.server
         record = request.scope.get(RECORD_KEY) or RequestRecord("-", request.method, request.url.path, time.monotonic())
-        body = await read_json(request, server.max_body_bytes)
-        req = oa.parse_request(body, kind, self.defaults)
         record.stream = req.stream
         self.check_model(req.model)
         prompt = await self.tokens(req)
@@ -112,7 +142,7 @@ class CompletionHandler:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
         gen_req = GenerationRequest(
-            request_id=oa.new_id(kind),
+            request_id=oa.new_id(req.kind),
             prompt_tokens=prompt,
             params=req.sampling(budget),
             emit=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
@@ -121,9 +151,7 @@ class CompletionHandler:
         track = EventTracker(events, deadlines, record)
         self.engine.submit(gen_req)
         record.request_id, record.prompt_tokens = gen_req.request_id, len(prompt)
-        if req.stream:
-            return StreamingResponse(self._stream(req, gen_req, track), media_type="text/event-stream")
-        return await self._collect(request, req, gen_req, track)
+        return gen_req, track
 
     def _with_extension(self, body: dict, req: oa.CompletionRequest, gen_req: GenerationRequest) -> dict:
         """Add the opt-in `kvserve` object: the prompt's block hashes, to pin exactly what was sent."""
@@ -133,7 +161,11 @@ class CompletionHandler:
             body["kvserve"] = {"block_hashes": [h.hex() for h in hashes]}
         return body
 
-    async def _collect(self, request: Request, req, gen_req: GenerationRequest, track: EventTracker) -> Response:
+    async def collect(
+        self, request: Request, gen_req: GenerationRequest, track: EventTracker
+    ) -> tuple[str, Finished] | Response:
+        """The whole reply's text and its Finished event, or a 499 response when the client left.
+        Raises the KVServeError of a failed generation, RequestTimeoutError past a deadline."""
         pieces: list[str] = []
         loop = asyncio.get_running_loop()
         next_check = loop.time() + _DISCONNECT_POLL_S
@@ -152,19 +184,17 @@ class CompletionHandler:
                     pieces.append(ev.text)
                 elif isinstance(ev, Finished):
                     track.finished(ev)
-                    text = "".join(pieces)
-                    body = oa.response_body(
-                        req, gen_req.request_id, self.engine.model_name, text, ev.finish_reason, ev.usage
-                    )
-                    return JSONResponse(self._with_extension(body, req, gen_req))
+                    return "".join(pieces), ev
                 else:
-                    track.failed(_as_kvserve_error(ev.error))
-                    return _failure_response(ev)
+                    err = _as_kvserve_error(ev.error)
+                    track.failed(err)
+                    raise err
         finally:
             gen_req.cancel()  # no-op when finished; stops the worker if this task was cancelled
 
     async def _stream(self, req, gen_req: GenerationRequest, track: EventTracker) -> AsyncIterator[str]:
         rid, model = gen_req.request_id, self.engine.model_name
+        out = self.output(req, gen_req) if req.kind == "chat" else None
         try:
             yield _sse(oa.chunk_body(req, rid, model, "" if req.kind == "chat" else None, None, first=True))
             while True:
@@ -176,13 +206,19 @@ class CompletionHandler:
                 if ev is None:  # woke a hair before a deadline: wait again
                     continue
                 if isinstance(ev, TextDelta):
-                    if ev.text:
+                    if ev.text and out is None:
                         yield _sse(oa.chunk_body(req, rid, model, ev.text, None))
+                    elif ev.text:
+                        for chunk in _segment_chunks(req, rid, model, out, out.feed(ev.text)):
+                            yield _sse(chunk)
                 elif isinstance(ev, Finished):
                     track.finished(ev)
-                    yield _sse(
-                        self._with_extension(oa.chunk_body(req, rid, model, None, ev.finish_reason), req, gen_req)
-                    )
+                    reason = ev.finish_reason
+                    if out is not None:
+                        for chunk in _segment_chunks(req, rid, model, out, out.finish()):
+                            yield _sse(chunk)
+                        reason = "tool_calls" if out.num_calls and reason == "stop" else reason
+                    yield _sse(self._with_extension(oa.chunk_body(req, rid, model, None, reason), req, gen_req))
                     if req.include_usage:
                         yield _sse(oa.usage_chunk(req, rid, model, ev.usage))
                     break
@@ -196,6 +232,21 @@ class CompletionHandler:
             gen_req.cancel()  # the client went away or the stream ended: free the worker
 
 
+def _segment_chunks(req, rid: str, model: str, out: ChatOutput, segments: list[Segment]) -> list[dict]:
+    """Chunks for segments of a streamed chat reply; tool calls are numbered across the reply."""
+    chunks, index = [], out.num_calls - sum(len(s.calls) for s in segments)
+    for seg in segments:
+        if seg.kind == TOOL:
+            deltas = [call.openai(index + i) for i, call in enumerate(seg.calls)]
+            index += len(seg.calls)
+            chunks.append(oa.chunk_body(req, rid, model, None, None, tool_calls=deltas))
+        elif seg.kind == REASONING:
+            chunks.append(oa.chunk_body(req, rid, model, None, None, reasoning=seg.text))
+        else:
+            chunks.append(oa.chunk_body(req, rid, model, seg.text, None))
+    return chunks
+
+
 def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
@@ -204,10 +255,6 @@ def _as_kvserve_error(exc: Exception) -> KVServeError:
     if isinstance(exc, KVServeError):
         return exc
     return KVServeError(f"generation failed: {type(exc).__name__}: {exc}")
-
-
-def _failure_response(ev: Failed) -> JSONResponse:
-    return error_response(_as_kvserve_error(ev.error))
 
 
 def create_app(engine: Engine, keys: ApiKeys | None = None) -> Starlette:
@@ -279,6 +326,7 @@ def create_app(engine: Engine, keys: ApiKeys | None = None) -> Starlette:
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics_text, methods=["GET"]),
         *cache_routes(engine, read_json),
+        *anthropic_routes(handler, read_json),
     ]
     handlers = {
         KVServeError: on_kvserve_error,

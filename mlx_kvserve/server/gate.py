@@ -31,7 +31,7 @@ from .metrics import RequestRecord, ServerMetrics
 
 RECORD_KEY = "mlx_kvserve.record"  # the scope key under which handlers find their RequestRecord
 OPEN_PATHS = frozenset({"/health"})  # answered without a key: service managers and probes hold none
-LIMITED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+LIMITED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages"})
 ADMIN_PREFIX = "/v1/cache"
 QUIET_ENDPOINTS = frozenset({"/health", "/metrics"})  # polled often: their lines are logged at debug level
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})  # requests whose body the gate reads before the app runs
@@ -58,11 +58,15 @@ def is_admin_path(path: str) -> bool:
 
 
 def _bearer_token(scope: Scope) -> bytes:
+    """The key of `Authorization: Bearer <key>`, or of `x-api-key` (what Anthropic clients send)."""
+    found = b""
     for name, value in scope["headers"]:
         if name == b"authorization":
             scheme, _, token = value.partition(b" ")
             return token.strip() if scheme.lower() == b"bearer" else b""
-    return b""
+        if name == b"x-api-key":
+            found = value.strip()
+    return found
 
 
 def log_line(record: RequestRecord) -> str:

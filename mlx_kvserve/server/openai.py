@@ -6,14 +6,16 @@ for requests that cannot be served as asked; every message names the field.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine.request import SamplingParams, Usage
 from ..errors import InvalidRequestError, ValidationError
+from . import tools as tl
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP_STRINGS = 8
@@ -32,7 +34,7 @@ class CompletionRequest:
 
     kind: str  # "chat" | "text"
     model: str | None
-    messages: list[dict[str, str]] | None
+    messages: list[dict[str, Any]] | None
     prompt: str | list[int] | None
     max_tokens: int | None  # None: as many as the context allows, up to the server default
     temperature: float
@@ -42,6 +44,8 @@ class CompletionRequest:
     stream: bool
     include_usage: bool
     return_block_hashes: bool = False
+    tools: tl.ToolSpec | None = None
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs
 
     def sampling(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(max_tokens, self.temperature, self.top_p, self.seed, self.stop)
@@ -102,22 +106,59 @@ def _content_text(content: Any, where: str) -> str:
     raise ValidationError(f"{where}.content must be a string or a list of text parts", param=f"{where}.content")
 
 
-def parse_messages(raw: Any) -> list[dict[str, str]]:
+def _tool_calls(raw: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's `tool_calls`, with each call's `arguments` decoded from its JSON text
+    into an object, as chat templates (and mlx-lm's server) expect."""
+    if not isinstance(raw, list):
+        raise ValidationError(f"{where}.tool_calls must be an array", param="messages")
+    calls = []
+    for j, call in enumerate(raw):
+        at = f"{where}.tool_calls[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ValidationError(f"{at} must be a function call with a 'name'", param="messages")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError:
+                raise ValidationError(f"{at}.function.arguments is not valid JSON", param="messages") from None
+        if not isinstance(args, dict):
+            raise ValidationError(f"{at}.function.arguments must be a JSON object", param="messages")
+        calls.append(
+            {"id": str(call.get("id", "")), "type": "function", "function": {"name": fn["name"], "arguments": args}}
+        )
+    return calls
+
+
+def _parse_message(msg: Any, where: str) -> dict[str, Any]:
+    if not isinstance(msg, dict):
+        raise ValidationError(f"{where} must be an object", param="messages")
+    role = msg.get("role")
+    if role not in ROLES:
+        raise ValidationError(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", param="messages")
+    content = msg.get("content")
+    if content is None and role == "assistant":
+        content = ""
+    out: dict[str, Any] = {"role": role, "content": _content_text(content, where)}
+    if role == "assistant" and msg.get("tool_calls"):
+        out["tool_calls"] = _tool_calls(msg["tool_calls"], where)
+    if role == "assistant" and msg.get("reasoning_content") is not None:
+        out["reasoning_content"] = _content_text(msg["reasoning_content"], f"{where}.reasoning")
+    for key in ("tool_call_id", "name"):  # a tool result names the call it answers
+        if msg.get(key) is not None:
+            if not isinstance(msg[key], str):
+                raise ValidationError(f"{where}.{key} must be a string", param="messages")
+            out[key] = msg[key]
+    return out
+
+
+def parse_messages(raw: Any) -> list[dict[str, Any]]:
+    """Messages as the chat template takes them: role and text content, plus an assistant's
+    `tool_calls` / `reasoning_content` and a tool message's `tool_call_id` / `name`."""
     if not isinstance(raw, list) or not raw:
         raise ValidationError("'messages' must be a non-empty array", param="messages")
-    messages = []
-    for i, msg in enumerate(raw):
-        where = f"messages[{i}]"
-        if not isinstance(msg, dict):
-            raise ValidationError(f"{where} must be an object", param="messages")
-        role = msg.get("role")
-        if role not in ROLES:
-            raise ValidationError(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", param="messages")
-        content = msg.get("content")
-        if content is None and role == "assistant":
-            content = ""
-        messages.append({"role": role, "content": _content_text(content, where)})
-    return messages
+    return [_parse_message(msg, f"messages[{i}]") for i, msg in enumerate(raw)]
 
 
 def _parse_stop(body: dict[str, Any]) -> tuple[str, ...]:
@@ -153,9 +194,57 @@ def _parse_seed(body: dict[str, Any]) -> int | None:
     return seed
 
 
+# Fields served as asked. `user` only names the caller, so there is nothing to do for it.
+_FIELDS = {"model", "max_tokens", "temperature", "top_p", "n", "seed", "stop", "stream", "stream_options"}
+_FIELDS |= {"kvserve", "user", "max_completion_tokens"}
+CHAT_FIELDS = _FIELDS | {"messages", "tools", "tool_choice", "parallel_tool_calls"}
+CHAT_FIELDS |= {"chat_template_kwargs"}
+TEXT_FIELDS = _FIELDS | {"prompt"}
+# Fields not served, accepted only at the value that asks for nothing.
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "frequency_penalty": (None, 0),
+    "presence_penalty": (None, 0),
+    "logit_bias": (None, {}),
+    "response_format": (None, {"type": "text"}),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+}
+# Keys the server sets itself; a request may not override them through chat_template_kwargs.
+_RESERVED_TEMPLATE_KEYS = {"messages", "tools", "add_generation_prompt", "tokenize", "return_dict", "conversation"}
+
+
+def _same(value: Any, neutral: Any) -> bool:
+    return value == neutral and isinstance(value, bool) == isinstance(neutral, bool)  # False is not 0 here
+
+
+def check_fields(body: dict[str, Any], allowed: set[str]) -> None:
+    """InvalidRequestError (400) naming the first field this server would otherwise have to ignore:
+    one it does not know, or one it does not serve (logprobs, response_format...) set to a value
+    that asks for something. No field is dropped silently."""
+    for name, value in body.items():
+        if name in allowed or name in _NEUTRAL and any(_same(value, v) for v in _NEUTRAL[name]):
+            continue
+        what = "is not supported by this server" if name in _NEUTRAL else "is not a field this server knows"
+        raise InvalidRequestError(f"'{name}' {what}", param=name, code="unsupported_field")
+
+
+def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    kwargs = _field(body, "chat_template_kwargs", (dict,), "an object", {})
+    if bad := sorted(k for k in kwargs if k in _RESERVED_TEMPLATE_KEYS):
+        raise InvalidRequestError(
+            f"'chat_template_kwargs' may not set {', '.join(bad)}: the server sets it", param="chat_template_kwargs"
+        )
+    return kwargs
+
+
 def parse_request(body: Any, kind: str, defaults: Defaults) -> CompletionRequest:
+    """The request in `body`; InvalidRequestError for fields it cannot serve (see check_fields)."""
     if not isinstance(body, dict):
         raise ValidationError("request body must be a JSON object")
+    check_fields(body, CHAT_FIELDS if kind == "chat" else TEXT_FIELDS)
     n = _field(body, "n", (int,), "an integer", 1)
     if n != 1:
         raise ValidationError("only n=1 is supported", param="n")
@@ -179,6 +268,8 @@ def parse_request(body: Any, kind: str, defaults: Defaults) -> CompletionRequest
         stream=_field(body, "stream", (bool,), "a boolean", False),
         include_usage=bool(_field(stream_options, "include_usage", (bool,), "a boolean", False)),
         return_block_hashes=bool(_field(ext, "return_block_hashes", (bool,), "a boolean", False)),
+        tools=tl.parse_openai_tools(body) if kind == "chat" else None,
+        template_kwargs=_template_kwargs(body) if kind == "chat" else {},
     )
 
 
@@ -240,15 +331,27 @@ def public_finish_reason(reason: str) -> str:
     return "length" if reason == "cancelled" else reason
 
 
-def response_body(req: CompletionRequest, rid: str, model: str, text: str, reason: str, usage: Usage) -> dict:
+def response_body(
+    req: CompletionRequest,
+    rid: str,
+    model: str,
+    text: str,
+    reason: str,
+    usage: Usage,
+    reasoning: str = "",
+    tool_calls: tuple[tl.ToolCall, ...] | list[tl.ToolCall] = (),
+) -> dict:
+    """The whole reply. A chat reply with tool calls ends with "tool_calls" (unless cut by
+    max_tokens) and has null content when the model wrote nothing else."""
     reason = public_finish_reason(reason)
     if req.kind == "chat":
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": reason,
-        }
+        message: dict[str, Any] = {"role": "assistant", "content": text if text or not tool_calls else None}
+        if reasoning:
+            message["reasoning_content"] = reasoning
+        if tool_calls:
+            message["tool_calls"] = [call.openai() for call in tool_calls]
+            reason = "tool_calls" if reason == "stop" else reason
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
         obj = "chat.completion"
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
@@ -264,14 +367,26 @@ def response_body(req: CompletionRequest, rid: str, model: str, text: str, reaso
 
 
 def chunk_body(
-    req: CompletionRequest, rid: str, model: str, text: str | None, reason: str | None, first: bool = False
+    req: CompletionRequest,
+    rid: str,
+    model: str,
+    text: str | None,
+    reason: str | None,
+    first: bool = False,
+    reasoning: str | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict:
-    """One streamed chunk: text (None for none) and, on the last content chunk, the finish reason."""
+    """One streamed chunk: text (None for none), reasoning text, tool-call deltas (each with its
+    `index`) and, on the last content chunk, the finish reason."""
     reason = public_finish_reason(reason) if reason else None
     if req.kind == "chat":
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text is not None:
             delta["content"] = text
+        if reasoning is not None:
+            delta["reasoning_content"] = reasoning
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
         obj = "chat.completion.chunk"
     else:

@@ -4,6 +4,7 @@ chat template run in a thread, and whatever they refuse becomes a 400 naming the
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
@@ -13,11 +14,17 @@ from ..errors import InvalidRequestError, ValidationError
 MAX_TOKEN_ID = 2**31  # bound on token ids when the model's config names no vocab_size
 
 
-async def chat_tokens(engine: Engine, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of `messages` under the chat template. InvalidRequestError when the template (or
-    the tokenizer) rejects them."""
+async def chat_tokens(
+    engine: Engine,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
+    """Token ids of `messages` (with `tools` and `template_kwargs`) under the chat template.
+    InvalidRequestError when the template (or the tokenizer) rejects them."""
     try:
-        return await run_in_threadpool(engine.chat_tokens, messages, add_generation_prompt)
+        return await run_in_threadpool(engine.chat_tokens, messages, add_generation_prompt, tools, template_kwargs)
     except Exception as exc:  # jinja raises its own types for templates that reject input
         raise InvalidRequestError(f"the chat template rejected these messages: {exc}", param="messages") from None
 

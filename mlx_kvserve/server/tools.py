@@ -1,0 +1,136 @@
+"""Tool calling: the request's `tools` / `tool_choice` checked, and the text a model writes between
+its tool-call markers parsed by mlx-lm's own parser for that model (the tokenizer's `tool_parser`,
+chosen by mlx-lm from the chat template or vocabulary). No parser is written here.
+
+Only `tool_choice` "auto" and "none" are served: "required" and a named function need constrained
+decoding, which this server does not have yet, so they are refused with a 400 rather than ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import InvalidRequestError, ValidationError
+
+log = logging.getLogger(__name__)
+NEEDS_CONSTRAINED = "needs constrained decoding, which this server does not support yet; use 'auto' or 'none'"
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """The tools a request offers. `tools` go to the chat template as given (OpenAI's shape);
+    `choice` is "auto" (calls are parsed out of the reply) or "none" (tools are still rendered, so
+    the prompt and its cached prefix stay the same, but the reply is returned as plain text)."""
+
+    tools: list[dict[str, Any]]
+    choice: str = "auto"
+    parallel: bool = True
+
+    @property
+    def parses_calls(self) -> bool:
+        return bool(self.tools) and self.choice != "none"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+    def openai(self, index: int | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+        if index is not None:  # streamed deltas carry the call's position
+            out["index"] = index
+        return out
+
+
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def check_function(fn: Any, where: str, param: str) -> dict[str, Any]:
+    """A function definition {name, description?, parameters?} checked (ValidationError naming `where`)."""
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise ValidationError(f"{where} must be an object with a non-empty string 'name'", param=param)
+    if not isinstance(fn.get("description", ""), str):
+        raise ValidationError(f"{where}.description must be a string", param=param)
+    if not isinstance(fn.get("parameters", {}), dict):
+        raise ValidationError(f"{where}.parameters must be a JSON Schema object", param=param)
+    return fn
+
+
+def parse_openai_tools(body: dict[str, Any]) -> ToolSpec | None:
+    """`tools`, `tool_choice` and `parallel_tool_calls` of an OpenAI chat request; None when it
+    offers no tools. ValidationError for wrong shapes, InvalidRequestError for choices not served."""
+    raw = body.get("tools")
+    choice = body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls", True)
+    if parallel is not None and not isinstance(parallel, bool):
+        raise ValidationError("'parallel_tool_calls' must be a boolean", param="parallel_tool_calls")
+    if raw is None or raw == []:
+        if choice not in (None, "none", "auto"):
+            raise InvalidRequestError("'tool_choice' needs 'tools'", param="tool_choice")
+        return None
+    if not isinstance(raw, list):
+        raise ValidationError("'tools' must be an array of function tools", param="tools")
+    for i, tool in enumerate(raw):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise ValidationError(f"tools[{i}] must be an object with type 'function'", param="tools")
+        check_function(tool.get("function"), f"tools[{i}].function", "tools")
+    if choice is None:
+        choice = "auto"
+    if choice in ("required",) or isinstance(choice, dict):
+        raise InvalidRequestError(f"'tool_choice' {json.dumps(choice)} {NEEDS_CONSTRAINED}", param="tool_choice")
+    if choice not in ("auto", "none"):
+        raise ValidationError("'tool_choice' must be 'auto', 'none', 'required' or a function", param="tool_choice")
+    return ToolSpec(tools=raw, choice=choice, parallel=parallel is not False)
+
+
+def check_support(tokenizer: Any, spec: ToolSpec | None, param: str = "tools") -> None:
+    """InvalidRequestError when tools are offered to a model whose tokenizer has no tool-call
+    markers: the model was not trained to call tools, and its template would drop them."""
+    if spec and spec.tools and not getattr(tokenizer, "has_tool_calling", False):
+        raise InvalidRequestError(
+            "this model does not support tool calling (mlx-lm found no tool-call format in its chat template)",
+            param=param,
+            code="tools_not_supported",
+        )
+
+
+def markers(tokenizer: Any) -> tuple[str, str] | None:
+    """The (start, end) strings around one tool call in the model's output, or None."""
+    if not getattr(tokenizer, "has_tool_calling", False):
+        return None
+    return tokenizer.tool_call_start, tokenizer.tool_call_end
+
+
+def parse_tool_call(tokenizer: Any, text: str, tools: list[dict[str, Any]]) -> list[ToolCall] | None:
+    """The calls in `text` (what the model wrote between one pair of markers), read by mlx-lm's
+    parser for this model; None when the parser cannot read it (a call cut short by max_tokens, or
+    invalid JSON from the model), so the caller can return the text instead of losing it."""
+    try:
+        parsed = tokenizer.tool_parser(text, tools)
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:  # JSONDecodeError is a ValueError
+        log.info("model wrote a tool call its parser cannot read (%s: %s)", type(exc).__name__, exc)
+        return None
+    calls = []
+    for item in parsed if isinstance(parsed, list) else [parsed]:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            return None
+        args = item.get("arguments", {})
+        calls.append(
+            ToolCall(
+                id=new_call_id(),
+                name=item["name"],
+                arguments=args if isinstance(args, str) else json.dumps(args, ensure_ascii=False),
+            )
+        )
+    return calls

@@ -1,0 +1,202 @@
+"""The Anthropic Messages API (issue 13, item 5) through the official `anthropic` SDK, in process on
+the tiny random models: replies and streams with Anthropic's event sequence, system blocks,
+tool_use / tool_result round trips through the template, stop_sequences, cache reads in usage,
+count_tokens, x-api-key, and errors in Anthropic's shape.
+"""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import pytest
+from starlette.testclient import TestClient
+from test_api_tools import (  # noqa: F401  (fixtures)
+    CALL,
+    WEATHER,
+    _loaded,
+    scripted,
+    tool_client,
+    tool_engine,
+    tool_loaded,
+)
+from test_hardening_wire import make_engine
+
+from mlx_kvserve.config import ApiKeys
+from mlx_kvserve.server import openai as oa
+from mlx_kvserve.server.app import create_app
+
+SYSTEM = "You are a terse assistant. " * 8  # several 16-token blocks: the second turn reads them from the cache
+USER = [{"role": "user", "content": "Say hello to the world."}]
+GREEDY = {"temperature": 0}  # this SDK no longer names sampling fields; the API still takes them
+TOOL = {"name": "get_weather", "description": "Weather of a city", "input_schema": WEATHER["function"]["parameters"]}
+
+
+@pytest.fixture(scope="module")
+def plain_engine(tiny_model_dir, tmp_path_factory):
+    return make_engine(_loaded(tiny_model_dir, "tiny"), tmp_path_factory.mktemp("anthropic"))
+
+
+@pytest.fixture(scope="module")
+def plain_client(plain_engine):
+    with TestClient(create_app(plain_engine, ApiKeys("", ""))) as client:
+        yield client
+
+
+def sdk(client, key: str = "none") -> anthropic.Anthropic:
+    return anthropic.Anthropic(api_key=key, base_url="http://testserver", http_client=client, max_retries=0)
+
+
+def test_a_reply_with_usage_and_cache_reads(plain_client, plain_engine):
+    client = sdk(plain_client)
+    first = client.messages.create(model="tiny", system=SYSTEM, messages=USER, max_tokens=4, extra_body=GREEDY)
+    assert first.type == "message" and first.role == "assistant" and first.id.startswith("msg_")
+    assert [b.type for b in first.content] == ["text"] and first.content[0].text
+    assert first.stop_reason in ("max_tokens", "end_turn")
+    prompt = len(plain_engine.chat_tokens([{"role": "system", "content": SYSTEM}, *USER]))
+    assert first.usage.input_tokens + first.usage.cache_read_input_tokens == prompt
+    assert first.usage.output_tokens <= 4
+    second = client.messages.create(model="tiny", system=SYSTEM, messages=USER, max_tokens=4, extra_body=GREEDY)
+    assert second.content[0].text == first.content[0].text
+    assert second.usage.cache_read_input_tokens >= prompt // 16 * 16 - 16 > 0
+    assert second.usage.input_tokens == prompt - second.usage.cache_read_input_tokens
+
+
+def test_system_blocks_with_cache_control_render_as_the_string(plain_client):
+    client = sdk(plain_client)
+    blocks = [
+        {"type": "text", "text": SYSTEM[:40]},
+        {"type": "text", "text": SYSTEM[40:], "cache_control": {"type": "ephemeral"}},
+    ]
+    as_blocks = client.messages.count_tokens(model="tiny", system=blocks, messages=USER)
+    as_string = client.messages.count_tokens(model="tiny", system=SYSTEM, messages=USER)
+    reply = client.messages.create(model="tiny", system=blocks, messages=USER, max_tokens=1)
+    assert as_blocks.input_tokens == as_string.input_tokens
+    assert reply.usage.input_tokens + reply.usage.cache_read_input_tokens == as_blocks.input_tokens
+
+
+def test_a_stream_has_anthropics_event_sequence(plain_client):
+    client = sdk(plain_client)
+    with client.messages.stream(model="tiny", messages=USER, max_tokens=6, extra_body=GREEDY) as stream:
+        events = [ev.type for ev in stream]
+        final = stream.get_final_message()
+    kinds = [e for e in events if e not in ("text",)]  # the SDK adds "text" events of its own
+    assert kinds[:3] == ["message_start", "content_block_start", "content_block_delta"]
+    assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    whole = client.messages.create(model="tiny", messages=USER, max_tokens=6, extra_body=GREEDY)
+    assert final.content[0].text == whole.content[0].text
+    assert final.stop_reason == whole.stop_reason and final.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_stop_sequences_end_the_reply_and_are_named(plain_client):
+    client = sdk(plain_client)
+    text = client.messages.create(model="tiny", messages=USER, max_tokens=24, extra_body=GREEDY).content[0].text
+    at = next(k for k in range(2, len(text) - 2) if "\ufffd" not in text[k : k + 2] and text.find(text[k : k + 2]) == k)
+    stop = text[at : at + 2]
+    reply = client.messages.create(model="tiny", messages=USER, max_tokens=24, stop_sequences=[stop], extra_body=GREEDY)
+    assert reply.content[0].text == text[:at]
+    assert (reply.stop_reason, reply.stop_sequence) == ("stop_sequence", stop)
+
+
+def test_tool_use_and_tool_result_render_through_the_template(tool_client, tool_engine):  # noqa: F811
+    history = [
+        {"role": "user", "content": "weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "text", "text": "Let me look."},
+                {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}},
+            ],
+        },
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny, 21C"}]},
+    ]
+    counted = sdk(tool_client).messages.count_tokens(model="tool-tiny", messages=history, tools=[TOOL])
+    same = [
+        history[0],
+        {
+            "role": "assistant",
+            "content": "Let me look.",
+            "tool_calls": [{"id": "toolu_1", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}],
+        },
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "sunny, 21C"},
+    ]
+    tokens = tool_engine.chat_tokens(oa.parse_messages(same), tools=[WEATHER])
+    rendered = tool_engine.loaded.tokenizer.decode(tokens)
+    assert "<tool_response>sunny, 21C</tool_response>" in rendered and '"city": "Paris"' in rendered
+    assert counted.input_tokens == len(tokens)
+
+
+def test_tool_calls_come_back_as_tool_use_blocks(tool_client, scripted):  # noqa: F811
+    scripted += ["hmm</think>", "Checking. ", CALL[:11], CALL[11:]]
+    reply = sdk(tool_client).messages.create(model="tool-tiny", messages=USER, tools=[TOOL], max_tokens=50)
+    assert [b.type for b in reply.content] == ["thinking", "text", "tool_use"]
+    assert reply.content[0].thinking == "hmm" and reply.content[1].text == "Checking. "
+    assert (reply.content[2].name, reply.content[2].input) == ("get_weather", {"city": "Paris"})
+    assert reply.stop_reason == "tool_use"
+
+
+def test_tool_calls_stream_as_tool_use_blocks(tool_client, scripted):  # noqa: F811
+    scripted += ["hmm</think>", "Checking. ", CALL[:11], CALL[11:]]
+    client = sdk(tool_client)
+    with client.messages.stream(model="tool-tiny", messages=USER, tools=[TOOL], max_tokens=50) as stream:
+        events = [ev for ev in stream]
+        final = stream.get_final_message()
+    starts = [ev.content_block.type for ev in events if ev.type == "content_block_start"]
+    assert starts == ["thinking", "text", "tool_use"]
+    assert final.content[2].input == {"city": "Paris"} and final.stop_reason == "tool_use"
+    assert json.loads(
+        next(
+            ev.delta.partial_json
+            for ev in events
+            if ev.type == "content_block_delta" and ev.delta.type == "input_json_delta"
+        )
+    ) == {"city": "Paris"}
+
+
+@pytest.mark.parametrize(
+    "fields, words",
+    [
+        ({"tool_choice": {"type": "any"}, "tools": [TOOL]}, "constrained decoding"),
+        ({"tool_choice": {"type": "tool", "name": "get_weather"}, "tools": [TOOL]}, "constrained decoding"),
+        ({"extra_body": {"top_k": 5}}, "'top_k'"),
+        ({"extra_body": {"service_tier": "auto"}}, "'service_tier'"),
+        ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "'image'"),
+        ({"system": [{"type": "text", "text": "x", "cache_control": {"type": "forever"}}]}, "cache_control"),
+        ({"tools": [TOOL]}, "tool calling"),  # the plain model has no tool support
+    ],
+)
+def test_bad_requests_are_400s_in_anthropics_shape(plain_client, fields, words):
+    body = {"model": "tiny", "max_tokens": 4, "messages": USER} | fields
+    with pytest.raises(anthropic.BadRequestError) as err:
+        sdk(plain_client).messages.create(**body)
+    assert err.value.status_code == 400 and words in err.value.message
+    assert err.value.body["type"] == "error" and err.value.body["error"]["type"] == "invalid_request_error"
+
+
+def test_missing_max_tokens_is_a_400_in_anthropics_shape(plain_client):
+    reply = plain_client.post("/v1/messages", json={"model": "tiny", "messages": USER})
+    assert reply.status_code == 400
+    assert reply.json() == {
+        "type": "error",
+        "error": {"type": "invalid_request_error", "message": "'max_tokens' is required"},
+    }
+
+
+def test_the_x_api_key_header_opens_the_api(tiny_model_dir, tmp_path):
+    engine = make_engine(_loaded(tiny_model_dir, "tiny"), tmp_path)
+    with TestClient(create_app(engine, ApiKeys("secret", ""))) as client:
+        reply = sdk(client, "secret").messages.create(model="tiny", messages=USER, max_tokens=1)
+        assert reply.usage.output_tokens <= 1
+        with pytest.raises(anthropic.AuthenticationError):
+            sdk(client, "wrong").messages.create(model="tiny", messages=USER, max_tokens=1)
+
+
+def test_thinking_and_top_level_cache_control_reach_the_template(tool_client, tool_engine):  # noqa: F811
+    client = sdk(tool_client)
+    on = client.messages.count_tokens(
+        model="tool-tiny", messages=USER, extra_body={"cache_control": {"type": "ephemeral"}}
+    )
+    off = client.messages.count_tokens(model="tool-tiny", messages=USER, thinking={"type": "disabled"})
+    assert on.input_tokens == len(tool_engine.chat_tokens(USER))
+    assert off.input_tokens == len(tool_engine.chat_tokens(USER, template_kwargs={"enable_thinking": False}))
+    assert off.input_tokens > on.input_tokens

@@ -1,0 +1,42 @@
+"""scripts/bench_ssd_io.py end to end on two 8B-shaped blocks (a full run uses the same code at 1 GiB)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+import bench_ssd_io  # noqa: E402
+
+
+def test_llama3_8b_block_is_8_mib():
+    assert bench_ssd_io.LLAMA3_8B.block_bytes == 8 * 2**20
+
+
+def test_report_has_raw_and_store_bandwidth_stages_and_checksums(tmp_path):
+    out = tmp_path / "out"
+    argv = ["--total-gib", str(16 / 1024), "--reps", "1", "--dir", str(tmp_path), "--out", str(out)]
+    results = bench_ssd_io.main(argv)
+    assert json.loads((out / "results.json").read_text()) == results
+    bw = results["gib_s"]
+    assert bw["num_blocks"] == 2 and bw["total_gib"] == 16 / 1024
+    modes = ["page_cache", "cold"] if bench_ssd_io.CAN_DROP else ["page_cache"]
+    reads = [f"{kind}_{mode}" for kind in ("raw_read", "store_load") for mode in modes]
+    ratios = ["save_vs_raw"] + [f"load_vs_raw_{mode}" for mode in modes]
+    for key in ["raw_write", "store_save", *reads, *ratios]:
+        assert bw[key] > 0, key
+    stages = results["stages"]
+    assert set(stages) == {f"load_{mode}_ms" for mode in modes} | {"save_ms"}
+    load_steps = {"file_read", "mx_load_header", "parse_metadata", "mx_eval_read_and_create", "checksum"}
+    for mode in modes:
+        assert set(stages[f"load_{mode}_ms"]) == load_steps
+    assert set(stages["save_ms"]) == {"checksum", "serialize_write", "fsync", "rename"}
+    assert all(ms > 0 for steps in stages.values() for ms in steps.values())
+    checksums = results["checksum_ms"]
+    assert "blake3 per array via numpy, 1 thread (format v1)" in checksums and len(checksums) >= 8
+    assert all(ms > 0 for ms in checksums.values())
+    report = (out / "report.md").read_text()
+    assert "| write (+fsync) / save_block |" in report and "| checksum design |" in report
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("kvserve-ssdio-")]  # the work folder is gone
