@@ -365,3 +365,12 @@ def test_a_chunked_flush_body_is_read(live):
     assert ssd_blocks() == 0
     empty = httpx.post(live.base_url + "/v1/cache/flush", timeout=30)  # no body at all: {} as before
     assert empty.status_code == 200 and "ssd_dropped" not in empty.json()
+
+
+def test_a_content_length_of_thousands_of_digits_is_not_a_crash():
+    """The gate's early size check must not call int() on a 5,000-digit header (ValueError)."""
+    from mlx_kvserve.server.gate import _declared_length
+
+    huge = {"headers": [(b"content-length", b"9" * 5000)]}
+    assert _declared_length(huge) is None  # left to the streamed size, which the limit bounds
+    assert _declared_length({"headers": [(b"content-length", b"1234")]}) == 1234

@@ -55,7 +55,7 @@ async def read_json(request: Request, limit: int, allow_empty: bool = False) -> 
     PayloadTooLargeError (413) past `limit`, InvalidRequestError (400) for anything else that is
     not JSON a request field can hold."""
     declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
+    if declared and declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
         raise PayloadTooLargeError(f"request body of {declared} bytes exceeds the limit of {limit} bytes")
     chunks, size = [], 0
     async for chunk in request.stream():

@@ -83,7 +83,8 @@ def log_line(record: RequestRecord) -> str:
 def _declared_length(scope: Scope) -> int | None:
     for name, value in scope["headers"]:
         if name == b"content-length":
-            return int(value) if value.isdigit() else None
+            # More digits than any real length (and than int() converts): the streamed size decides.
+            return int(value) if value.isdigit() and len(value) <= 18 else None
     return None
 
 
