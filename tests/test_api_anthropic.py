@@ -159,6 +159,7 @@ def test_tool_calls_stream_as_tool_use_blocks(tool_client, scripted):  # noqa: F
         ({"tool_choice": {"type": "any"}, "tools": [TOOL]}, "constrained decoding"),
         ({"tool_choice": {"type": "tool", "name": "get_weather"}, "tools": [TOOL]}, "constrained decoding"),
         ({"extra_body": {"top_k": 5}}, "'top_k'"),
+        ({"tools": [TOOL | {"strict": True}]}, "constrained decoding"),
         ({"extra_body": {"service_tier": "auto"}}, "'service_tier'"),
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "'image'"),
         ({"system": [{"type": "text", "text": "x", "cache_control": {"type": "forever"}}]}, "cache_control"),
@@ -200,3 +201,82 @@ def test_thinking_and_top_level_cache_control_reach_the_template(tool_client, to
     assert on.input_tokens == len(tool_engine.chat_tokens(USER))
     assert off.input_tokens == len(tool_engine.chat_tokens(USER, template_kwargs={"enable_thinking": False}))
     assert off.input_tokens > on.input_tokens
+
+
+def test_a_messages_request_holds_an_in_flight_slot(tiny_model_dir, tmp_path):
+    import asyncio
+    import threading
+
+    import httpx
+
+    from mlx_kvserve.engine.request import Finished, TextDelta, Usage
+
+    engine = make_engine(_loaded(tiny_model_dir, "tiny"), tmp_path, max_concurrent=1)
+    release = threading.Event()
+
+    def submit(req):  # a reply that waits for the test: the request stays in flight until then
+        def run():
+            release.wait(10)
+            req.emit(TextDelta("hi", 1))
+            req.emit(Finished("stop", Usage(len(req.prompt_tokens), 1), 0.01))
+
+        threading.Thread(target=run).start()
+
+    engine.submit = submit
+    app = create_app(engine, ApiKeys("", ""))
+
+    async def scenario():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
+            body = {"model": "tiny", "max_tokens": 4, "messages": USER}
+            first = asyncio.create_task(client.post("/v1/messages", json=body))
+            await asyncio.sleep(0.5)
+            second = await client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 1})
+            release.set()
+            return await first, second
+
+    try:
+        first, second = asyncio.run(scenario())
+    finally:
+        release.set()
+        engine.stop(5)  # no lifespan ran: release the cache folder and its writer here
+    assert second.status_code == 429
+    assert first.status_code == 200 and first.json()["content"] == [{"type": "text", "text": "hi"}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_failed_generation_is_an_error_in_each_apis_shape(tool_client, tool_engine, monkeypatch, stream):  # noqa: F811
+    from mlx_kvserve.engine.request import Failed
+
+    monkeypatch.setattr(tool_engine, "submit", lambda req: req.emit(Failed(RuntimeError("boom"))))
+    body = {"model": "tool-tiny", "max_tokens": 4, "messages": USER, "stream": stream}
+    reply = tool_client.post("/v1/messages", json=body)
+    chat = tool_client.post("/v1/chat/completions", json=body)
+    if stream:  # the status was sent: the error is the stream's last event
+        assert reply.status_code == 200 and reply.text.rstrip().endswith("}")
+        last = json.loads(reply.text.rstrip().split("\n")[-1].removeprefix("data: "))
+        assert last == {
+            "type": "error",
+            "error": {"type": "api_error", "message": "generation failed: RuntimeError: boom"},
+        }
+        assert "generation failed: RuntimeError: boom" in chat.text
+    else:
+        assert reply.status_code == 500
+        assert reply.json()["error"] == {"type": "api_error", "message": "generation failed: RuntimeError: boom"}
+        assert chat.status_code == 500 and chat.json()["error"]["message"] == "generation failed: RuntimeError: boom"
+
+
+def test_a_prompt_with_tools_is_cached_across_the_two_apis(tool_client, tool_engine):  # noqa: F811
+    import openai
+
+    system = "You are a coding agent. Use the tools. " * 6
+    oa_client = openai.OpenAI(api_key="none", base_url="http://testserver/v1", http_client=tool_client, max_retries=0)
+    first = oa_client.chat.completions.create(
+        model="tool-tiny", messages=[{"role": "system", "content": system}, *USER], tools=[WEATHER], max_tokens=1
+    )
+    second = sdk(tool_client).messages.create(
+        model="tool-tiny", system=system, messages=USER, tools=[TOOL], max_tokens=1
+    )
+    prompt = first.usage.prompt_tokens
+    assert second.usage.input_tokens + second.usage.cache_read_input_tokens == prompt  # the same rendering
+    assert second.usage.cache_read_input_tokens >= prompt // 16 * 16 - 16 > 0

@@ -140,6 +140,14 @@ def test_required_and_named_tool_choice_are_refused_not_ignored(choice):
     assert err.value.param == "tool_choice"
 
 
+def test_strict_function_schemas_are_refused_not_ignored():
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    with pytest.raises(InvalidRequestError, match="constrained decoding") as err:
+        parse(tools=[strict])
+    assert err.value.param == "tools" and "strict" in err.value.message
+    assert parse(tools=[{"type": "function", "function": {**WEATHER["function"], "strict": False}}]).tools
+
+
 @pytest.mark.parametrize(
     "fields",
     [
@@ -291,3 +299,34 @@ def test_without_tools_a_call_shaped_reply_is_plain_content(tool_client, scripte
     scripted += [CALL]
     reply = sdk(tool_client).chat.completions.create(model="tool-tiny", messages=USER, extra_body=NO_THINKING)
     assert reply.choices[0].message.content == CALL and reply.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    "inner, arguments",
+    [
+        ('{"name": "f", "arguments": "{\\"a\\": 1}"}', {"a": 1}),  # arguments written as JSON text
+        ('{"name": "f"}', {}),
+        ('{"name": "f", "arguments": "not json"}', None),
+        ('{"name": "f", "arguments": [1, 2]}', None),
+        ('{"arguments": {}}', None),
+        ("[1]", None),
+    ],
+)
+def test_parsed_arguments_are_always_a_json_object(tool_loaded, inner, arguments):
+    calls = tl.parse_tool_call(tool_loaded.tokenizer, inner, [WEATHER])
+    if arguments is None:
+        assert calls is None
+    else:
+        assert [json.loads(c.arguments) for c in calls] == [arguments]
+
+
+@pytest.mark.slow
+def test_smollm2_has_no_tool_calling_so_tools_are_a_400(smollm_dir):
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    tokenizer = load_tokenizer(smollm_dir)
+    assert not tokenizer.has_tool_calling and not tokenizer.has_thinking
+    with pytest.raises(InvalidRequestError) as err:
+        tl.check_support(tokenizer, tl.ToolSpec([WEATHER]))
+    assert err.value.code == "tools_not_supported"
+    tl.check_support(tokenizer, None)  # no tools: nothing to refuse

@@ -1,5 +1,5 @@
-"""The Anthropic Messages API (`POST /v1/messages`, `/v1/messages/count_tokens`): request and
-response shapes only. A request is translated into an OpenAI chat request and served by the same
+"""The Anthropic Messages API (`POST /v1/messages`, `/v1/messages/count_tokens`): the request's shape
+and the routes (the reply's shape is in anthropic_reply.py). A request is translated into an OpenAI chat request and served by the same
 CompletionHandler path (same template, same engine, same block cache), so a long system prompt with
 tools hits the cache from either API.
 
@@ -10,28 +10,31 @@ TTL yet, and a pin per request would never expire).
 
 from __future__ import annotations
 
-import json
-import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..engine.request import Finished, TextDelta, Usage
-from ..errors import InvalidRequestError, KVServeError, RequestTimeoutError, ValidationError
+from ..errors import InvalidRequestError, KVServeError, ValidationError
 from . import openai as oa
 from . import tools as tl
-from .output import REASONING, TOOL, Segment
+from .anthropic_reply import (
+    content_blocks,
+    error_response,
+    matched_stop,
+    message_body,
+    new_message_id,
+    stop_reason,
+    stream_events,
+)
 
 if TYPE_CHECKING:
     from .app import CompletionHandler
 
 FIELDS = {"model", "max_tokens", "messages", "system", "stop_sequences", "stream", "temperature", "top_p"}
 FIELDS |= {"metadata", "tools", "tool_choice", "cache_control", "thinking"}  # metadata only names the caller
-_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
-_ERROR_TYPES |= {413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error", 504: "timeout_error"}
 
 
 # --- request ------------------------------------------------------------------------------------------
@@ -128,9 +131,14 @@ def _tools(body: dict[str, Any], out: dict[str, Any]) -> None:
                     f"tools[{i}]: only client tools (name, input_schema) are supported", param="tools"
                 )
             _check_cache_control(tool, f"tools[{i}]")
-            fn = {"name": tool.get("name"), "parameters": tool.get("input_schema", {})}
+            # OpenAI's key order: templates render tools with tojson, so the same tool is the same text
+            # (and the same cached prefix) from either API.
+            fn = {"name": tool.get("name")}
             if "description" in tool:
                 fn["description"] = tool["description"]
+            fn["parameters"] = tool.get("input_schema", {})
+            if tool.get("strict"):
+                fn["strict"] = True  # refused below: it needs constrained decoding
             functions.append({"type": "function", "function": tl.check_function(fn, f"tools[{i}]", "tools")})
         out["tools"] = functions
     if choice is not None:
@@ -184,138 +192,7 @@ def _thinking(raw: Any, out: dict[str, Any]) -> None:
     out["chat_template_kwargs"] = {"enable_thinking": raw["type"] != "disabled"}
 
 
-# --- response -----------------------------------------------------------------------------------------
-
-
-def usage_body(usage: Usage) -> dict[str, int]:
-    """Anthropic's split: `input_tokens` are the prompt tokens computed now, `cache_read_input_tokens`
-    those served from the cache (their sum is the prompt). Every computed block is cached as well,
-    with no marker asked for, so no tokens are reported as `cache_creation_input_tokens`."""
-    return {
-        "input_tokens": usage.prompt_tokens - usage.cached_tokens,
-        "output_tokens": usage.completion_tokens,
-        "cache_read_input_tokens": usage.cached_tokens,
-        "cache_creation_input_tokens": 0,
-    }
-
-
-def stop_reason(reason: str, num_calls: int, stop: str | None) -> str:
-    if reason != "stop":
-        return "max_tokens"  # "length", or cut short by shutdown
-    if num_calls:
-        return "tool_use"
-    return "stop_sequence" if stop else "end_turn"
-
-
-def matched_stop(tokenizer: Any, req: oa.CompletionRequest, text: str, ev: Finished) -> str | None:
-    """Which stop sequence ended the reply, if one did. The worker reports "stop" for eos and stop
-    strings alike and sends the text cut before the stop string: the generated tokens, decoded,
-    hold it right after that text."""
-    if ev.finish_reason != "stop" or not req.stop or not ev.token_ids:
-        return None
-    decoded = tokenizer.decode(list(ev.token_ids))
-    rest = decoded[len(text) :] if decoded.startswith(text) else decoded
-    found = [(rest.find(s), s) for s in req.stop if s in rest]
-    return min(found)[1] if found else None
-
-
-def _block(seg: Segment) -> list[dict[str, Any]]:
-    if seg.kind == TOOL:
-        return [{"type": "tool_use", "id": c.id, "name": c.name, "input": json.loads(c.arguments)} for c in seg.calls]
-    if seg.kind == REASONING:
-        return [{"type": "thinking", "thinking": seg.text, "signature": ""}]
-    return [{"type": "text", "text": seg.text}]
-
-
-def content_blocks(segments: list[Segment]) -> list[dict[str, Any]]:
-    """Content blocks in the order the model wrote them; adjacent text of one kind merged."""
-    blocks: list[dict[str, Any]] = []
-    for seg in segments:
-        for block in _block(seg):
-            last = blocks[-1] if blocks else None
-            key = {"text": "text", "thinking": "thinking"}.get(block["type"])
-            if key and last is not None and last["type"] == block["type"]:
-                last[key] += block[key]
-            else:
-                blocks.append(block)
-    return blocks
-
-
-def new_message_id() -> str:
-    return "msg_" + uuid.uuid4().hex[:24]
-
-
-def message_body(mid: str, model: str, blocks: list, reason: str, stop: str | None, usage: Usage) -> dict:
-    return {
-        "id": mid,
-        "type": "message",
-        "role": "assistant",
-        "model": model,
-        "content": blocks,
-        "stop_reason": reason,
-        "stop_sequence": stop,
-        "usage": usage_body(usage),
-    }
-
-
-def error_body(exc: KVServeError) -> tuple[dict[str, Any], int]:
-    """Anthropic's error shape and status. Validation errors are 400s there, as all bad requests."""
-    status = 400 if isinstance(exc, ValidationError) else exc.status_code
-    kind = "invalid_request_error" if status in (400, 408, 422) else _ERROR_TYPES.get(status, "api_error")
-    message = exc.message.encode("utf-8", "backslashreplace").decode("utf-8")
-    return {"type": "error", "error": {"type": kind, "message": message}}, status
-
-
-def error_response(exc: KVServeError) -> JSONResponse:
-    body, status = error_body(exc)
-    return JSONResponse(body, status_code=status)
-
-
-def _event(kind: str, payload: dict[str, Any]) -> str:
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, **payload}, ensure_ascii=False)}\n\n"
-
-
-class BlockStream:
-    """Anthropic's content-block events for a streamed reply: a block opens when the kind of text
-    changes, each tool call is a block of its own."""
-
-    def __init__(self) -> None:
-        self.index = -1
-        self.open: str | None = None  # the open block's type
-
-    def _start(self, block: dict[str, Any]) -> list[str]:
-        events = self.close()
-        self.index += 1
-        self.open = block["type"]
-        return events + [_event("content_block_start", {"index": self.index, "content_block": block})]
-
-    def close(self) -> list[str]:
-        if self.open is None:
-            return []
-        self.open = None
-        return [_event("content_block_stop", {"index": self.index})]
-
-    def events(self, seg: Segment) -> list[str]:
-        out: list[str] = []
-        if seg.kind == TOOL:
-            for call in seg.calls:
-                out += self._start({"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
-                delta = {"type": "input_json_delta", "partial_json": call.arguments}
-                out.append(_event("content_block_delta", {"index": self.index, "delta": delta}))
-                out += self.close()
-            return out
-        kind = "thinking" if seg.kind == REASONING else "text"
-        if self.open != kind:
-            out += self._start({"type": kind, kind: "", **({"signature": ""} if kind == "thinking" else {})})
-        delta = {"type": f"{kind}_delta", kind: seg.text}
-        return out + [_event("content_block_delta", {"index": self.index, "delta": delta})]
-
-
 # --- routes -------------------------------------------------------------------------------------------
-
-
-def _kvserve_error(exc: Exception) -> KVServeError:
-    return exc if isinstance(exc, KVServeError) else KVServeError(f"generation failed: {type(exc).__name__}: {exc}")
 
 
 def anthropic_routes(handler: CompletionHandler, read_json: Callable) -> list[Route]:
@@ -331,7 +208,7 @@ def anthropic_routes(handler: CompletionHandler, read_json: Callable) -> list[Ro
             req = await parse(request)
             gen_req, track = await handler.submit(request, req)
             if req.stream:
-                return StreamingResponse(_stream(handler, req, gen_req, track), media_type="text/event-stream")
+                return StreamingResponse(stream_events(handler, req, gen_req, track), media_type="text/event-stream")
             done = await handler.collect(request, gen_req, track)
         except KVServeError as exc:
             return error_response(exc)
@@ -357,42 +234,3 @@ def anthropic_routes(handler: CompletionHandler, read_json: Callable) -> list[Ro
         Route("/v1/messages", messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
     ]
-
-
-async def _stream(handler: CompletionHandler, req: oa.CompletionRequest, gen_req, track) -> AsyncIterator[str]:
-    """message_start, ping, content blocks as the reply is written, message_delta (stop reason and
-    final usage), message_stop; an `error` event ends a stream that fails after it started."""
-    engine, out, blocks, pieces = handler.engine, handler.output(req, gen_req), BlockStream(), []
-    start = message_body(new_message_id(), engine.model_name, [], None, None, Usage(len(gen_req.prompt_tokens), 0))
-    try:
-        yield _event("message_start", {"message": start})
-        yield _event("ping", {})
-        while True:
-            try:
-                ev = await track.next()
-            except RequestTimeoutError as exc:
-                yield _event("error", {"error": error_body(exc)[0]["error"]})
-                return
-            if ev is None:
-                continue
-            if isinstance(ev, TextDelta):
-                pieces.append(ev.text)
-                for seg in out.feed(ev.text):
-                    for line in blocks.events(seg):
-                        yield line
-            elif isinstance(ev, Finished):
-                track.finished(ev)
-                for line in [e for seg in out.finish() for e in blocks.events(seg)] + blocks.close():
-                    yield line
-                stop = matched_stop(engine.loaded.tokenizer, req, "".join(pieces), ev)
-                delta = {"stop_reason": stop_reason(ev.finish_reason, out.num_calls, stop), "stop_sequence": stop}
-                yield _event("message_delta", {"delta": delta, "usage": usage_body(ev.usage)})
-                yield _event("message_stop", {})
-                return
-            else:
-                err = _kvserve_error(ev.error)
-                track.failed(err)
-                yield _event("error", {"error": error_body(err)[0]["error"]})
-                return
-    finally:
-        gen_req.cancel()

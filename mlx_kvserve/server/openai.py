@@ -241,10 +241,10 @@ def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def parse_request(body: Any, kind: str, defaults: Defaults) -> CompletionRequest:
-    """The request in `body`; InvalidRequestError for fields it cannot serve (see check_fields)."""
+    """The request in `body`. The fields it serves are checked first (ValidationError naming a bad
+    value), then any field it would have to ignore is an InvalidRequestError (see check_fields)."""
     if not isinstance(body, dict):
         raise ValidationError("request body must be a JSON object")
-    check_fields(body, CHAT_FIELDS if kind == "chat" else TEXT_FIELDS)
     n = _field(body, "n", (int,), "an integer", 1)
     if n != 1:
         raise ValidationError("only n=1 is supported", param="n")
@@ -255,7 +255,7 @@ def parse_request(body: Any, kind: str, defaults: Defaults) -> CompletionRequest
         raise ValidationError(f"'max_tokens' must be at least 1, got {max_tokens}", param="max_tokens")
     stream_options = _field(body, "stream_options", (dict,), "an object", {})
     ext = _field(body, "kvserve", (dict,), "an object", {})
-    return CompletionRequest(
+    req = CompletionRequest(
         kind=kind,
         model=_field(body, "model", (str,), "a string"),
         messages=parse_messages(body.get("messages")) if kind == "chat" else None,
@@ -271,6 +271,8 @@ def parse_request(body: Any, kind: str, defaults: Defaults) -> CompletionRequest
         tools=tl.parse_openai_tools(body) if kind == "chat" else None,
         template_kwargs=_template_kwargs(body) if kind == "chat" else {},
     )
+    check_fields(body, CHAT_FIELDS if kind == "chat" else TEXT_FIELDS)
+    return req
 
 
 def check_prompt_limit(req: CompletionRequest, num_prompt: int, limit: int) -> None:

@@ -64,6 +64,11 @@ def check_function(fn: Any, where: str, param: str) -> dict[str, Any]:
         raise ValidationError(f"{where}.description must be a string", param=param)
     if not isinstance(fn.get("parameters", {}), dict):
         raise ValidationError(f"{where}.parameters must be a JSON Schema object", param=param)
+    if fn.get("strict"):  # schema-valid arguments cannot be promised without a grammar
+        raise InvalidRequestError(
+            f"{where}.strict needs constrained decoding, which this server does not support yet; leave it out",
+            param=param,
+        )
     return fn
 
 
@@ -126,11 +131,12 @@ def parse_tool_call(tokenizer: Any, text: str, tools: list[dict[str, Any]]) -> l
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             return None
         args = item.get("arguments", {})
-        calls.append(
-            ToolCall(
-                id=new_call_id(),
-                name=item["name"],
-                arguments=args if isinstance(args, str) else json.dumps(args, ensure_ascii=False),
-            )
-        )
+        if isinstance(args, str):  # some models write the arguments as JSON text
+            try:
+                args = json.loads(args)
+            except ValueError:
+                return None
+        if not isinstance(args, dict):  # arguments are an object, in both APIs
+            return None
+        calls.append(ToolCall(id=new_call_id(), name=item["name"], arguments=json.dumps(args, ensure_ascii=False)))
     return calls
