@@ -138,3 +138,28 @@ def test_budget_eviction_never_deletes_through_a_linked_tails_folder(tmp_path):
     assert victim.exists()
     assert tier.tails.save(bytes.fromhex("cd" * 32), [4, 5], arrays(2, 0)) is SaveResult.ERROR  # not through the link
     assert sorted(p.name for p in outside.iterdir()) == [victim.name]
+
+
+def test_wait_idle_returns_once_queued_writes_are_done(tmp_path):
+    """An admin flush with ssd=true waits for writes queued before it (else they land after it)."""
+    import threading
+
+    from mlx_kvserve.kv.writer import WriteJob
+
+    gate = threading.Event()
+    saved = []
+
+    def slow_save(*job):
+        gate.wait(5)
+        saved.append(job[0])
+        return SaveResult.SAVED
+
+    writer = SSDWriterThread(slow_save)
+    try:
+        writer.enqueue(WriteJob(b"\x01" * 32, NS, (1,), {}))
+        assert writer.wait_idle(0.2) == 1  # still being saved: the wait ran out
+        threading.Timer(0.2, gate.set).start()
+        assert writer.wait_idle(5) == 0 and saved == [b"\x01" * 32]
+    finally:
+        gate.set()
+        writer.stop(5)

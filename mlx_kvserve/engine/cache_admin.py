@@ -10,6 +10,8 @@ from ..errors import InvalidRequestError, ValidationError
 from ..kv.manager import KVManager
 from .prefix_cache import PrefixCache
 
+FLUSH_WAIT_S = 30.0  # how long a flush with ssd=true waits for writes queued before it
+
 
 class CacheAdmin:
     def __init__(self, prefix_cache: PrefixCache):
@@ -70,6 +72,8 @@ class CacheAdmin:
         if include_ssd:
             if tier is None:
                 raise InvalidRequestError("there is no SSD tier to flush", param="ssd")
+            # Blocks queued before the flush would land after it: let the writer finish them first.
+            out["ssd_writes_pending"] = tier.writer.wait_idle(FLUSH_WAIT_S)
             out["ssd_dropped"] = tier.store.remove_unpinned()
             out["ssd_tails_dropped"] = tier.tails.clear()
         out["pinned_blocks"] = len(self.manager.pins)

@@ -110,6 +110,17 @@ class SSDWriterThread:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
+    def wait_idle(self, timeout_s: float) -> int:
+        """Wait until no job is queued or being saved, at most `timeout_s` (an admin flush must not
+        be undone by writes queued before it). Returns how many jobs are still pending (0: idle)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._pending_lock:
+                pending = len(self._pending)
+            if not pending or time.monotonic() >= deadline or not self._thread.is_alive():
+                return pending
+            time.sleep(0.01)
+
     def _inc(self, key: str, n: int = 1) -> None:
         with self._stats_lock:
             self._stats[key] += n
