@@ -143,7 +143,11 @@ class Engine:
         self.config = config
         self.prefix_cache = build_prefix_cache(loaded, config)
         self.generator = Generator(
-            loaded.model, loaded.tokenizer, self.prefix_cache, config.generation.prefill_step_size
+            loaded.model,
+            loaded.tokenizer,
+            self.prefix_cache,
+            config.generation.prefill_step_size,
+            config.server.batch_limit(),
         )
         self.worker = InferenceWorker(self.generator, config.server.max_queue)
         self.started_at = time.time()
