@@ -230,3 +230,37 @@ def test_smollm_greedy_batch_equals_each_alone(smollm_dir):
     outs = run_batch(gen, list(zip(prompts, params, strict=True)), join_after={2: 3})
     assert [o.key() for o in outs] == [e.key() for e in expected]
     assert all(o.done.usage.cached_tokens >= 32 for o in outs)
+
+
+def test_shared_prefix_arriving_together_is_prefilled_once(tiny):
+    """4 long prompts with one uncached prefix, admitted in the same step: the first prefills the
+    prefix, the others wait for its blocks and look up again (the engine's prefill-token counter
+    proves it), and every output is still the alone one."""
+    model, tokenizer = tiny
+    text = " ".join(f"Rule {i}: a visitor to room {i} signs the book at desk {i * 2}." for i in range(40))
+    shared = tokenizer.encode(text)[: 16 * BS]
+    identical = [shared + tokenizer.encode(" Question: who signs?")] * 4
+    different = [shared + tokenizer.encode(f" Question {q}: which desk is for room {q}?") for q in range(4)]
+    params = SamplingParams(max_tokens=8)
+    for prompts in (identical, different):
+        expected = [alone(model, tokenizer, p, params) for p in prompts]
+        gen = make_generator(model, tokenizer, BS)
+        outs = run_batch(gen, [(p, params) for p in prompts])
+        assert [o.key() for o in outs] == [e.key() for e in expected]
+        stats = gen.scheduler.stats
+        assert stats.shared_prefix_waits == 3
+        suffixes = sum(len(p) - len(shared) for p in prompts)
+        assert stats.prefill_tokens <= len(shared) + suffixes + 3 * BS < 2 * len(shared)  # not 4 x shared
+        assert all(o.done.usage.cached_tokens >= len(shared) for o in outs[1:])
+        gen.prefix_cache.manager.check_integrity()
+
+
+def test_pick_leader_prefers_the_longest_uncached_share():
+    from mlx_kvserve.engine.prefill import cached_blocks, pick_leader
+
+    mine = [b"a", b"b", b"c", b"d"]
+    prefilling = {1: [b"a", b"x"], 2: [b"a", b"b", b"c"], 3: [b"z"]}
+    assert pick_leader(mine, prefilling, 0) == 2
+    assert pick_leader(mine, prefilling, 3) is None  # the cache already holds what 2 would add
+    assert pick_leader(mine, {}, 0) is None
+    assert cached_blocks(mine, {b"a", b"b"}.__contains__) == 2

@@ -19,6 +19,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
+from .prefill import cached_blocks, pick_leader
 from .prefix_cache import PrefixCache, Prepared
 from .request import Failed, Finished, GenerationRequest, TextDelta, TokenLogprob, Usage
 from .sampling import make_request_sampler
@@ -42,6 +43,17 @@ class Running:
     first_token_s: float = 0.0
     prefill_done: bool = False  # the whole prompt's KV is in the batch cache
     prompt_registered: bool = False
+    block_hashes: list[bytes] = field(default_factory=list)  # of the prompt's blocks a lookup may use
+
+
+@dataclass(eq=False)
+class Waiting:
+    """A request waiting for another's prompt blocks (shared-prefix arrival)."""
+
+    req: GenerationRequest
+    started: float
+    leader: int  # uid of the request prefilling the shared prefix
+    block_hashes: list[bytes]
 
 
 @dataclass
@@ -54,6 +66,7 @@ class SchedulerStats:
     decode_s: float = 0.0
     steps: int = 0
     batch_size: int = 0  # requests in the batch after the last step
+    shared_prefix_waits: int = 0  # requests that waited for another's prompt blocks
 
 
 class Scheduler:
@@ -77,21 +90,23 @@ class Scheduler:
         self._eos = StopSequences([[t] for t in tokenizer.eos_token_ids])
         self._batch: BatchGenerator | None = None
         self._running: dict[int, Running] = {}  # by BatchGenerator uid
+        self._waiting: list[Waiting] = []
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        """Requests admitted and not finished (in the batch, or waiting for a shared prefix)."""
+        return len(self._running) + len(self._waiting)
 
     @property
     def num_prefilling(self) -> int:
         return sum(1 for r in self._running.values() if not r.prefill_done)
 
     def is_running(self, req: GenerationRequest) -> bool:
-        return any(r.req is req for r in self._running.values())
+        return any(r.req is req for r in self._running.values()) or any(w.req is req for w in self._waiting)
 
     @property
     def is_full(self) -> bool:
-        return len(self._running) >= self.max_batch
+        return self.num_running >= self.max_batch
 
     def _generator(self) -> BatchGenerator:
         if self._batch is None:
@@ -104,11 +119,32 @@ class Scheduler:
         return self._batch
 
     def admit(self, req: GenerationRequest) -> None:
-        """Assemble `req`'s cached prefix and put it in the batch (it prefills from the next step)."""
+        """Assemble `req`'s cached prefix and put it in the batch (it prefills from the next step).
+        When a request in the batch is prefilling more of `req`'s prompt than the cache holds,
+        `req` waits until that request's prompt blocks are registered, then looks up again."""
         started = time.perf_counter()
         if req.cancelled.is_set():
             self._emit_end(req, Finished("cancelled", Usage(len(req.prompt_tokens), 0), 0.0))
             return
+        hashes: list[bytes] = []
+        manager = self.prefix_cache.manager
+        if manager is not None:
+            try:
+                hashes = manager.hasher.hash_blocks(
+                    req.prompt_tokens, (len(req.prompt_tokens) - 1) // manager.block_size
+                )
+                prefilling = {u: r.block_hashes for u, r in self._running.items() if not r.prompt_registered}
+                leader = pick_leader(hashes, prefilling, cached_blocks(hashes, manager.in_ram)) if prefilling else None
+            except Exception as exc:
+                self._emit_end(req, Failed(exc))
+                return
+            if leader is not None:
+                self._waiting.append(Waiting(req, started, leader, hashes))
+                self.stats.shared_prefix_waits += 1
+                return
+        self._start(req, started, hashes)
+
+    def _start(self, req: GenerationRequest, started: float, hashes: list[bytes]) -> None:
         try:
             prepared = self.prefix_cache.prepare(req.prompt_tokens)
         except Exception as exc:
@@ -131,15 +167,31 @@ class Scheduler:
             return
         detok = self.tokenizer.detokenizer
         detok.reset()
-        self._running[uid] = Running(uid, req, prepared, started, detok, StopMatcher(params.stop))
+        self._running[uid] = Running(uid, req, prepared, started, detok, StopMatcher(params.stop), block_hashes=hashes)
+
+    def _start_waiting(self) -> None:
+        """Start the waiting requests whose leader registered its prompt's blocks (or left)."""
+        waiting, self._waiting = self._waiting, []
+        for w in waiting:
+            leader = self._running.get(w.leader)
+            if w.req.cancelled.is_set():
+                self._emit_end(w.req, Finished("cancelled", Usage(len(w.req.prompt_tokens), 0), 0.0))
+            elif leader is None or leader.prompt_registered:
+                self._start(w.req, w.started, w.block_hashes)
+            else:
+                self._waiting.append(w)
 
     def cancel_all(self) -> None:
         for run in self._running.values():
             run.req.cancel()
+        for w in self._waiting:
+            w.req.cancel()
 
     def step(self) -> None:
         """One decode step for the running requests and one prefill chunk for the joining ones;
         then cancelled requests leave (their KV is registered)."""
+        if self._waiting:
+            self._start_waiting()
         if not self._running:
             return
         batch = self._generator()
