@@ -264,3 +264,53 @@ def test_pick_leader_prefers_the_longest_uncached_share():
     assert pick_leader(mine, prefilling, 3) is None  # the cache already holds what 2 would add
     assert pick_leader(mine, {}, 0) is None
     assert cached_blocks(mine, {b"a", b"b"}.__contains__) == 2
+
+
+def test_logprobs_on_events(tiny):
+    model, tokenizer = tiny
+    prompt = _prompts(tokenizer)[1]
+    plain = alone(model, tokenizer, prompt, SamplingParams(max_tokens=10))
+    out = alone(model, tokenizer, prompt, SamplingParams(max_tokens=10, top_logprobs=3))
+    assert out.key() == plain.key()
+    entries = [lp for e in out.events if isinstance(e, TextDelta) for lp in e.logprobs]
+    assert [lp.token for lp in entries] == list(out.done.token_ids)  # one per sampled token
+    for lp in entries:
+        assert len(lp.top) == 3 and lp.logprob <= 0
+        assert lp.top[0] == (lp.token, pytest.approx(lp.logprob))  # greedy took the most likely
+        assert [p for _, p in lp.top] == sorted((p for _, p in lp.top), reverse=True)
+    assert all(not e.logprobs for e in plain.events if isinstance(e, TextDelta))  # only when asked
+
+
+def test_health_and_metrics_show_the_batch(tiny, tiny_model_dir, tmp_path, monkeypatch):
+    from starlette.testclient import TestClient
+
+    from mlx_kvserve.config import load_config
+    from mlx_kvserve.engine.engine import Engine
+    from mlx_kvserve.models.loader import LoadedModel
+    from mlx_kvserve.server.app import create_app
+
+    monkeypatch.setenv("MLX_KVSERVE_HOME", str(tmp_path))
+    model, tokenizer = tiny
+    config = load_config(overrides={"server": {"max_batch": 4}, "ssd": {"enabled": False}})
+    engine = Engine(LoadedModel("tiny", tiny_model_dir, model, tokenizer, {}, 2048), config)
+    seen: list[dict] = []
+    done = threading.Event()
+
+    def emit(event):  # on the worker thread, while the request is in the batch
+        if isinstance(event, TextDelta) and not seen:
+            seen.append(engine.batch_stats())
+        if isinstance(event, Finished):
+            done.set()
+
+    with TestClient(create_app(engine)) as client:
+        engine.submit(GenerationRequest("r", _prompts(tokenizer)[0], SamplingParams(max_tokens=12), emit))
+        assert done.wait(30)
+        body = client.get("/health").json()
+        metrics = client.get("/metrics").text
+    assert seen[0]["running"] == 1 and seen[0]["batch_size"] == 1 and seen[0]["max_batch"] == 4
+    batch = body["batch"]
+    assert batch["running"] == 0 and batch["waiting"] == 0 and batch["batch_size"] == 0
+    assert batch["prefill_tokens"] >= len(_prompts(tokenizer)[0]) - 1 and batch["prefill_tokens_per_s"] > 0
+    assert batch["decode_tokens"] >= 11 and batch["decode_tokens_per_s"] > 0
+    for name in ("requests_running 0.0", "batch_size 0.0", "decode_tokens_total", "prefill_seconds_total"):
+        assert f"mlx_kvserve_{name}" in metrics, name
