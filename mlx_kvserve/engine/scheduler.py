@@ -130,9 +130,8 @@ class Scheduler:
         manager = self.prefix_cache.manager
         if manager is not None:
             try:
-                hashes = manager.hasher.hash_blocks(
-                    req.prompt_tokens, (len(req.prompt_tokens) - 1) // manager.block_size
-                )
+                usable = max(0, len(req.prompt_tokens) - 1)  # what a lookup may use
+                hashes = manager.hasher.hash_blocks(req.prompt_tokens, usable // manager.block_size)
                 prefilling = {u: r.block_hashes for u, r in self._running.items() if not r.prompt_registered}
                 leader = pick_leader(hashes, prefilling, cached_blocks(hashes, manager.in_ram)) if prefilling else None
             except Exception as exc:
