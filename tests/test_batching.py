@@ -5,6 +5,7 @@ requests joining a running batch, cancellation and failures that stay with their
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -305,6 +306,9 @@ def test_health_and_metrics_show_the_batch(tiny, tiny_model_dir, tmp_path, monke
     with TestClient(create_app(engine)) as client:
         engine.submit(GenerationRequest("r", _prompts(tokenizer)[0], SamplingParams(max_tokens=12), emit))
         assert done.wait(30)
+        deadline = time.monotonic() + 10  # Finished is sent before the blocks are registered
+        while engine.worker.is_busy and time.monotonic() < deadline:
+            time.sleep(0.01)
         body = client.get("/health").json()
         metrics = client.get("/metrics").text
     assert seen[0]["running"] == 1 and seen[0]["batch_size"] == 1 and seen[0]["max_batch"] == 4
@@ -314,3 +318,62 @@ def test_health_and_metrics_show_the_batch(tiny, tiny_model_dir, tmp_path, monke
     assert batch["decode_tokens"] >= 11 and batch["decode_tokens_per_s"] > 0
     for name in ("requests_running 0.0", "batch_size 0.0", "decode_tokens_total", "prefill_seconds_total"):
         assert f"mlx_kvserve_{name}" in metrics, name
+
+
+def test_prompt_blocks_are_registered_once_prefill_is_done(tiny, tmp_path):
+    """While a long generation still runs, its prompt's blocks already serve a new request (from RAM);
+    they reach the SSD only when the first request ends."""
+    model, tokenizer = tiny
+    prompt = _prompts(tokenizer)[4]
+    gen = make_generator(model, tokenizer, BS, ssd_dir=tmp_path)
+    first = Outcome([])
+    req = request("long", prompt, SamplingParams(max_tokens=40), first)
+    gen.scheduler.admit(req)
+    while not any(isinstance(e, TextDelta) for e in first.events):
+        gen.scheduler.step()
+    gen.scheduler.step()  # registration follows the first token
+    assert gen.scheduler.is_running(req)
+    manager = gen.prefix_cache.manager
+    assert manager.stats()["kv_ram_blocks"] == len(prompt) // BS
+    second = Outcome([])
+    gen.scheduler.admit(request("second", prompt, SamplingParams(max_tokens=4), second))
+    while not second.events or not isinstance(second.done, Finished):
+        gen.scheduler.step()
+    assert second.done.usage.cached_tokens == len(prompt) - 1  # blocks and the prompt's tail
+    store = gen.prefix_cache.ssd_tier.store
+    assert gen.scheduler.is_running(req) and store.stats()["ssd_blocks"] == 0  # not written yet
+    while gen.scheduler.num_running:
+        gen.scheduler.step()
+    assert gen.prefix_cache.ssd_tier.close(drain_timeout_s=30)
+    assert store.stats()["ssd_blocks"] == manager.stats()["kv_ram_blocks"] >= len(prompt) // BS
+    manager.check_integrity()
+
+
+def test_a_failing_batch_step_fails_its_requests_and_the_engine_goes_on(tiny):
+    model, tokenizer = tiny
+    prompts = [_prompts(tokenizer)[i] for i in (0, 2)]  # no shared prefix: both go into the batch
+    params = SamplingParams(max_tokens=6)
+    gen = make_generator(model, tokenizer, BS)
+    outs = [Outcome([]) for _ in prompts]
+    for i, p in enumerate(prompts):
+        gen.scheduler.admit(request(f"r{i}", p, params, outs[i]))
+    gen.scheduler.step()
+    batch = gen.scheduler._batch
+    batch.next = lambda: (_ for _ in ()).throw(RuntimeError("device lost"))  # the forward pass fails
+    gen.scheduler.step()
+    assert all(isinstance(o.done, Failed) and "device lost" in str(o.done.error) for o in outs)
+    assert gen.scheduler.num_running == 0 and gen.prefix_cache.manager.stats()["kv_in_use_blocks"] == 0
+    again = run_batch(gen, [(prompts[0], params)])[0]
+    assert again.key() == alone(model, tokenizer, prompts[0], params).key()
+
+
+def test_max_batch_config():
+    from mlx_kvserve.config import load_config
+    from mlx_kvserve.errors import ConfigError
+
+    assert load_config().server.batch_limit() == 8
+    assert load_config(overrides={"server": {"max_queue": 1}}).server.batch_limit() == 1  # one at a time
+    assert load_config(overrides={"server": {"max_batch": 32, "max_queue": 64}}).server.batch_limit() == 32
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides={"server": {"max_batch": 0}})
+    assert info.value.param == "server.max_batch"

@@ -241,14 +241,14 @@ class Engine:
 
     def batch_stats(self) -> dict[str, Any]:
         """The batch: requests running (in the batch, or waiting there for a shared prefix) and
-        waiting to join it, the batch size after the last step, and prefill and decode work since
+        waiting to join it, the requests in mlx-lm's batch now, and prefill and decode work since
         start (tokens, seconds spent, and their ratio in tokens/s)."""
         scheduler = self.generator.scheduler
         s = scheduler.stats
         return {
             "running": self.worker.num_running,
             "waiting": self.worker.queue_depth,
-            "batch_size": s.batch_size,
+            "batch_size": scheduler.batch_size,
             "max_batch": scheduler.max_batch,
             "prefill_tokens": s.prefill_tokens,
             "prefill_s": round(s.prefill_s, 3),

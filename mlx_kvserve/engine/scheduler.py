@@ -65,7 +65,6 @@ class SchedulerStats:
     decode_tokens: int = 0
     decode_s: float = 0.0
     steps: int = 0
-    batch_size: int = 0  # requests in the batch after the last step
     shared_prefix_waits: int = 0  # requests that waited for another's prompt blocks
 
 
@@ -96,6 +95,11 @@ class Scheduler:
     def num_running(self) -> int:
         """Requests admitted and not finished (in the batch, or waiting for a shared prefix)."""
         return len(self._running) + len(self._waiting)
+
+    @property
+    def batch_size(self) -> int:
+        """Requests in mlx-lm's batch now (prefilling or decoding; not those waiting for a shared prefix)."""
+        return len(self._running)
 
     @property
     def num_prefilling(self) -> int:
@@ -219,7 +223,6 @@ class Scheduler:
                 self._guard(run, self._end, run, "cancelled")
             elif run.prefill_done and run.generated and not run.prompt_registered:
                 self._guard(run, self._register_prompt, run)
-        stats.batch_size = len(self._running)
 
     def _guard(self, run: Running, fn: Any, *args: Any) -> None:
         """Call fn; an exception fails this request alone."""

@@ -67,7 +67,7 @@ class EngineCollector(Collector):
 def _batch_metrics(b: dict[str, Any]) -> Iterator[Metric]:
     """The batch's gauges, and its work as counters (rate(tokens) / rate(seconds) = tokens/s)."""
     yield GaugeMetricFamily(PREFIX + "requests_running", "Requests in the batch", value=b["running"])
-    yield GaugeMetricFamily(PREFIX + "batch_size", "Requests in the batch after its last step", value=b["batch_size"])
+    yield GaugeMetricFamily(PREFIX + "batch_size", "Requests in mlx-lm's batch now", value=b["batch_size"])
     for phase in ("prefill", "decode"):
         yield CounterMetricFamily(
             PREFIX + f"{phase}_tokens", f"Tokens run through the model by {phase}", b[f"{phase}_tokens"]
