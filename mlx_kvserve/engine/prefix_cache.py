@@ -39,6 +39,9 @@ class PrefixCache:
         self.ssd_tier = ssd_tier  # kv.tiering.SSDTier or None; the engine closes it at shutdown
         self._hold_lock = threading.Lock()  # guards _num_holding
         self._num_holding = 0  # requests between lookup and first token: writes resume when none is left
+        # Spare room after the prefix lets a lone prefill write in place; the batch scheduler turns it
+        # off, since mlx-lm's BatchKVCache.merge copies the prefix into a buffer of its own anyway.
+        self.room_for_prefill = True
 
     @property
     def enabled(self) -> bool:
@@ -61,7 +64,7 @@ class PrefixCache:
                 [b.payload for b in match.blocks],
                 match.tail_payload,
                 match.tail_tokens,
-                room=len(prompt) - match.num_tokens,  # the prefill writes in place
+                room=len(prompt) - match.num_tokens if self.room_for_prefill else 0,
             )
         except Exception:
             self.manager.release(match.blocks)

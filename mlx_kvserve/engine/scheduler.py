@@ -83,6 +83,7 @@ class Scheduler:
         self.model = model
         self.tokenizer = tokenizer
         self.prefix_cache = prefix_cache
+        prefix_cache.room_for_prefill = False  # the batch copies each prefix into its own cache
         self.prefill_step_size = prefill_step_size
         self.max_batch = max_batch
         self.stats = SchedulerStats()
