@@ -377,3 +377,24 @@ def test_max_batch_config():
     with pytest.raises(ConfigError) as info:
         load_config(overrides={"server": {"max_batch": 0}})
     assert info.value.param == "server.max_batch"
+
+
+def test_a_flush_during_a_request_drops_its_deferred_blocks(tiny, tmp_path):
+    """Prompt blocks registered early (SSD write deferred) and then flushed while the request still
+    runs are not written to the SSD when it ends: the flush wins."""
+    model, tokenizer = tiny
+    prompt = _prompts(tokenizer)[4]
+    gen = make_generator(model, tokenizer, BS, ssd_dir=tmp_path)
+    out = Outcome([])
+    req = request("long", prompt, SamplingParams(max_tokens=12), out)
+    gen.scheduler.admit(req)
+    manager = gen.prefix_cache.manager
+    while manager.stats()["kv_ram_blocks"] == 0:
+        gen.scheduler.step()
+    assert manager.flush()["ram_dropped"] == len(prompt) // BS
+    while gen.scheduler.num_running:
+        gen.scheduler.step()
+    tier = gen.prefix_cache.ssd_tier
+    assert tier.close(drain_timeout_s=30)
+    assert tier.store.stats()["ssd_blocks"] == manager.stats()["kv_ram_blocks"]  # only blocks made after it
+    assert run_batch(gen, [(prompt, SamplingParams(max_tokens=2))])[0].done.usage.cached_tokens == 0

@@ -29,6 +29,7 @@ class Prepared:
     holding: bool = True
     registered_blocks: int = 0  # full blocks before this index are registered (or were cached)
     deferred: list[Block] = field(default_factory=list)  # registered, not yet handed to the SSD tier
+    deferred_at_flush: int = 0  # manager.num_flushes when they were registered
 
 
 class PrefixCache:
@@ -115,7 +116,8 @@ class PrefixCache:
         if self.manager is None:
             return 0
         try:
-            self.manager.write_deferred(prepared.deferred)
+            if prepared.deferred and prepared.deferred_at_flush == self.manager.num_flushes:
+                self.manager.write_deferred(prepared.deferred)  # unless a flush dropped them meanwhile
             prepared.deferred = []
             return self.register(prepared, kv_tokens, prompt_len)
         finally:
@@ -149,6 +151,7 @@ class PrefixCache:
                     added += 1
                     if not write:
                         prepared.deferred.append(Block(block_hash, parent, tuple(ids), payload, nbytes))
+                        prepared.deferred_at_flush = manager.num_flushes
         prepared.registered_blocks = max(prepared.registered_blocks, num_full)
         for end in {min(prompt_len, length), length}:
             self._keep_tail(prepared.prompt_cache, tokens, end, hashes)

@@ -56,6 +56,7 @@ class KVManager:
         self._ram = ram
         self._tails = tails
         self._tick = 0
+        self.num_flushes = 0  # flush() calls so far: registrations deferred across one are dropped
         self._stats = dict.fromkeys(
             (
                 "lookups",
@@ -225,6 +226,7 @@ class KVManager:
             kept = len(self._ram)
             if self._tails is not None:
                 self._tails.clear()
+            self.num_flushes += 1
         return {"ram_dropped": len(dropped), "ram_kept": kept}
 
     def resident_blocks(self) -> list[Block]:
