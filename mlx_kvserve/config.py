@@ -60,6 +60,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     max_queue: int = 16  # requests waiting for the worker; one more gets 429
+    max_batch: int = 8  # requests decoding together (continuous batching); at most max_queue
     max_body_bytes: int = 4 * 1024 * 1024
     shutdown_timeout_s: float = 30.0  # how long in-flight requests may run after SIGTERM
     log_level: str = "info"
@@ -78,6 +79,11 @@ class ServerConfig:
     def in_flight_limit(self) -> int:
         """Completion requests that may be in flight before the next gets 429."""
         return self.max_concurrent or self.max_queue + 1
+
+    def batch_limit(self) -> int:
+        """Requests the engine runs together: max_batch, but never more than max_queue, so that a
+        server told to queue one request (max_queue = 1) still serves one at a time."""
+        return min(self.max_batch, self.max_queue)
 
 
 @dataclass(frozen=True)
@@ -236,6 +242,7 @@ def validate(config: Config) -> Config:
     s, g, c = config.server, config.generation, config.cache
     _check(0 <= s.port <= 65535, "server.port", f"must be 0..65535, got {s.port}")
     _check(s.max_queue >= 1, "server.max_queue", f"must be >= 1, got {s.max_queue}")
+    _check(s.max_batch >= 1, "server.max_batch", f"must be >= 1, got {s.max_batch}")
     _check(s.max_body_bytes >= 1024, "server.max_body_bytes", "must be at least 1KiB")
     _check(s.shutdown_timeout_s >= 0, "server.shutdown_timeout_s", "must be >= 0")
     _check(s.body_read_timeout_s > 0, "server.body_read_timeout_s", "must be > 0 (a slow upload must end)")

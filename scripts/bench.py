@@ -13,6 +13,8 @@ Scenarios (--scenarios, comma-separated; default all):
   pins          flood + pin at depths 0, 4, 8, 16 (--quick: 16 only)                (bench_pins.py)
   decode        decode tokens/s, our engine vs mlx-lm stream_generate, in-process    (bench_prefix.py)
   ssd           write-through cost: hit TTFT and decode tok/s, SSD off / on / unheld  (bench_prefix.py)
+  concurrent    C = 1, 4, 8 clients x T turns at once, own system prompts; 8 clients on one shared
+                system prompt: TTFT mean / p90 per turn, tokens/s             (bench_concurrent.py)
 --quick: one rep and fewer turns/conversations/depths/tokens; under 10 minutes on a 2-core CPU.
 
 Usage: python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench.py [--quick] [--scenarios a,b] [--out DIR]
@@ -32,6 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import bench_concurrent
 import bench_interleaved
 import bench_pins
 from bench_common import ROOT, default_model_dir
@@ -49,8 +52,8 @@ from bench_prefix import report_lines as prefix_report_lines
 
 from mlx_kvserve.blas import blas_in_use, mapped_blas, preload_env
 
-SCENARIOS = ["system", "restart", "conversation", "interleaved", "pins", "decode", "ssd"]
-SERVER_SCENARIOS = {"system", "restart", "conversation", "interleaved"}
+SCENARIOS = ["system", "restart", "conversation", "interleaved", "pins", "decode", "ssd", "concurrent"]
+SERVER_SCENARIOS = {"system", "restart", "conversation", "interleaved", "concurrent"}
 OURS, THEIRS = "mlx-kvserve", "mlx_lm.server"
 
 PARAMS = {
@@ -64,6 +67,7 @@ PARAMS = {
         "pin_rules": 16,
         "pin_flood": 12,
         "decode_tokens": 128,
+        "concurrent": {"clients": [1, 4, 8], "turns": 3, "max_tokens": 32, "system_words": 1400},
     },
     "quick": {
         "reps": 1,
@@ -75,6 +79,7 @@ PARAMS = {
         "pin_rules": 12,
         "pin_flood": 12,
         "decode_tokens": 64,
+        "concurrent": {"clients": [1, 4, 8], "turns": 2, "max_tokens": 16, "system_words": 300},
     },
 }
 
@@ -222,6 +227,11 @@ def run_suite(wanted: list[str], params: dict, out: Path, model_dir: Path) -> di
                     params["interleaved_max_tokens"],
                 )
                 save()
+            if "concurrent" in wanted:
+                results["concurrent"] = timed(
+                    "concurrent", bench_concurrent.scenario_concurrent, servers, *params["concurrent"].values()
+                )
+                save()
             if "restart" in wanted:  # last: it restarts both servers
                 results["restart"] = timed("restart", scenario_restart, servers, reps)
                 save()
@@ -345,6 +355,9 @@ def report_markdown(results: dict, charts: list[str]) -> str:
     if "interleaved" in results:
         lines += ["## Many interleaved conversations", ""]
         lines += bench_interleaved.report_lines(results["interleaved"], [OURS, THEIRS]) + [""]
+    if "concurrent" in results:
+        lines += ["## Concurrent clients (continuous batching)", ""]
+        lines += bench_concurrent.report_lines(results["concurrent"], [OURS, THEIRS]) + [""]
     if "pins" in results:
         p = results["pins"]
         lines += [

@@ -161,7 +161,11 @@ class Engine:
         # The folder lock is held from here to stop(): one process per cache folder.
         self.prefix_cache, self.folder_lock = build_prefix_cache(loaded, config, self._memo_damage)
         self.generator = Generator(
-            loaded.model, loaded.tokenizer, self.prefix_cache, config.generation.prefill_step_size
+            loaded.model,
+            loaded.tokenizer,
+            self.prefix_cache,
+            config.generation.prefill_step_size,
+            config.server.batch_limit(),
         )
         self.worker = InferenceWorker(self.generator, config.server.max_queue)
         self.started_at = time.time()
@@ -277,6 +281,26 @@ class Engine:
             found += tier.store.damaged_files + tier.damaged_files
         return found
 
+    def batch_stats(self) -> dict[str, Any]:
+        """The batch: requests running (in the batch, or waiting there for a shared prefix) and
+        waiting to join it, the requests in mlx-lm's batch now, and prefill and decode work since
+        start (tokens, seconds spent, and their ratio in tokens/s)."""
+        scheduler = self.generator.scheduler
+        s = scheduler.stats
+        return {
+            "running": self.worker.num_running,
+            "waiting": self.worker.queue_depth,
+            "batch_size": scheduler.batch_size,
+            "max_batch": scheduler.max_batch,
+            "prefill_tokens": s.prefill_tokens,
+            "prefill_s": round(s.prefill_s, 3),
+            "prefill_tokens_per_s": round(s.prefill_tokens / s.prefill_s, 1) if s.prefill_s else 0.0,
+            "decode_tokens": s.decode_tokens,
+            "decode_s": round(s.decode_s, 3),
+            "decode_tokens_per_s": round(s.decode_tokens / s.decode_s, 1) if s.decode_s else 0.0,
+            "shared_prefix_waits": s.shared_prefix_waits,
+        }
+
     def health(self) -> dict[str, Any]:
         return {
             "status": "ok",
@@ -284,6 +308,7 @@ class Engine:
             "uptime_s": round(time.time() - self.started_at, 1),
             "queue_depth": self.worker.queue_depth,
             "busy": self.worker.is_busy,
+            "batch": self.batch_stats(),
             "context_length": self.context_length,
             "cache": self.cache_stats(),
         }

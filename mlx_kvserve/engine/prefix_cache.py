@@ -7,19 +7,29 @@ Runs on the worker thread (it touches MLX). When the model's cache cannot be cut
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from dataclasses import dataclass, field
+from typing import Any
 
 from ..kv import blocks
-from ..kv.base import MatchResult
+from ..kv.base import Block, MatchResult
 from ..kv.manager import KVManager
 
 log = logging.getLogger(__name__)
 
 
-class Prepared(NamedTuple):
+@dataclass(eq=False)
+class Prepared:
+    """One request's assembled prefix. `holding`: the request still holds background SSD writes
+    (from lookup to its first token)."""
+
     prompt_cache: list[Any]
     match: MatchResult
+    holding: bool = True
+    registered_blocks: int = 0  # full blocks before this index are registered (or were cached)
+    deferred: list[Block] = field(default_factory=list)  # registered, not yet handed to the SSD tier
+    deferred_at_flush: int = 0  # manager.num_flushes when they were registered
 
 
 class PrefixCache:
@@ -28,6 +38,11 @@ class PrefixCache:
         self.manager = manager
         self.reason = reason
         self.ssd_tier = ssd_tier  # kv.tiering.SSDTier or None; the engine closes it at shutdown
+        self._hold_lock = threading.Lock()  # guards _num_holding
+        self._num_holding = 0  # requests between lookup and first token: writes resume when none is left
+        # Spare room after the prefix lets a lone prefill write in place; the batch scheduler turns it
+        # off, since mlx-lm's BatchKVCache.merge copies the prefix into a buffer of its own anyway.
+        self.room_for_prefill = True
 
     @property
     def enabled(self) -> bool:
@@ -38,6 +53,8 @@ class PrefixCache:
         one token to prefill (its logits pick the first generated token). Background SSD writes
         are held from here until `first_token` (or `finish` / `release`)."""
         if self.ssd_tier is not None:
+            with self._hold_lock:
+                self._num_holding += 1
             self.ssd_tier.hold_writes()
         if self.manager is None:
             return Prepared(blocks.assemble(self.model, []), MatchResult([], 0))
@@ -48,10 +65,11 @@ class PrefixCache:
                 [b.payload for b in match.blocks],
                 match.tail_payload,
                 match.tail_tokens,
-                room=len(prompt) - match.num_tokens,  # the prefill writes in place
+                room=len(prompt) - match.num_tokens if self.room_for_prefill else 0,
             )
         except Exception:
             self.manager.release(match.blocks)
+            self.first_token()
             raise
         return Prepared(cache, match)
 
@@ -67,43 +85,74 @@ class PrefixCache:
         manager.cache_tail(parent, tokens[num_blocks * bs : end], payload, nbytes)
 
     def first_token(self) -> None:
-        """The request's prefill is done: background SSD writes may go on."""
-        if self.ssd_tier is not None:
-            self.ssd_tier.resume_writes()
+        """One request's prefill is done: background SSD writes go on once no other request is
+        between its lookup and its first token. Called once per `prepare` (use `mark_first_token`)."""
+        if self.ssd_tier is None:
+            return
+        with self._hold_lock:
+            self._num_holding = max(0, self._num_holding - 1)
+            if self._num_holding:
+                return
+        self.ssd_tier.resume_writes()
+
+    def mark_first_token(self, prepared: Prepared) -> None:
+        """`first_token` for this request, once (later calls do nothing)."""
+        if prepared.holding:
+            prepared.holding = False
+            self.first_token()
 
     def release(self, prepared: Prepared) -> None:
         """Drop the request's references without registering anything (the request failed)."""
-        self.first_token()
+        self.mark_first_token(prepared)
         if self.manager is not None:
             self.manager.release(prepared.match.blocks)
 
     def finish(self, prepared: Prepared, kv_tokens: Sequence[int], prompt_len: int) -> int:
         """Release the request's blocks and register every new full block of the tokens whose
         KV the cache now holds, plus tails ending at the prompt's end and at the sequence's end.
-        Returns the number of blocks registered."""
-        self.first_token()
+        Blocks an earlier `register(write=False)` kept off the SSD go to it now. Returns the number
+        of blocks registered."""
+        self.mark_first_token(prepared)
+        if self.manager is None:
+            return 0
+        try:
+            if prepared.deferred and prepared.deferred_at_flush == self.manager.num_flushes:
+                self.manager.write_deferred(prepared.deferred)  # unless a flush dropped them meanwhile
+            prepared.deferred = []
+            return self.register(prepared, kv_tokens, prompt_len)
+        finally:
+            self.manager.release(prepared.match.blocks)
+
+    def register(self, prepared: Prepared, kv_tokens: Sequence[int], prompt_len: int, write: bool = True) -> int:
+        """Register every new full block of `kv_tokens` whose KV `prepared.prompt_cache` holds,
+        plus tails ending at the prompt's end and at the sequence's end, keeping the request's
+        references (a request registers its prompt's blocks once its prefill is done, then the
+        rest at `finish`; blocks registered before are not again, even if evicted meanwhile).
+        `write=False` keeps the new blocks off the SSD until `finish` (a write during the request's
+        decode would compete with it). Returns the number of blocks registered."""
         if self.manager is None:
             return 0
         manager = self.manager
-        try:
-            bs = manager.block_size
-            length = min(blocks.cache_length(prepared.prompt_cache), len(kv_tokens))
-            tokens = list(kv_tokens[:length])
-            num_full = length // bs
-            first = len(prepared.match.blocks)
-            hashes = manager.hasher.hash_blocks(tokens, num_full)  # once, for blocks and tails
-            todo = manager.new_blocks(tokens, first, num_full, hashes)
-            added = 0
-            if todo:
-                start, end = todo[0][0], todo[-1][0] + 1
-                sliced = blocks.slice_blocks(prepared.prompt_cache, start, end, bs)
-                for index, block_hash, parent in todo:
-                    payload, nbytes = sliced[index - start]
-                    added += manager.cache_block(
-                        block_hash, parent, tokens[index * bs : (index + 1) * bs], payload, nbytes
-                    )
-            for end in {min(prompt_len, length), length}:
-                self._keep_tail(prepared.prompt_cache, tokens, end, hashes)
-            return added
-        finally:
-            manager.release(prepared.match.blocks)
+        bs = manager.block_size
+        length = min(blocks.cache_length(prepared.prompt_cache), len(kv_tokens))
+        tokens = list(kv_tokens[:length])
+        num_full = length // bs
+        first = max(len(prepared.match.blocks), prepared.registered_blocks)
+        hashes = manager.hasher.hash_blocks(tokens, num_full)  # once, for blocks and tails
+        todo = manager.new_blocks(tokens, first, num_full, hashes)
+        added = 0
+        if todo:
+            start, end = todo[0][0], todo[-1][0] + 1
+            sliced = blocks.slice_blocks(prepared.prompt_cache, start, end, bs)
+            for index, block_hash, parent in todo:
+                payload, nbytes = sliced[index - start]
+                ids = tokens[index * bs : (index + 1) * bs]
+                if manager.cache_block(block_hash, parent, ids, payload, nbytes, write=write):
+                    added += 1
+                    if not write:
+                        prepared.deferred.append(Block(block_hash, parent, tuple(ids), payload, nbytes))
+                        prepared.deferred_at_flush = manager.num_flushes
+        prepared.registered_blocks = max(prepared.registered_blocks, num_full)
+        for end in {min(prompt_len, length), length}:
+            self._keep_tail(prepared.prompt_cache, tokens, end, hashes)
+        return added

@@ -18,6 +18,10 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0  # 0 = off
+    logprobs: bool = False  # attach each sampled token's logprob to its TextDelta
+    top_logprobs: int = 0  # and this many most likely alternatives (implies logprobs)
 
 
 @dataclass(frozen=True)
@@ -32,11 +36,22 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token, its log-probability and the most likely alternatives [(token, logprob)]."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class TextDelta:
-    """New text (possibly empty while a stop string may be forming) and the tokens behind it."""
+    """New text (possibly empty while a stop string may be forming) and the tokens behind it.
+    `logprobs`: one entry per token behind it, when the request asked for them."""
 
     text: str
     num_tokens: int
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -16,19 +16,21 @@ _STOP = object()  # sentinel: always the last item the worker reads
 
 
 class InferenceWorker:
-    """Owns the Generator (and so MLX) on a single thread.
+    """Owns the Generator (and so MLX) on a single thread, serving requests as one batch.
 
     `submit` never blocks: it raises OverloadedError when `max_queue` requests already wait and
-    ShuttingDownError after `stop`. `stop` cancels what is queued, lets the running request end
-    at its next token, and joins the thread.
+    ShuttingDownError after `stop`. Between batch steps the thread moves waiting requests into the
+    batch while it has room (`Scheduler.max_batch`). `stop` cancels what is queued, lets the
+    running requests end at their next token, and joins the thread.
     """
 
     def __init__(self, generator: Generator, max_queue: int):
         self.generator = generator
+        self.scheduler = generator.scheduler
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
-        self._lock = threading.Lock()  # guards _closing and _current
+        self._lock = threading.Lock()  # guards _closing and _running
         self._closing = False
-        self._current: GenerationRequest | None = None
+        self._running: dict[int, GenerationRequest] = {}  # admitted, not finished, by id()
         self._thread = threading.Thread(target=self._loop, name="mlx-worker", daemon=False)
 
     def start(self) -> None:
@@ -41,12 +43,19 @@ class InferenceWorker:
 
     @property
     def queue_depth(self) -> int:
+        """Requests waiting to join the batch."""
         return self._queue.qsize()
+
+    @property
+    def num_running(self) -> int:
+        """Requests in the batch (prefilling or decoding)."""
+        with self._lock:
+            return len(self._running)
 
     @property
     def is_busy(self) -> bool:
         with self._lock:
-            return self._current is not None
+            return bool(self._running)
 
     def submit(self, req: GenerationRequest) -> None:
         with self._lock:
@@ -60,8 +69,8 @@ class InferenceWorker:
     def stop(self, timeout: float | None = None) -> None:
         with self._lock:
             self._closing = True
-            if self._current is not None:
-                self._current.cancel()
+            for req in self._running.values():
+                req.cancel()
         while True:  # cancel everything still queued so no client waits forever
             try:
                 item = self._queue.get_nowait()
@@ -76,22 +85,48 @@ class InferenceWorker:
             self._thread.join(timeout)
 
     def _loop(self) -> None:
+        stopping = False
         while True:
-            item = self._queue.get()
-            if item is _STOP:
+            busy = self.scheduler.num_running > 0
+            while not stopping and not self.scheduler.is_full:
+                try:  # block only when nothing runs
+                    item = self._queue.get() if not busy else self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is _STOP:
+                    stopping = True
+                    break
+                self._admit(item)
+                busy = self.scheduler.num_running > 0
+            if not busy and stopping:
+                self.scheduler.close()
                 return
+            if busy:
+                self._step()
+
+    def _admit(self, req: GenerationRequest) -> None:
+        on_done = req.on_done
+
+        def done() -> None:  # the scheduler calls it once the request is over, KV registered
             with self._lock:
-                self._current = item
-            try:
-                if item.cancelled.is_set():
-                    item.emit(Finished("cancelled", Usage(len(item.prompt_tokens), 0), 0.0))
-                else:
-                    self.generator.run(item)
-            except Exception as exc:  # passed back as a value; the worker keeps serving
-                log.exception("request %s failed", item.request_id)
-                item.emit(Failed(exc))
-            finally:
-                with self._lock:
-                    self._current = None
-                if item.on_done is not None:
-                    item.on_done()
+                self._running.pop(id(req), None)
+            if on_done is not None:
+                on_done()
+
+        req.on_done = done
+        with self._lock:
+            self._running[id(req)] = req
+            if self._closing:
+                req.cancel()
+        try:
+            self.scheduler.admit(req)
+        except Exception as exc:  # admit sends its own failures; this is a bug, kept from the others
+            log.exception("request %s failed", req.request_id)
+            req.emit(Failed(exc))
+            done()
+
+    def _step(self) -> None:
+        try:
+            self.scheduler.step()
+        except Exception:  # step fails requests itself; never let the thread die
+            log.exception("batch step failed")

@@ -56,6 +56,7 @@ class KVManager:
         self._ram = ram
         self._tails = tails
         self._tick = 0
+        self.num_flushes = 0  # flush() calls so far: registrations deferred across one are dropped
         self._stats = dict.fromkeys(
             (
                 "lookups",
@@ -234,6 +235,7 @@ class KVManager:
             kept = len(self._ram)
             if self._tails is not None:
                 self._tails.clear()
+            self.num_flushes += 1
         return {"ram_dropped": len(dropped), "ram_kept": kept}
 
     def resident_blocks(self) -> list[Block]:
@@ -285,9 +287,16 @@ class KVManager:
             self.next_tier.on_evicted(evicted)
 
     def cache_block(
-        self, block_hash: bytes, parent_hash: bytes, token_ids: Sequence[int], payload: Any, nbytes: int
+        self,
+        block_hash: bytes,
+        parent_hash: bytes,
+        token_ids: Sequence[int],
+        payload: Any,
+        nbytes: int,
+        write: bool = True,
     ) -> bool:
-        """Register a new full block. Returns False when it was already cached (or collides)."""
+        """Register a new full block. Returns False when it was already cached (or collides).
+        `write=False`: not handed to the next tier yet (see `write_deferred`)."""
         ids = tuple(token_ids)
         with self._lock:  # phase 1: RAM registration
             existing = self._ram.get(block_hash)
@@ -300,10 +309,18 @@ class KVManager:
             self._stats["inserts"] += 1
             evicted = self._evict()
         if self.next_tier is not None:  # phase 2: outside the lock
-            self.next_tier.on_new_block(block)
+            if write:
+                self.next_tier.on_new_block(block)
             if evicted:
                 self.next_tier.on_evicted(evicted)
         return True
+
+    def write_deferred(self, blocks: Sequence[Block]) -> None:
+        """Hand blocks registered with `write=False` to the next tier now, as `cache_block` would
+        have (also those RAM evicted meanwhile: a write-through tier must still get them)."""
+        if self.next_tier is not None:
+            for block in blocks:
+                self.next_tier.on_new_block(block)
 
     def cache_tail(self, parent_hash: bytes, token_ids: Sequence[int], payload: Any, nbytes: int) -> bool:
         """Keep the partial block after `parent_hash` (RAM only). False when not kept."""

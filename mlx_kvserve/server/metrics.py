@@ -56,11 +56,26 @@ class EngineCollector(Collector):
         worker = self.engine.worker
         yield GaugeMetricFamily(PREFIX + "queue_depth", "Requests waiting for the worker", value=worker.queue_depth)
         yield GaugeMetricFamily(PREFIX + "worker_busy", "1 while the worker generates", value=int(worker.is_busy))
+        yield from _batch_metrics(self.engine.batch_stats())
         stats = self.engine.cache_stats()
         enabled = bool(stats.get("enabled"))
         yield GaugeMetricFamily(PREFIX + "cache_enabled", "1 when block caching is on", value=int(enabled))
         if enabled:
             yield from _cache_metrics(stats, ssd="ssd_bytes" in stats)
+
+
+def _batch_metrics(b: dict[str, Any]) -> Iterator[Metric]:
+    """The batch's gauges, and its work as counters (rate(tokens) / rate(seconds) = tokens/s)."""
+    yield GaugeMetricFamily(PREFIX + "requests_running", "Requests in the batch", value=b["running"])
+    yield GaugeMetricFamily(PREFIX + "batch_size", "Requests in mlx-lm's batch now", value=b["batch_size"])
+    for phase in ("prefill", "decode"):
+        yield CounterMetricFamily(
+            PREFIX + f"{phase}_tokens", f"Tokens run through the model by {phase}", b[f"{phase}_tokens"]
+        )
+        yield CounterMetricFamily(PREFIX + f"{phase}_seconds", f"Seconds the batch spent in {phase}", b[f"{phase}_s"])
+    yield CounterMetricFamily(
+        PREFIX + "shared_prefix_waits", "Requests that waited for another's prompt blocks", b["shared_prefix_waits"]
+    )
 
 
 def _by_tier(family: CounterMetricFamily | GaugeMetricFamily, values: dict[str, float]) -> Metric:

@@ -1,0 +1,351 @@
+"""Continuous batching on mlx-lm's BatchGenerator, over the block cache. Runs on the worker thread.
+
+A request joins between steps: its cached prefix is assembled (PrefixCache.prepare: RAM, SSD,
+tails) and handed to the batch as its starting cache, with the uncached rest of the prompt to
+prefill. Each `step` runs one decode step for the running requests and one prefill chunk
+(`prefill_step_size` tokens) for the joining ones, so a long prompt never stalls the others for
+more than a chunk. A request leaves at eos, max_tokens, a stop string or cancellation; its
+sequence's KV is then extracted from the batch cache and registered as blocks. Its prompt's
+blocks are registered earlier, right after its first token, so requests arriving later reuse them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, StopSequences
+
+from .prefill import cached_blocks, pick_leader
+from .prefix_cache import PrefixCache, Prepared
+from .request import Failed, Finished, GenerationRequest, TextDelta, TokenLogprob, Usage
+from .sampling import make_request_sampler
+from .stops import StopMatcher
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Running:
+    """One request in the batch (owned by the scheduler)."""
+
+    uid: int
+    req: GenerationRequest
+    prepared: Prepared
+    started: float
+    detok: Any
+    stops: StopMatcher
+    generated: list[int] = field(default_factory=list)  # every sampled token, eos included
+    num_generated: int = 0  # completion tokens sent to the client (eos not counted)
+    first_token_s: float = 0.0
+    prefill_done: bool = False  # the whole prompt's KV is in the batch cache
+    prompt_registered: bool = False
+    block_hashes: list[bytes] = field(default_factory=list)  # of the prompt's blocks a lookup may use
+
+
+@dataclass(eq=False)
+class Waiting:
+    """A request waiting for another's prompt blocks (shared-prefix arrival)."""
+
+    req: GenerationRequest
+    started: float
+    leader: int  # uid of the request prefilling the shared prefix
+    block_hashes: list[bytes]
+
+
+@dataclass
+class SchedulerStats:
+    """Counters since start (read by /health and /metrics from other threads: plain ints)."""
+
+    prefill_tokens: int = 0  # prompt tokens run through the model (cached ones are not)
+    prefill_s: float = 0.0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    steps: int = 0
+    shared_prefix_waits: int = 0  # requests that waited for another's prompt blocks
+
+
+class Scheduler:
+    """Runs any number of requests together, at most `max_batch` decoding at once.
+
+    `admit` never raises: a request that cannot start gets a Failed event. `step` advances every
+    request by one token (or one prefill chunk); a request that fails alone (its emit, its block
+    registration) gets Failed and leaves; an error of the batch's forward pass fails every request
+    in the batch (none can be told apart) and the batch starts afresh.
+    """
+
+    def __init__(
+        self, model: Any, tokenizer: Any, prefix_cache: PrefixCache, prefill_step_size: int = 512, max_batch: int = 8
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.prefix_cache = prefix_cache
+        prefix_cache.room_for_prefill = False  # the batch copies each prefix into its own cache
+        self.prefill_step_size = prefill_step_size
+        self.max_batch = max_batch
+        self.stats = SchedulerStats()
+        self._eos = StopSequences([[t] for t in tokenizer.eos_token_ids])
+        self._batch: BatchGenerator | None = None
+        self._running: dict[int, Running] = {}  # by BatchGenerator uid
+        self._waiting: list[Waiting] = []
+
+    @property
+    def num_running(self) -> int:
+        """Requests admitted and not finished (in the batch, or waiting for a shared prefix)."""
+        return len(self._running) + len(self._waiting)
+
+    @property
+    def batch_size(self) -> int:
+        """Requests in mlx-lm's batch now (prefilling or decoding; not those waiting for a shared prefix)."""
+        return len(self._running)
+
+    @property
+    def num_prefilling(self) -> int:
+        return sum(1 for r in self._running.values() if not r.prefill_done)
+
+    def is_running(self, req: GenerationRequest) -> bool:
+        return any(r.req is req for r in self._running.values()) or any(w.req is req for w in self._waiting)
+
+    @property
+    def is_full(self) -> bool:
+        return self.num_running >= self.max_batch
+
+    def _generator(self) -> BatchGenerator:
+        if self._batch is None:
+            self._batch = BatchGenerator(
+                self.model,
+                completion_batch_size=self.max_batch,
+                prefill_batch_size=self.max_batch,
+                prefill_step_size=self.prefill_step_size,
+            )
+        return self._batch
+
+    def admit(self, req: GenerationRequest) -> None:
+        """Assemble `req`'s cached prefix and put it in the batch (it prefills from the next step).
+        When a request in the batch is prefilling more of `req`'s prompt than the cache holds,
+        `req` waits until that request's prompt blocks are registered, then looks up again."""
+        started = time.perf_counter()
+        if req.cancelled.is_set():
+            self._emit_end(req, Finished("cancelled", Usage(len(req.prompt_tokens), 0), 0.0))
+            return
+        hashes: list[bytes] = []
+        manager = self.prefix_cache.manager
+        if manager is not None:
+            try:
+                usable = max(0, len(req.prompt_tokens) - 1)  # what a lookup may use
+                hashes = manager.hasher.hash_blocks(req.prompt_tokens, usable // manager.block_size)
+                prefilling = {u: r.block_hashes for u, r in self._running.items() if not r.prompt_registered}
+                leader = pick_leader(hashes, prefilling, cached_blocks(hashes, manager.in_ram)) if prefilling else None
+            except Exception as exc:
+                self._emit_end(req, Failed(exc))
+                return
+            if leader is not None:
+                self._waiting.append(Waiting(req, started, leader, hashes))
+                self.stats.shared_prefix_waits += 1
+                return
+        self._start(req, started, hashes)
+
+    def _start(self, req: GenerationRequest, started: float, hashes: list[bytes]) -> None:
+        try:
+            prepared = self.prefix_cache.prepare(req.prompt_tokens)
+        except Exception as exc:
+            self._emit_end(req, Failed(exc))
+            return
+        try:
+            cached = prepared.match.num_tokens
+            params = req.params
+            (uid,) = self._generator().insert(
+                [list(req.prompt_tokens[cached:])],
+                max_tokens=[params.max_tokens],
+                caches=[prepared.prompt_cache],
+                all_tokens=[list(req.prompt_tokens[:cached])],
+                samplers=[make_request_sampler(params)],
+                stop_sequences=[self._eos],
+            )
+        except Exception as exc:
+            self.prefix_cache.release(prepared)
+            self._emit_end(req, Failed(exc))
+            return
+        detok = self.tokenizer.detokenizer
+        detok.reset()
+        self._running[uid] = Running(uid, req, prepared, started, detok, StopMatcher(params.stop), block_hashes=hashes)
+
+    def _start_waiting(self) -> None:
+        """Start the waiting requests whose leader registered its prompt's blocks (or left)."""
+        waiting, self._waiting = self._waiting, []
+        for w in waiting:
+            leader = self._running.get(w.leader)
+            if w.req.cancelled.is_set():
+                self._emit_end(w.req, Finished("cancelled", Usage(len(w.req.prompt_tokens), 0), 0.0))
+            elif leader is None or leader.prompt_registered:
+                self._start(w.req, w.started, w.block_hashes)
+            else:
+                self._waiting.append(w)
+
+    def cancel_all(self) -> None:
+        for run in self._running.values():
+            run.req.cancel()
+        for w in self._waiting:
+            w.req.cancel()
+
+    def step(self) -> None:
+        """One decode step for the running requests and one prefill chunk for the joining ones;
+        then cancelled requests leave (their KV is registered)."""
+        if self._waiting:
+            self._start_waiting()
+        if not self._running:
+            return
+        batch = self._generator()
+        try:
+            with batch.stats() as counted:
+                prompt_responses, responses = batch.next()
+        except Exception as exc:
+            log.exception("batch step failed; failing its %d requests", len(self._running))
+            self._fail_all(exc)
+            return
+        stats = self.stats
+        stats.steps += 1
+        stats.prefill_tokens += counted.prompt_tokens
+        stats.prefill_s += counted.prompt_time
+        stats.decode_tokens += counted.generation_tokens
+        stats.decode_s += counted.decode_time
+        for r in prompt_responses:
+            if r.end_of_prompt and r.uid in self._running:
+                self._running[r.uid].prefill_done = True
+        for r in responses:
+            run = self._running.get(r.uid)
+            if run is not None:
+                self._guard(run, self._on_token, run, r)
+        for run in list(self._running.values()):
+            if run.req.cancelled.is_set():
+                self._guard(run, self._end, run, "cancelled")
+            elif run.prefill_done and run.generated and not run.prompt_registered:
+                self._guard(run, self._register_prompt, run)
+
+    def _guard(self, run: Running, fn: Any, *args: Any) -> None:
+        """Call fn; an exception fails this request alone."""
+        try:
+            fn(*args)
+        except Exception as exc:
+            log.exception("request %s failed", run.req.request_id)
+            self._drop(run, exc)
+
+    def _on_token(self, run: Running, r: Any) -> None:
+        token, req = r.token, run.req
+        run.generated.append(token)
+        if len(run.generated) == 1:
+            run.first_token_s = time.perf_counter() - run.started
+            self.prefix_cache.mark_first_token(run.prepared)
+        if req.cancelled.is_set():
+            return self._end(run, "cancelled", r)
+        if r.finish_reason == "stop":  # eos: its text is not sent
+            return self._end(run, "stop", r)
+        run.num_generated += 1
+        run.detok.add_token(token)
+        text = run.stops.feed(run.detok.last_segment)
+        logprobs = self._logprobs(req, token, r.logprobs)
+        if text or logprobs:
+            req.emit(TextDelta(text, 1, logprobs))
+        if run.stops.stopped:
+            return self._end(run, "stop", r)
+        if r.finish_reason == "length":
+            return self._end(run, "length", r)
+        return None
+
+    def _logprobs(self, req: GenerationRequest, token: int, logprobs: mx.array) -> tuple[TokenLogprob, ...]:
+        params = req.params
+        if not (params.logprobs or params.top_logprobs):
+            return ()
+        top: tuple[tuple[int, float], ...] = ()
+        if params.top_logprobs > 0:
+            n = min(params.top_logprobs, logprobs.shape[-1])
+            ids = mx.argpartition(-logprobs, kth=n - 1)[:n]
+            values = logprobs[ids]
+            top = tuple(sorted(zip(ids.tolist(), values.tolist(), strict=True), key=lambda p: -p[1]))
+        return (TokenLogprob(token, logprobs[token].item(), top),)
+
+    def _take_cache(self, run: Running, r: Any = None) -> tuple[list[Any], list[int]]:
+        """The request's (cache, tokens whose KV it holds), taking it out of the batch."""
+        if r is not None and r.finish_reason is not None:  # the batch already let it go
+            return r.prompt_cache, list(r.all_tokens)
+        caches = self._generator().remove([run.uid], return_prompt_caches=True)
+        cache, tokens = caches[run.uid]
+        return cache, list(tokens)
+
+    def _end(self, run: Running, reason: str, r: Any = None) -> None:
+        """Finish the request: send the held-back text and Finished, then register its KV.
+        Raises only before anything was sent (the caller then fails the request)."""
+        cache, kv_tokens = self._take_cache(run, r)
+        del self._running[run.uid]
+        req = run.req
+        try:
+            if not run.stops.stopped and reason != "cancelled":
+                run.detok.finalize()
+                tail = run.stops.feed(run.detok.last_segment)
+                tail += "" if run.stops.stopped else run.stops.flush()
+                if tail:
+                    req.emit(TextDelta(tail, 0))
+            usage = Usage(len(req.prompt_tokens), run.num_generated, run.prepared.match.num_tokens)
+            completion = tuple(run.generated[: run.num_generated])
+            req.emit(Finished(reason, usage, run.first_token_s, completion))
+        except Exception:  # the client is gone; its KV is still worth keeping
+            log.exception("request %s: its last events could not be sent", req.request_id)
+        try:  # registers the new blocks and releases the request's references
+            run.prepared.prompt_cache = cache
+            self.prefix_cache.finish(run.prepared, kv_tokens, len(req.prompt_tokens))
+        except Exception:
+            log.exception("request %s: its KV blocks could not be registered", req.request_id)
+        finally:
+            if req.on_done is not None:
+                req.on_done()
+
+    def _register_prompt(self, run: Running) -> None:
+        """The prompt's blocks, as soon as its prefill is done (after its first token was sent,
+        so this costs the first token nothing), for requests that share the prefix."""
+        run.prompt_registered = True
+        if self.prefix_cache.manager is None:
+            return
+        prompt_len = len(run.req.prompt_tokens)
+        try:
+            cache, tokens = self._generator().extract_cache([run.uid])[run.uid]
+            run.prepared.prompt_cache = cache
+            self.prefix_cache.register(run.prepared, list(tokens[:prompt_len]), prompt_len, write=False)
+        except Exception:  # the request goes on; its blocks are registered again when it ends
+            log.exception("request %s: its prompt's blocks could not be registered", run.req.request_id)
+
+    def _drop(self, run: Running, exc: Exception) -> None:
+        """Take a failed request out of the batch without registering anything."""
+        if self._running.pop(run.uid, None) is not None:
+            try:
+                self._generator().remove([run.uid])
+            except Exception:
+                log.exception("could not remove request %s from the batch", run.req.request_id)
+        self.prefix_cache.release(run.prepared)
+        self._emit_end(run.req, Failed(exc))
+
+    def _fail_all(self, exc: Exception) -> None:
+        running, self._running = list(self._running.values()), {}
+        if self._batch is not None:
+            self._batch.close()
+            self._batch = None
+        for run in running:
+            self.prefix_cache.release(run.prepared)
+            self._emit_end(run.req, Failed(exc))
+
+    @staticmethod
+    def _emit_end(req: GenerationRequest, event: Finished | Failed) -> None:
+        try:
+            req.emit(event)
+        except Exception:
+            log.exception("request %s: its final event could not be sent", req.request_id)
+        finally:
+            if req.on_done is not None:
+                req.on_done()
+
+    def close(self) -> None:
+        if self._batch is not None:
+            self._batch.close()
+            self._batch = None
