@@ -185,12 +185,9 @@ def test_tool_fields_are_parsed():
     "field, value",
     [
         ("response_format", {"type": "json_object"}),
-        ("logprobs", True),
-        ("top_logprobs", 3),
         ("frequency_penalty", 0.5),
         ("logit_bias", {"1": 5}),
         ("functions", [{"name": "f"}]),
-        ("top_k", 5),
     ],
 )
 def test_fields_not_served_are_a_400_naming_them(field, value):

@@ -19,7 +19,7 @@ from starlette.routing import Route
 
 from ..config import ApiKeys, load_api_keys
 from ..engine.engine import Engine
-from ..engine.request import Event, Finished, GenerationRequest, TextDelta
+from ..engine.request import Event, Finished, GenerationRequest, TextDelta, TokenLogprob
 from ..errors import (
     InvalidRequestError,
     KVServeError,
@@ -34,6 +34,7 @@ from .cache_routes import cache_routes
 from .deadlines import Deadlines, EventTracker
 from .gate import CLIENT_CLOSED, RECORD_KEY, RequestGate, error_response
 from .health import HealthMonitor
+from .logprobs import LogprobFormatter
 from .metrics import RequestRecord, ServerMetrics
 from .output import REASONING, TOOL, ChatOutput, Segment
 from .output import collect as collect_segments
@@ -108,12 +109,18 @@ class CompletionHandler:
         gen_req, track = await self.submit(request, req)
         if req.stream:
             return StreamingResponse(self._stream(req, gen_req, track), media_type="text/event-stream")
-        done = await self.collect(request, gen_req, track)
+        entries: list[TokenLogprob] = []
+        done = await self.collect(request, gen_req, track, entries)
         if isinstance(done, Response):
             return done
         text, ev = done
         body = self._reply_body(req, gen_req, text, ev)
+        if req.logprobs.enabled:
+            body["choices"][0]["logprobs"] = self.logprob_formatter(req).block(entries)
         return JSONResponse(self._with_extension(body, req, gen_req))
+
+    def logprob_formatter(self, req: oa.CompletionRequest) -> LogprobFormatter:
+        return LogprobFormatter(self.engine.loaded.tokenizer, req.kind)
 
     def output(self, req: oa.CompletionRequest, gen_req: GenerationRequest) -> ChatOutput:
         """The splitter of this chat reply into reasoning, content and tool calls."""
@@ -162,10 +169,15 @@ class CompletionHandler:
         return body
 
     async def collect(
-        self, request: Request, gen_req: GenerationRequest, track: EventTracker
+        self,
+        request: Request,
+        gen_req: GenerationRequest,
+        track: EventTracker,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> tuple[str, Finished] | Response:
-        """The whole reply's text and its Finished event, or a 499 response when the client left.
-        Raises the KVServeError of a failed generation, RequestTimeoutError past a deadline."""
+        """The whole reply's text and its Finished event, or a 499 response when the client left;
+        the tokens' logprobs, when asked for, are appended to `logprobs`. Raises the KVServeError of
+        a failed generation, RequestTimeoutError past a deadline."""
         pieces: list[str] = []
         loop = asyncio.get_running_loop()
         next_check = loop.time() + _DISCONNECT_POLL_S
@@ -182,6 +194,8 @@ class CompletionHandler:
                     continue
                 if isinstance(ev, TextDelta):
                     pieces.append(ev.text)
+                    if logprobs is not None:
+                        logprobs.extend(ev.logprobs)
                 elif isinstance(ev, Finished):
                     track.finished(ev)
                     return "".join(pieces), ev
@@ -195,6 +209,7 @@ class CompletionHandler:
     async def _stream(self, req, gen_req: GenerationRequest, track: EventTracker) -> AsyncIterator[str]:
         rid, model = gen_req.request_id, self.engine.model_name
         out = self.output(req, gen_req) if req.kind == "chat" else None
+        formatter = self.logprob_formatter(req) if req.logprobs.enabled else None
         try:
             yield _sse(oa.chunk_body(req, rid, model, "" if req.kind == "chat" else None, None, first=True))
             while True:
@@ -207,10 +222,14 @@ class CompletionHandler:
                     continue
                 if isinstance(ev, TextDelta):
                     if ev.text and out is None:
-                        yield _sse(oa.chunk_body(req, rid, model, ev.text, None))
-                    elif ev.text:
-                        for chunk in _segment_chunks(req, rid, model, out, out.feed(ev.text)):
-                            yield _sse(chunk)
+                        chunks = [oa.chunk_body(req, rid, model, ev.text, None)]
+                    else:
+                        chunks = _segment_chunks(req, rid, model, out, out.feed(ev.text)) if ev.text else []
+                    if formatter is not None and ev.logprobs:  # on the tokens' first chunk, or one of its own
+                        chunks = chunks or [oa.chunk_body(req, rid, model, None if out else "", None)]
+                        chunks[0]["choices"][0]["logprobs"] = formatter.block(ev.logprobs)
+                    for chunk in chunks:
+                        yield _sse(chunk)
                 elif isinstance(ev, Finished):
                     track.finished(ev)
                     reason = ev.finish_reason

@@ -16,6 +16,7 @@ from typing import Any
 from ..engine.request import SamplingParams, Usage
 from ..errors import InvalidRequestError, ValidationError
 from . import tools as tl
+from .logprobs import LogprobRequest, parse_logprobs
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP_STRINGS = 8
@@ -46,9 +47,22 @@ class CompletionRequest:
     return_block_hashes: bool = False
     tools: tl.ToolSpec | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs
+    logprobs: LogprobRequest = LogprobRequest(False, 0)
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0  # 0 = off
 
     def sampling(self, max_tokens: int) -> SamplingParams:
-        return SamplingParams(max_tokens, self.temperature, self.top_p, self.seed, self.stop)
+        return SamplingParams(
+            max_tokens,
+            self.temperature,
+            self.top_p,
+            self.seed,
+            self.stop,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            logprobs=self.logprobs.enabled,
+            top_logprobs=self.logprobs.num_top,
+        )
 
 
 def _field(body: dict[str, Any], name: str, kinds: tuple[type, ...], what: str, default: Any = None) -> Any:
@@ -187,6 +201,13 @@ def _parse_prompt(body: dict[str, Any]) -> str | list[int]:
     raise ValidationError("'prompt' must be a non-empty string or an array of token ids", param="prompt")
 
 
+def _parse_top_k(body: dict[str, Any]) -> int:
+    top_k = _field(body, "top_k", (int,), "an integer", 0)
+    if top_k < 0 or top_k > 2**31:
+        raise ValidationError(f"'top_k' must be between 0 (off) and 2**31, got {top_k}", param="top_k")
+    return top_k
+
+
 def _parse_seed(body: dict[str, Any]) -> int | None:
     seed = _field(body, "seed", (int,), "an integer")
     if seed is not None and not 0 <= seed < 2**64:  # MLX's generator takes an unsigned 64-bit seed
@@ -196,14 +217,13 @@ def _parse_seed(body: dict[str, Any]) -> int | None:
 
 # Fields served as asked. `user` only names the caller, so there is nothing to do for it.
 _FIELDS = {"model", "max_tokens", "temperature", "top_p", "n", "seed", "stop", "stream", "stream_options"}
-_FIELDS |= {"kvserve", "user", "max_completion_tokens"}
+_FIELDS |= {"kvserve", "user", "max_completion_tokens", "top_k", "min_p", "logprobs"}
 CHAT_FIELDS = _FIELDS | {"messages", "tools", "tool_choice", "parallel_tool_calls"}
-CHAT_FIELDS |= {"chat_template_kwargs"}
+CHAT_FIELDS |= {"chat_template_kwargs", "top_logprobs"}
 TEXT_FIELDS = _FIELDS | {"prompt"}
 # Fields not served, accepted only at the value that asks for nothing.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
+    "top_logprobs": (None, 0),  # completions take the count in `logprobs`
     "frequency_penalty": (None, 0),
     "presence_penalty": (None, 0),
     "logit_bias": (None, {}),
@@ -270,6 +290,9 @@ def parse_request(body: Any, kind: str, defaults: Defaults) -> CompletionRequest
         return_block_hashes=bool(_field(ext, "return_block_hashes", (bool,), "a boolean", False)),
         tools=tl.parse_openai_tools(body) if kind == "chat" else None,
         template_kwargs=_template_kwargs(body) if kind == "chat" else {},
+        logprobs=parse_logprobs(body, kind),
+        top_k=_parse_top_k(body),
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
     )
     check_fields(body, CHAT_FIELDS if kind == "chat" else TEXT_FIELDS)
     return req
@@ -342,6 +365,7 @@ def response_body(
     usage: Usage,
     reasoning: str = "",
     tool_calls: tuple[tl.ToolCall, ...] | list[tl.ToolCall] = (),
+    logprobs: dict[str, Any] | None = None,
 ) -> dict:
     """The whole reply. A chat reply with tool calls ends with "tool_calls" (unless cut by
     max_tokens) and has null content when the model wrote nothing else."""
@@ -353,10 +377,10 @@ def response_body(
         if tool_calls:
             message["tool_calls"] = [call.openai() for call in tool_calls]
             reason = "tool_calls" if reason == "stop" else reason
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
+        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason}
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
         obj = "text_completion"
     return {
         "id": rid,
@@ -377,6 +401,7 @@ def chunk_body(
     first: bool = False,
     reasoning: str | None = None,
     tool_calls: list[dict[str, Any]] | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict:
     """One streamed chunk: text (None for none), reasoning text, tool-call deltas (each with its
     `index`) and, on the last content chunk, the finish reason."""
@@ -389,10 +414,10 @@ def chunk_body(
             delta["reasoning_content"] = reasoning
         if tool_calls:
             delta["tool_calls"] = tool_calls
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
 
