@@ -398,3 +398,24 @@ def test_a_flush_during_a_request_drops_its_deferred_blocks(tiny, tmp_path):
     assert tier.close(drain_timeout_s=30)
     assert tier.store.stats()["ssd_blocks"] == manager.stats()["kv_ram_blocks"]  # only blocks made after it
     assert run_batch(gen, [(prompt, SamplingParams(max_tokens=2))])[0].done.usage.cached_tokens == 0
+
+
+def test_a_finished_reply_finds_its_blocks_cached(tiny):
+    """Finished is sent after the KV is registered: a client holding its whole reply (then sending a
+    flush or a repeat) never races the registration."""
+    model, tokenizer = tiny
+    gen = make_generator(model, tokenizer, BS)
+    manager = gen.prefix_cache.manager
+    prompt = list(range(3, 3 + 3 * BS + 5))
+    seen: list[int] = []
+
+    def emit(ev):
+        if isinstance(ev, Finished):  # on the worker thread, as the server's queue would get it
+            match = manager.lookup(prompt + list(ev.token_ids))
+            seen.append(match.num_tokens)
+            manager.release(match.blocks)
+
+    gen.run(GenerationRequest("r", prompt, SamplingParams(max_tokens=4, temperature=0.0), emit))
+    # Not only the prompt's full blocks (registered after the first token) but its tail and the
+    # generated tokens, which are registered when the request ends.
+    assert seen and seen[0] > len(prompt), seen

@@ -276,8 +276,9 @@ class Scheduler:
         return cache, list(tokens)
 
     def _end(self, run: Running, reason: str, r: Any = None) -> None:
-        """Finish the request: send the held-back text and Finished, then register its KV.
-        Raises only before anything was sent (the caller then fails the request)."""
+        """Finish the request: send the held-back text, register its KV, then send Finished, so a
+        client that has its whole reply finds its blocks cached (a flush or a repeat sent right
+        after it sees them). Never raises: the client may be gone, the KV is still worth keeping."""
         cache, kv_tokens = self._take_cache(run, r)
         del self._running[run.uid]
         req = run.req
@@ -288,16 +289,19 @@ class Scheduler:
                 tail += "" if run.stops.stopped else run.stops.flush()
                 if tail:
                     req.emit(TextDelta(tail, 0))
-            usage = Usage(len(req.prompt_tokens), run.num_generated, run.prepared.match.num_tokens)
-            completion = tuple(run.generated[: run.num_generated])
-            req.emit(Finished(reason, usage, run.first_token_s, completion))
-        except Exception:  # the client is gone; its KV is still worth keeping
-            log.exception("request %s: its last events could not be sent", req.request_id)
+        except Exception:
+            log.exception("request %s: its last text could not be sent", req.request_id)
         try:  # registers the new blocks and releases the request's references
             run.prepared.prompt_cache = cache
             self.prefix_cache.finish(run.prepared, kv_tokens, len(req.prompt_tokens))
         except Exception:
             log.exception("request %s: its KV blocks could not be registered", req.request_id)
+        try:
+            usage = Usage(len(req.prompt_tokens), run.num_generated, run.prepared.match.num_tokens)
+            completion = tuple(run.generated[: run.num_generated])
+            req.emit(Finished(reason, usage, run.first_token_s, completion))
+        except Exception:
+            log.exception("request %s: its Finished event could not be sent", req.request_id)
         finally:
             if req.on_done is not None:
                 req.on_done()
