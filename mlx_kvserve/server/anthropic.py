@@ -33,7 +33,7 @@ from .anthropic_reply import (
 if TYPE_CHECKING:
     from .app import CompletionHandler
 
-FIELDS = {"model", "max_tokens", "messages", "system", "stop_sequences", "stream", "temperature", "top_p"}
+FIELDS = {"model", "max_tokens", "messages", "system", "stop_sequences", "stream", "temperature", "top_p", "top_k"}
 FIELDS |= {"metadata", "tools", "tool_choice", "cache_control", "thinking"}  # metadata only names the caller
 
 
@@ -168,9 +168,9 @@ def to_openai(body: Any, count_only: bool = False) -> dict[str, Any]:
         raise ValidationError("'messages' must be a non-empty array", param="messages")
     messages = _system(body.get("system")) + [m for i, msg in enumerate(raw) for m in _message(msg, i)]
     out: dict[str, Any] = {"messages": messages, "max_tokens": None if count_only else body["max_tokens"]}
-    for ours, theirs in (("model", "model"), ("stream", "stream"), ("temperature", "temperature"), ("top_p", "top_p")):
-        if body.get(theirs) is not None:
-            out[ours] = body[theirs]
+    for name in ("model", "stream", "temperature", "top_p", "top_k"):  # the same names and meanings
+        if body.get(name) is not None:
+            out[name] = body[name]
     if body.get("stop_sequences"):
         out["stop"] = body["stop_sequences"]
     _check_cache_control(body, "request")  # automatic caching: every prefix is cached anyway
