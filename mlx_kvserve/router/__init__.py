@@ -1,0 +1,1 @@
+"""A cache-aware router across several mlx-kvserve instances (the policies of seed 004)."""

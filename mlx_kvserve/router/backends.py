@@ -1,0 +1,83 @@
+"""What the router knows about each backend: its load (counted by the router as it proxies) and its blocks.
+
+Load counters change when a request starts and finishes, never inside a picker (seed 004). The block set
+mirrors the backend's block events; `estimate_cache_hit` is the longest prefix of the request's chained
+block hashes that the backend reported stored, in tokens.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+
+from .policies import BackendView
+
+
+class BackendState:
+    """One backend. All fields are guarded by `_lock`; the router and the event follower share it."""
+
+    def __init__(self, url: str, block_size: int = 0):
+        self.url = url
+        self.block_size = block_size  # 0 until the backend's layout is known: no hit can be estimated
+        self._lock = threading.Lock()
+        self._blocks: set[bytes] = set()
+        self.is_up = True
+        self.num_requests = 0
+        self.pending_prefill_tokens = 0
+        self.decode_tokens = 0
+
+    # --- blocks -------------------------------------------------------------------------------------------
+
+    def apply_events(self, stored: Iterable[bytes] = (), removed: Iterable[bytes] = ()) -> None:
+        with self._lock:
+            self._blocks.update(stored)
+            self._blocks.difference_update(removed)
+
+    def reset_blocks(self, snapshot: Iterable[bytes]) -> None:
+        """Replace the block set with a snapshot (after a reconnect or a resync)."""
+        with self._lock:
+            self._blocks = set(snapshot)
+
+    @property
+    def num_blocks(self) -> int:
+        with self._lock:
+            return len(self._blocks)
+
+    def estimate_cache_hit(self, block_hashes: Sequence[bytes]) -> int:
+        """Tokens of the longest prefix of `block_hashes` this backend holds (chained, so stop at the first miss)."""
+        with self._lock:
+            n = 0
+            for h in block_hashes:
+                if h not in self._blocks:
+                    break
+                n += 1
+            return n * self.block_size
+
+    # --- load ---------------------------------------------------------------------------------------------
+
+    def start_request(self, prefill_tokens: int) -> None:
+        with self._lock:
+            self.num_requests += 1
+            self.pending_prefill_tokens += prefill_tokens
+
+    def prefill_done(self, prefill_tokens: int) -> None:
+        """The first token arrived: the prefill estimate is no longer pending."""
+        with self._lock:
+            self.pending_prefill_tokens = max(0, self.pending_prefill_tokens - prefill_tokens)
+
+    def decoded(self, num_tokens: int = 1) -> None:
+        with self._lock:
+            self.decode_tokens += num_tokens
+
+    def finish_request(self, pending_prefill_left: int, decoded_tokens: int) -> None:
+        """Undo `start_request` and the decode tokens counted for it; clamps at zero."""
+        with self._lock:
+            self.num_requests = max(0, self.num_requests - 1)
+            self.pending_prefill_tokens = max(0, self.pending_prefill_tokens - pending_prefill_left)
+            self.decode_tokens = max(0, self.decode_tokens - decoded_tokens)
+
+    def view(self, block_hashes: Sequence[bytes]) -> BackendView:
+        """The picker's snapshot of this backend for one request."""
+        hit = self.estimate_cache_hit(block_hashes)
+        with self._lock:
+            return BackendView(self.url, self.num_requests, self.pending_prefill_tokens, self.decode_tokens, hit)

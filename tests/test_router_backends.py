@@ -1,0 +1,54 @@
+"""Router-side backend state: block set from events/snapshots, hit estimate, load counters."""
+
+from mlx_kvserve.kv.hashing import BlockHasher, namespace_hash
+from mlx_kvserve.router.backends import BackendState
+
+BS = 4
+
+
+def hashes(tokens):
+    return BlockHasher(namespace_hash("m", "float32", BS), BS).hash_blocks(tokens)
+
+
+def test_estimate_is_longest_stored_prefix_in_tokens():
+    b = BackendState("http://a", block_size=BS)
+    h = hashes(list(range(16)))  # 4 blocks
+    b.apply_events(stored=[h[0], h[1], h[3]])
+    assert b.estimate_cache_hit(h) == 2 * BS  # h[2] missing: the chain stops there
+    b.apply_events(removed=[h[0]])
+    assert b.estimate_cache_hit(h) == 0
+
+
+def test_unknown_layout_estimates_nothing():
+    b = BackendState("http://a")
+    h = hashes(list(range(8)))
+    b.apply_events(stored=h)
+    assert b.estimate_cache_hit(h) == 0 and b.num_blocks == 2
+
+
+def test_snapshot_replaces_block_set():
+    b = BackendState("http://a", block_size=BS)
+    h = hashes(list(range(8)))
+    b.apply_events(stored=[h[0]])
+    b.reset_blocks([h[1]])
+    assert b.num_blocks == 1 and b.estimate_cache_hit(h) == 0
+
+
+def test_load_counters_round_trip_and_view():
+    b = BackendState("http://a", block_size=BS)
+    b.start_request(100)
+    b.start_request(50)
+    b.prefill_done(100)
+    b.decoded(3)
+    v = b.view([])
+    assert (v.name, v.num_requests, v.pending_prefill_tokens, v.decode_tokens, v.cache_hit_tokens) == (
+        "http://a",
+        2,
+        50,
+        3,
+        0,
+    )
+    b.finish_request(pending_prefill_left=0, decoded_tokens=3)
+    b.finish_request(pending_prefill_left=50, decoded_tokens=0)
+    b.finish_request(pending_prefill_left=0, decoded_tokens=0)  # one too many clamps at zero
+    assert (b.num_requests, b.pending_prefill_tokens, b.decode_tokens) == (0, 0, 0)
