@@ -10,44 +10,19 @@ Usage: python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_concurrent
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import threading
 import time
 from pathlib import Path
 
-import httpx
-from bench_common import QUESTIONS, ROOT, system_prompt
-from bench_prefix import Server
+from bench_common import QUESTIONS, ROOT, system_prompt, write_report
+from bench_prefix import Server, stream_chat
 
 
 def chat(server: Server, messages: list[dict], max_tokens: int) -> tuple[float, str, int]:
     """(seconds to the first content token, text, completion tokens) of one streamed greedy chat."""
-    body = {
-        "messages": messages,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    if server.name == "mlx-kvserve":
-        body["model"] = "default"
-    start = time.perf_counter()
-    first, text, tokens = None, [], 0
-    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=900) as resp:
-        resp.raise_for_status()
-        for line in resp.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            for choice in chunk.get("choices") or []:
-                piece = (choice.get("delta") or {}).get("content")
-                if piece:
-                    first = first if first is not None else time.perf_counter() - start
-                    text.append(piece)
-            if chunk.get("usage"):
-                tokens = chunk["usage"].get("completion_tokens") or 0
-    return (first if first is not None else time.perf_counter() - start), "".join(text), tokens
+    reply = stream_chat(server, messages, max_tokens, timeout_s=900)
+    return reply.ttft_s, reply.text, reply.completion_tokens
 
 
 def p90(values: list[float]) -> float:
@@ -151,12 +126,7 @@ def main() -> None:
         result = scenario_concurrent(servers, [1, 4, 8], turns, max_tokens, words)
     finally:
         stop_servers(servers)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=2))
-    report = "\n".join(report_lines(result, [s.name for s in servers]))
-    (out / "report.md").write_text(report + "\n")
-    print(report)
+    write_report(result, Path(args.out), report_lines(result, [s.name for s in servers]))
 
 
 if __name__ == "__main__":

@@ -11,12 +11,11 @@ Usage: python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_interleave
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
-from bench_common import QUESTIONS, ROOT, TOPICS
+from bench_common import QUESTIONS, ROOT, TOPICS, write_report
 from bench_prefix import Server, chat_ttft
 
 
@@ -103,12 +102,7 @@ def main() -> None:
         result = scenario_interleaved(servers, conversations, turns, 4 if args.quick else 12)
     finally:
         stop_servers(servers)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=2))
-    report = "\n".join(report_lines(result, [s.name for s in servers]))
-    (out / "report.md").write_text(report + "\n")
-    print(report)
+    write_report(result, Path(args.out), report_lines(result, [s.name for s in servers]))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 from bench_common import QUESTIONS, ROOT, default_model_dir, median, system_prompt, write_report
@@ -65,8 +66,15 @@ class Server:
             self.proc.kill()
 
 
-def chat_ttft(server: Server, messages: list[dict], max_tokens: int = 8) -> tuple[float, str, int | None]:
-    """(seconds to the first content token, full text, cached tokens reported or None)."""
+class ChatReply(NamedTuple):
+    ttft_s: float  # seconds to the first content token
+    text: str
+    cached_tokens: int | None  # as reported in usage, None when not reported
+    completion_tokens: int
+
+
+def stream_chat(server: Server, messages: list[dict], max_tokens: int, timeout_s: float = 600) -> ChatReply:
+    """One streamed greedy chat completion, timed from the request to its first content token."""
     body = {
         "model": "default" if server.name == "mlx-kvserve" else None,
         "messages": messages,
@@ -77,8 +85,8 @@ def chat_ttft(server: Server, messages: list[dict], max_tokens: int = 8) -> tupl
     }
     body = {k: v for k, v in body.items() if v is not None}
     start = time.perf_counter()
-    first, text, cached = None, [], None
-    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=600) as resp:
+    first, text, cached, completion = None, [], None, 0
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=timeout_s) as resp:
         resp.raise_for_status()
         for line in resp.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -93,7 +101,15 @@ def chat_ttft(server: Server, messages: list[dict], max_tokens: int = 8) -> tupl
             usage = chunk.get("usage")
             if usage:
                 cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-    return (first if first is not None else time.perf_counter() - start), "".join(text), cached
+                completion = usage.get("completion_tokens") or 0
+    ttft = first if first is not None else time.perf_counter() - start
+    return ChatReply(ttft, "".join(text), cached, completion)
+
+
+def chat_ttft(server: Server, messages: list[dict], max_tokens: int = 8) -> tuple[float, str, int | None]:
+    """(seconds to the first content token, full text, cached tokens reported or None)."""
+    reply = stream_chat(server, messages, max_tokens)
+    return reply.ttft_s, reply.text, reply.cached_tokens
 
 
 def scenario_system_prompt(servers: list[Server], reps: int) -> dict:

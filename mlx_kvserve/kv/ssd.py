@@ -82,7 +82,7 @@ class SecondaryFiles(Protocol):
     part in its LRU eviction. Called under the store's lock: must not call the store."""
 
     def used_bytes(self, fresh: bool = False) -> int: ...
-    def files(self) -> list[tuple[float, int, Path]]: ...  # (last use, size, path), oldest first
+    def files(self) -> list[tuple[float, int, Path]]: ...  # (last use, size, path), oldest first; refreshes used_bytes
     def delete(self, path: Path) -> int: ...  # bytes freed
 
 
@@ -274,13 +274,14 @@ class SSDStore:
         None, unless `partial`: then it removes every unpinned file it can. Caller holds _lock."""
         if self.max_bytes <= 0 or self._index.used_bytes + self._secondary_bytes() + incoming <= self.max_bytes:
             return 0
-        # The running total of the secondary files may be stale: be exact before removing anything.
-        need = self._index.used_bytes + self._secondary_bytes(fresh=True) + incoming - self.max_bytes
+        # The running total of the secondary files may be stale: one listing makes it exact (and
+        # refreshes it) before anything is removed.
+        secondary = self._secondary.files() if self._secondary is not None else []
+        need = self._index.used_bytes + sum(size for _, size, _ in secondary) + incoming - self.max_bytes
         if need <= 0:
             return 0
         candidates = [(e.last_accessed, h, e.size) for h, e in self._index.items() if not self._is_pinned(h)]
-        if self._secondary is not None:
-            candidates += [(used, path, size) for used, size, path in self._secondary.files()]
+        candidates += [(used, path, size) for used, size, path in secondary]
         candidates.sort(key=lambda c: c[0])
         victims, freed = [], 0
         for _, victim, size in candidates:

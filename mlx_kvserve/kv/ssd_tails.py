@@ -55,9 +55,10 @@ class SSDTailStore:
         self.per_parent = per_parent
         keys = ("saves", "hits", "errors", "write_errors", "skipped_low_space", "skipped_budget", "evictions")
         self.stats = {f"ssd_tail_{k}": 0 for k in keys}
-        # An estimate between rescans: deletions by other paths (damaged files, TTL) only make it
-        # high, and whoever relies on it to refuse a write rescans first (used_bytes(fresh=True)).
-        self._used_bytes = self._scan_bytes()
+        # A running total between listings: deletions by other paths (damaged files, TTL) only make
+        # it high, and the store's eviction lists the files (exact) before it removes anything.
+        self._used_bytes = 0
+        self.used_bytes(fresh=True)
 
     def _dir(self, parent_hash: bytes) -> Path:
         return self.folder / parent_hash.hex()
@@ -143,14 +144,14 @@ class SSDTailStore:
                         removed += 1
                 except OSError:
                     continue
-        self._used_bytes = self._scan_bytes()
+        self.used_bytes(fresh=True)
         return removed
 
     def clear(self) -> int:
         """Delete every tail (the admin flush with ssd=true). Returns the count."""
         count = sum(len(_tail_files(folder)) for folder in _parent_dirs(self.folder))
         _remove_any(self.folder)  # a link in its place is removed, never followed
-        self._used_bytes = self._scan_bytes()
+        self.used_bytes(fresh=True)
         return count
 
     def verify_all(self) -> TailReport:
@@ -172,7 +173,7 @@ class SSDTailStore:
             kept, invalid, temp = kept + counts.kept, invalid + counts.deleted_invalid, temp + counts.deleted_temp
             with contextlib.suppress(OSError):
                 path.rmdir()  # only when empty
-        self._used_bytes = self._scan_bytes()
+        self.used_bytes(fresh=True)
         return TailReport(kept, invalid, temp)
 
     def _verify_parent(self, folder: Path, parent_hash: bytes) -> TailReport:
@@ -200,11 +201,12 @@ class SSDTailStore:
     def used_bytes(self, fresh: bool = False) -> int:
         """Bytes of the tail files; `fresh` rescans the folder (exact) instead of the running total."""
         if fresh:
-            self._used_bytes = self._scan_bytes()
+            self.files()
         return self._used_bytes
 
     def files(self) -> list[tuple[float, int, Path]]:
-        """(last use as mtime, size, path) of every tail file, least recently used first."""
+        """(last use as mtime, size, path) of every tail file, least recently used first. The
+        listing also makes the running byte total exact."""
         out = []
         for folder in _parent_dirs(self.folder):  # never through links: eviction deletes what it lists
             for path in _tail_files(folder):
@@ -213,10 +215,8 @@ class SSDTailStore:
                 except OSError:
                     continue
                 out.append((stat.st_mtime, stat.st_size, path))
+        self._used_bytes = sum(size for _, size, _ in out)
         return sorted(out)
-
-    def _scan_bytes(self) -> int:
-        return sum(size for _, size, _ in self.files())
 
     def delete(self, path: Path) -> int:
         """Delete one tail file to make room (the store's LRU eviction). Returns the bytes freed."""
