@@ -109,6 +109,9 @@ class CacheConfig:
     ram_max_bytes: int = 0  # 0 = a quarter of physical memory
     pinned_ram_share: float = 0.5  # above this share of the RAM budget, pinned blocks are served from the SSD
     pin_on_start: list[str] = field(default_factory=list)  # prompt files warmed and pinned at startup
+    # Hybrid and sliding-window models: a checkpoint (recurrent state, window contents) every this
+    # many prompt tokens, rounded up to whole blocks; 0 = only at prompt and message ends.
+    checkpoint_every: int = 1024
 
 
 @dataclass(frozen=True)
@@ -257,6 +260,7 @@ def validate(config: Config) -> Config:
     _check(0 < g.top_p <= 1, "generation.top_p", "must be in (0, 1]")
     _check(g.prefill_step_size >= 1, "generation.prefill_step_size", "must be >= 1")
     _check(c.block_size >= 1, "cache.block_size", f"must be >= 1, got {c.block_size}")
+    _check(c.checkpoint_every >= 0, "cache.checkpoint_every", f"must be >= 0, got {c.checkpoint_every}")
     _check(0 < c.pinned_ram_share <= 1, "cache.pinned_ram_share", "must be in (0, 1]")
     d = config.ssd
     _check(d.ttl_days >= 0, "ssd.ttl_days", "must be >= 0")

@@ -29,10 +29,12 @@ def make_generator(
     tails: bool = True,
     ssd_dir: Path | None = None,
     write_hold_s: float = 0.0,
+    checkpoint_every: int = 0,
 ) -> Generator:
     """A Generator with a fresh RAM tier and, when `ssd_dir` is given, an SSD tier there (close
     it with `close_ssd` to drain the writer, as a server shutdown does)."""
-    namespace = namespace_hash("test-model", "float32", block_size)
+    layout = blocks.cache_layout(model, block_size)
+    namespace = namespace_hash("test-model", "float32", block_size, cache_layout=layout.signature)
     hasher = BlockHasher(namespace, block_size)
     tier = None
     if ssd_dir is not None:
@@ -44,14 +46,19 @@ def make_generator(
             store,
             writer,
             "write_through",
-            blocks.payload_to_arrays,
-            blocks.payload_from_arrays,
+            layout.to_arrays,
+            layout.from_arrays,
             write_hold_s=write_hold_s,
+            exact_tails=layout.exact_tails,
         )
         holder.append(tier)
         OPEN_TIERS.append(tier)
-    manager = KVManager(hasher, RAMStore(ram_bytes), TailStore(ram_bytes // 8) if tails else None, tier)
-    return Generator(model, tokenizer, PrefixCache(model, manager, ssd_tier=tier))
+    tail_budget = ram_bytes // 2 if layout.has_state else ram_bytes // 8
+    tail_store = TailStore(tail_budget, exact=layout.exact_tails) if tails else None
+    rules = layout if layout.needs_checkpoints else None
+    manager = KVManager(hasher, RAMStore(ram_bytes), tail_store, tier, rules=rules)
+    prefix_cache = PrefixCache(model, manager, ssd_tier=tier, layout=layout, checkpoint_every=checkpoint_every)
+    return Generator(model, tokenizer, prefix_cache)
 
 
 def close_ssd(generator: Generator) -> bool:

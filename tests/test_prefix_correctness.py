@@ -110,10 +110,11 @@ def test_assembled_cache_has_room_to_prefill_in_place(tiny):
     prompt = tokenizer.encode("The harbour light shines over the quiet water tonight. " * 12)[:200]
     full = make_prompt_cache(model)
     mx.eval(model(mx.array(prompt[:160])[None], cache=full))
-    payloads = [p for p, _ in blocks.slice_blocks(full, 0, 10, 16)]  # 160 tokens in 16-token blocks
+    layout = blocks.cache_layout(model, 16)
+    payloads = [p for p, _ in layout.slice_blocks(full, 0, 10, 16)]  # 160 tokens in 16-token blocks
     rest = mx.array(prompt[160:])[None]
-    tight = blocks.assemble(model, payloads)
-    roomy = blocks.assemble(model, payloads, room=rest.shape[1])
+    tight = layout.assemble(payloads)
+    roomy = layout.assemble(payloads, room=rest.shape[1])
     assert tight[0].keys.shape[2] == 160 and tight[0].offset == roomy[0].offset == 160
     assert roomy[0].keys.shape[2] == 256  # 160 + 40 rounded up to mlx-lm's 256-token step
     expected = model(rest, cache=tight)[0, -1]

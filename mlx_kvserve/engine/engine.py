@@ -59,7 +59,7 @@ def lock_store_folder(config: Config, namespace: bytes) -> FolderLock | None:
         return None
 
 
-def build_ssd_tier(config: Config, namespace: bytes, pins: PinRegistry) -> SSDTier | None:
+def build_ssd_tier(config: Config, namespace: bytes, pins: PinRegistry, layout: blocks.CacheLayout) -> SSDTier | None:
     """The SSD tier for this namespace, validated and pruned, with its writer running; None when
     [ssd] is off or its folder cannot be used (the server then runs on RAM alone, logged)."""
     ssd = config.ssd
@@ -103,11 +103,12 @@ def build_ssd_tier(config: Config, namespace: bytes, pins: PinRegistry) -> SSDTi
         store,
         writer,
         ssd.policy,
-        blocks.payload_to_arrays,
-        blocks.payload_from_arrays,
+        layout.to_arrays,
+        layout.from_arrays,
         ssd.flush_interval_s,
         ssd.async_writes,
         ssd.write_hold_s,
+        exact_tails=layout.exact_tails,
     )
     holder.append(tier)
     tier.validation = report._asdict()
@@ -122,27 +123,29 @@ def build_prefix_cache(
     damaged fingerprint memo is appended to `damaged` (the stores keep their own damaged files).
     Raises ConfigError or FolderBusyError (see lock_store_folder)."""
     if not config.cache.enabled:
-        return PrefixCache(loaded.model, None, "disabled by configuration ([cache] enabled = false)"), None
-    support = blocks.cache_support(loaded.model)
-    if not support.supported:
-        log.warning("block caching is off for this model: %s", support.reason)
-        return PrefixCache(loaded.model, None, support.reason), None
+        return PrefixCache(loaded.model, None, "disabled by configuration ([cache] enabled = false)", layout=None), None
+    layout = blocks.cache_layout(loaded.model, config.cache.block_size)
+    if not layout.supported:
+        log.warning("block caching is off for this model: %s", layout.reason)
+        return PrefixCache(loaded.model, None, layout.reason, layout=layout), None
     fingerprint = model_fingerprint(loaded.path, default_home() / "fingerprints.json", damaged)
-    namespace = namespace_hash(fingerprint, support.kv_dtype, config.cache.block_size)
+    namespace = namespace_hash(fingerprint, layout.kv_dtype, config.cache.block_size, cache_layout=layout.signature)
     budget = config.cache.ram_max_bytes or physical_memory_bytes() // 4
-    # Partial last blocks get an eighth of the RAM budget; full blocks the rest.
-    tails = TailStore(budget // 8)
+    # Tails (partial last blocks) get an eighth of the RAM budget, full blocks the rest; for models
+    # with recurrent layers tails carry the checkpoints, without which no block is usable: half.
+    tails = TailStore(budget // 2 if layout.has_state else budget // 8, exact=layout.exact_tails)
     folder_lock = lock_store_folder(config, namespace)  # before anything reads or writes the folder
     try:
         pins = PinRegistry(folder_lock.folder / PINS_FILE if folder_lock else None)
-        ssd_tier = build_ssd_tier(config, namespace, pins) if folder_lock else None
+        ssd_tier = build_ssd_tier(config, namespace, pins, layout) if folder_lock else None
     except BaseException:
         if folder_lock is not None:
             folder_lock.release()
         raise
     hasher = BlockHasher(namespace, config.cache.block_size)
     ram = RAMStore(budget - tails.max_bytes)
-    manager = KVManager(hasher, ram, tails, ssd_tier, pins, config.cache.pinned_ram_share)
+    rules = layout if layout.needs_checkpoints else None
+    manager = KVManager(hasher, ram, tails, ssd_tier, pins, config.cache.pinned_ram_share, rules)
     log.info(
         "block cache on: %d-token blocks, RAM budget %.2f GiB, SSD %s, model %s",
         config.cache.block_size,
@@ -150,7 +153,10 @@ def build_prefix_cache(
         "on" if ssd_tier else "off",
         fingerprint[:12],
     )
-    return PrefixCache(loaded.model, manager, ssd_tier=ssd_tier), folder_lock
+    prefix_cache = PrefixCache(
+        loaded.model, manager, ssd_tier=ssd_tier, layout=layout, checkpoint_every=config.cache.checkpoint_every
+    )
+    return prefix_cache, folder_lock
 
 
 class Engine:

@@ -22,20 +22,37 @@ log = logging.getLogger(__name__)
 @dataclass(eq=False)
 class Prepared:
     """One request's assembled prefix. `holding`: the request still holds background SSD writes
-    (from lookup to its first token)."""
+    (from lookup to its first token). `captures`: checkpoints taken while its prompt was
+    prefilled (recurrent states, window contents), registered as tails with its blocks."""
 
     prompt_cache: list[Any]
     match: MatchResult
     holding: bool = True
+    captures: list[blocks.Capture] = field(default_factory=list)
+    tails_done: set[int] = field(default_factory=set)  # ends of the tails registered so far
     registered_blocks: int = 0  # full blocks before this index are registered (or were cached)
     deferred: list[Block] = field(default_factory=list)  # registered, not yet handed to the SSD tier
     deferred_at_flush: int = 0  # manager.num_flushes when they were registered
 
 
 class PrefixCache:
-    def __init__(self, model: Any, manager: KVManager | None, reason: str = "", ssd_tier: Any = None):
+    def __init__(
+        self,
+        model: Any,
+        manager: KVManager | None,
+        reason: str = "",
+        ssd_tier: Any = None,
+        layout: blocks.CacheLayout | None = None,
+        checkpoint_every: int = 0,
+    ):
         self.model = model
         self.manager = manager
+        bs = manager.block_size if manager is not None else 1
+        self.layout = layout if layout is not None else blocks.cache_layout(model, bs)
+        # Models whose prefixes are usable only where something was captured (recurrent states,
+        # window contents) take checkpoints during prefill: every `checkpoint_every` tokens (a
+        # multiple of the block size), where a request asks, and at the end of each prompt.
+        self.checkpoint_every = -(-checkpoint_every // bs) * bs if checkpoint_every > 0 else 0
         self.reason = reason
         self.ssd_tier = ssd_tier  # kv.tiering.SSDTier or None; the engine closes it at shutdown
         self._hold_lock = threading.Lock()  # guards _num_holding
@@ -57,14 +74,14 @@ class PrefixCache:
                 self._num_holding += 1
             self.ssd_tier.hold_writes()
         if self.manager is None:
-            return Prepared(blocks.assemble(self.model, []), MatchResult([], 0))
+            return Prepared(self.layout.assemble([]), MatchResult([], 0))
         match = self.manager.lookup(prompt, max_tokens=len(prompt) - 1)
         try:
-            cache = blocks.assemble(
-                self.model,
+            cache = self.layout.assemble(
                 [b.payload for b in match.blocks],
                 match.tail_payload,
                 match.tail_tokens,
+                match.tail_len,
                 room=len(prompt) - match.num_tokens if self.room_for_prefill else 0,
             )
         except Exception:
@@ -73,15 +90,35 @@ class PrefixCache:
             raise
         return Prepared(cache, match)
 
-    def _keep_tail(self, prompt_cache: list[Any], tokens: list[int], end: int, hashes: list[bytes]) -> None:
+    def checkpoints(self, prompt_len: int, cached: int, asked: Sequence[int] = ()) -> list[int]:
+        """Where to capture while prefilling prompt[cached:]: every `checkpoint_every` tokens, at
+        the positions the request asks for (where its last message starts) and at
+        prompt_len - 1 (the longest prefix a repeat of the prompt may use). Empty for models
+        whose every block chain is usable."""
+        if self.manager is None or not self.layout.needs_checkpoints:
+            return []
+        points = set(asked) | {prompt_len - 1}
+        if self.checkpoint_every:
+            points.update(range(self.checkpoint_every, prompt_len, self.checkpoint_every))
+        return sorted(p for p in points if cached < p < prompt_len)
+
+    def capture(self, prepared: Prepared, prompt_cache: list[Any], position: int) -> None:
+        """Keep a checkpoint of `prompt_cache`, which holds the prompt's first `position` tokens."""
+        prepared.captures.append(self.layout.capture(prompt_cache, position))
+
+    def _keep_tail(
+        self, prepared: Prepared, tokens: list[int], end: int, hashes: list[bytes], state: blocks.Capture | None
+    ) -> None:
         """Keep tokens[start:end] as a tail, where start is the block boundary a later lookup of
-        tokens[:end] (which may use at most end - 1 tokens) stops at. 1..block_size tokens."""
-        if end < 1:
+        tokens[:end] (which may use at most end - 1 tokens) stops at. 1..block_size tokens.
+        `state`: the checkpoint at `end` (recurrent layers), when the layout has one."""
+        if end < 1 or end in prepared.tails_done:
             return
+        prepared.tails_done.add(end)
         manager, bs = self.manager, self.manager.block_size
         num_blocks = (end - 1) // bs
         parent = hashes[num_blocks - 1] if num_blocks else manager.hasher.namespace
-        payload, nbytes = blocks.slice_tokens(prompt_cache, num_blocks * bs, end)
+        payload, nbytes = self.layout.slice_tail(prepared.prompt_cache, num_blocks * bs, end, state, prepared.captures)
         manager.cache_tail(parent, tokens[num_blocks * bs : end], payload, nbytes)
 
     def first_token(self) -> None:
@@ -123,18 +160,23 @@ class PrefixCache:
         finally:
             self.manager.release(prepared.match.blocks)
 
-    def register(self, prepared: Prepared, kv_tokens: Sequence[int], prompt_len: int, write: bool = True) -> int:
-        """Register every new full block of `kv_tokens` whose KV `prepared.prompt_cache` holds,
-        plus tails ending at the prompt's end and at the sequence's end, keeping the request's
-        references (a request registers its prompt's blocks once its prefill is done, then the
-        rest at `finish`; blocks registered before are not again, even if evicted meanwhile).
+    def register(
+        self, prepared: Prepared, kv_tokens: Sequence[int], prompt_len: int, write: bool = True, upto: int | None = None
+    ) -> int:
+        """Register every new full block of `kv_tokens` (the tokens whose KV and state
+        `prepared.prompt_cache` holds) up to `upto` tokens (default: all), plus tails: for plain
+        attention models at the prompt's end and the sequence's end, for others at each checkpoint
+        captured and at the sequence's end (where the cache's own state is). The request keeps its
+        references (it registers its prompt's blocks once its prefill is done, then the rest at
+        `finish`; blocks registered before are not again, even if evicted meanwhile).
         `write=False` keeps the new blocks off the SSD until `finish` (a write during the request's
         decode would compete with it). Returns the number of blocks registered."""
         if self.manager is None:
             return 0
-        manager = self.manager
+        manager, layout = self.manager, self.layout
         bs = manager.block_size
-        length = min(blocks.cache_length(prepared.prompt_cache), len(kv_tokens))
+        held = layout.cache_length(prepared.prompt_cache)
+        length = min(len(kv_tokens) if held is None else held, len(kv_tokens), upto if upto is not None else len(kv_tokens))
         tokens = list(kv_tokens[:length])
         num_full = length // bs
         first = max(len(prepared.match.blocks), prepared.registered_blocks)
@@ -143,7 +185,7 @@ class PrefixCache:
         added = 0
         if todo:
             start, end = todo[0][0], todo[-1][0] + 1
-            sliced = blocks.slice_blocks(prepared.prompt_cache, start, end, bs)
+            sliced = layout.slice_blocks(prepared.prompt_cache, start, end, bs, prepared.captures)
             for index, block_hash, parent in todo:
                 payload, nbytes = sliced[index - start]
                 ids = tokens[index * bs : (index + 1) * bs]
@@ -153,6 +195,16 @@ class PrefixCache:
                         prepared.deferred.append(Block(block_hash, parent, tuple(ids), payload, nbytes))
                         prepared.deferred_at_flush = manager.num_flushes
         prepared.registered_blocks = max(prepared.registered_blocks, num_full)
-        for end in {min(prompt_len, length), length}:
-            self._keep_tail(prepared.prompt_cache, tokens, end, hashes)
+        for end, state in sorted(self._tail_ends(prepared, len(kv_tokens), length, prompt_len).items()):
+            self._keep_tail(prepared, tokens, end, hashes, state)
         return added
+
+    def _tail_ends(self, prepared: Prepared, held: int, length: int, prompt_len: int) -> dict[int, Any]:
+        """Where to keep tails (ends up to `length`), each with its checkpoint (None for plain models).
+        `held`: how many tokens the cache's own state reflects."""
+        if not self.layout.needs_checkpoints:
+            return {end: None for end in {min(prompt_len, length), length}}
+        ends: dict[int, Any] = {c.position: c for c in prepared.captures if c.position <= length}
+        if held == length:  # the cache's own state is at the sequence's end
+            ends[length] = self.layout.capture(prepared.prompt_cache, length) if self.layout.has_state else None
+        return ends

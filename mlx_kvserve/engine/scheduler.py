@@ -44,6 +44,7 @@ class Running:
     prefill_done: bool = False  # the whole prompt's KV is in the batch cache
     prompt_registered: bool = False
     block_hashes: list[bytes] = field(default_factory=list)  # of the prompt's blocks a lookup may use
+    checkpoints: set[int] = field(default_factory=set)  # prompt positions to capture at (segment ends)
 
 
 @dataclass(eq=False)
@@ -157,8 +158,9 @@ class Scheduler:
         try:
             cached = prepared.match.num_tokens
             params = req.params
-            (uid,) = self._generator().insert(
-                [list(req.prompt_tokens[cached:])],
+            points = self.prefix_cache.checkpoints(len(req.prompt_tokens), cached, req.checkpoint_at)
+            (uid,) = self._generator().insert_segments(
+                [_segments(req.prompt_tokens, cached, points)],
                 max_tokens=[params.max_tokens],
                 caches=[prepared.prompt_cache],
                 all_tokens=[list(req.prompt_tokens[:cached])],
@@ -171,7 +173,9 @@ class Scheduler:
             return
         detok = self.tokenizer.detokenizer
         detok.reset()
-        self._running[uid] = Running(uid, req, prepared, started, detok, StopMatcher(params.stop), block_hashes=hashes)
+        self._running[uid] = Running(
+            uid, req, prepared, started, detok, StopMatcher(params.stop), block_hashes=hashes, checkpoints=set(points)
+        )
 
     def _start_waiting(self) -> None:
         """Start the waiting requests whose leader registered its prompt's blocks (or left)."""
@@ -213,8 +217,13 @@ class Scheduler:
         stats.decode_tokens += counted.generation_tokens
         stats.decode_s += counted.decode_time
         for r in prompt_responses:
-            if r.end_of_prompt and r.uid in self._running:
-                self._running[r.uid].prefill_done = True
+            run = self._running.get(r.uid)
+            if run is None:
+                continue
+            if r.end_of_prompt:
+                run.prefill_done = True
+            elif r.end_of_segment and run.checkpoints:
+                self._guard(run, self._capture, run, r.progress[0])
         for r in responses:
             run = self._running.get(r.uid)
             if run is not None:
@@ -306,6 +315,13 @@ class Scheduler:
             if req.on_done is not None:
                 req.on_done()
 
+    def _capture(self, run: Running, done: int) -> None:
+        """A segment of the prompt ended: keep a checkpoint there if one was planned."""
+        position = run.prepared.match.num_tokens + done
+        if position in run.checkpoints:
+            cache, _ = self._generator().extract_cache([run.uid])[run.uid]
+            self.prefix_cache.capture(run.prepared, cache, position)
+
     def _register_prompt(self, run: Running) -> None:
         """The prompt's blocks, as soon as its prefill is done (after its first token was sent,
         so this costs the first token nothing), for requests that share the prefix."""
@@ -316,7 +332,7 @@ class Scheduler:
         try:
             cache, tokens = self._generator().extract_cache([run.uid])[run.uid]
             run.prepared.prompt_cache = cache
-            self.prefix_cache.register(run.prepared, list(tokens[:prompt_len]), prompt_len, write=False)
+            self.prefix_cache.register(run.prepared, list(tokens), prompt_len, write=False, upto=prompt_len)
         except Exception:  # the request goes on; its blocks are registered again when it ends
             log.exception("request %s: its prompt's blocks could not be registered", run.req.request_id)
 
@@ -353,3 +369,10 @@ class Scheduler:
         if self._batch is not None:
             self._batch.close()
             self._batch = None
+
+
+def _segments(prompt: list[int], cached: int, points: list[int]) -> list[list[int]]:
+    """prompt[cached:] cut at the given absolute positions (each cached < p < len(prompt)), so
+    the batch's prefill stops at each of them (mlx-lm's segmented prompt processing)."""
+    cuts = [cached, *points, len(prompt)]
+    return [list(prompt[a:b]) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]

@@ -3,8 +3,9 @@ produced, with a byte size; nothing in kv/ except blocks.py knows mlx-lm's cache
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 
 @dataclass
@@ -24,10 +25,20 @@ class Block:
 
 class MatchResult(NamedTuple):
     """The longest verified cached prefix: its full blocks (referenced; release them), an
-    optional partial tail after them (`tail_payload` holding at least `tail_tokens` tokens)
+    optional partial tail after them (`tail_payload` holding `tail_len` >= `tail_tokens` tokens)
     and the total number of tokens covered."""
 
     blocks: list[Block]
     num_tokens: int
     tail_payload: Any = None
     tail_tokens: int = 0
+    tail_len: int = 0  # the tail's own length (it may hold more positions than are used)
+
+
+class PrefixRules(Protocol):
+    """Which cached prefixes can be assembled, for caches that are more than per-position KV
+    (sliding windows, recurrent states). Without rules every chain of blocks is usable."""
+
+    exact_tails: bool  # a tail is usable only whole (it carries a checkpoint at its end)
+
+    def usable(self, payloads: Sequence[Any], tail: Any, tail_used: int, tail_len: int) -> bool: ...

@@ -1,33 +1,291 @@
 """Blocks <-> mlx-lm prompt cache. The only module that knows mlx-lm's cache classes.
 
-A block payload is a list with one (keys, values) pair per layer, each of shape
-(1, kv_heads, block_size, head_dim), copied out of the cache so that it owns its memory.
+A model's cache is a list of per-layer caches; `cache_layout` tells each layer's kind:
+
+- full attention (`KVCache`): every position's keys and values, cut into blocks;
+- sliding window (`RotatingKVCache`, window W): only the last W positions matter for what comes
+  next. A block holds this layer's KV for the part of the block that was still inside some
+  window when the block was registered (a suffix of the block, possibly empty);
+- recurrent / linear attention (`ArraysCache`): a fixed-size state with no per-position data.
+  It is kept only as a checkpoint: the state after exactly P tokens, stored with the tail that
+  ends at P.
+
+A payload is a list with one entry per layer: `(keys, values)` of shape (1, heads, n, dim) for
+attention layers (n = the block's or tail's positions; fewer, or None, for a window layer), a
+tuple of state arrays (or None) for recurrent layers. Payload entries own their memory.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
-Payload = list[tuple[mx.array, mx.array]]
-
-
-class CacheSupport(NamedTuple):
-    supported: bool
-    reason: str  # why block caching is off ("" when supported)
-    kv_dtype: str
+KV, WINDOW, STATE = "kv", "window", "state"
+Payload = list[Any]
 
 
-def cache_support(model: Any) -> CacheSupport:
-    """Whether this model's cache is plain attention KV that can be cut into blocks."""
+@dataclass(frozen=True)
+class LayerSpec:
+    kind: str  # KV, WINDOW or STATE
+    window: int = 0  # WINDOW: the window's size in positions
+    state_size: int = 0  # STATE: how many arrays the state has
+
+
+@dataclass(frozen=True)
+class Capture:
+    """What the cache held right after its first `position` tokens: per layer, a recurrent
+    state (STATE layers) or the window's positions in order, `(first, keys, values)` covering
+    positions first..position-1 (WINDOW layers); None for full-attention layers."""
+
+    position: int
+    layers: tuple[Any, ...]
+
+
+def _owned(a: mx.array) -> mx.array:
+    """A copy that owns its memory (a slice of a batch's cache would keep the whole batch alive)."""
+    return mx.array(a) if a.size else a
+
+
+class CacheLayout:
+    """A model's per-layer cache kinds and the operations on its blocks, tails and checkpoints.
+    `supported` False: block caching stays off for this model and `reason` says why."""
+
+    def __init__(self, model: Any, specs: Sequence[LayerSpec], reason: str, kv_dtype: str, block_size: int):
+        self.model = model
+        self.block_size = block_size
+        self.specs = tuple(specs)
+        self.reason = reason
+        self.kv_dtype = kv_dtype
+
+    @property
+    def supported(self) -> bool:
+        return not self.reason
+
+    @property
+    def has_state(self) -> bool:
+        return any(s.kind == STATE for s in self.specs)
+
+    @property
+    def has_window(self) -> bool:
+        return any(s.kind == WINDOW for s in self.specs)
+
+    @property
+    def exact_tails(self) -> bool:
+        """Tails carry recurrent states at their very end: usable only whole."""
+        return self.has_state
+
+    @property
+    def needs_checkpoints(self) -> bool:
+        """Whether a prefix is usable only where something was captured (see `usable`)."""
+        return self.has_state or self.has_window
+
+    @property
+    def signature(self) -> str:
+        """The layout in the cache's namespace ("" for all-full-attention models, whose
+        namespace predates layouts), so a cache written for one layout is never read for another."""
+        if all(s.kind == KV for s in self.specs):
+            return ""
+        return ",".join(f"{s.kind}{s.window or s.state_size or ''}" for s in self.specs)
+
+    def describe(self) -> dict[str, int]:
+        """Layers per kind (for /health)."""
+        out: dict[str, int] = {}
+        for s in self.specs:
+            key = f"{s.kind}{s.window}" if s.kind == WINDOW else s.kind
+            out[key] = out.get(key, 0) + 1
+        return out
+
+    # --- reading a live cache -------------------------------------------------------------------
+
+    def cache_length(self, prompt_cache: list[Any]) -> int | None:
+        """How many tokens the cache holds; None when no layer counts them (recurrent only)."""
+        for spec, c in zip(self.specs, prompt_cache, strict=True):
+            if spec.kind != STATE:
+                return c.offset
+        return None
+
+    def capture(self, prompt_cache: list[Any], position: int) -> Capture:
+        """Copy what a checkpoint at `position` (= the cache's length now) needs."""
+        layers: list[Any] = []
+        for spec, c in zip(self.specs, prompt_cache, strict=True):
+            if spec.kind == STATE:
+                complete = all(a is not None for a in c.cache)
+                layers.append(tuple(_owned(a) for a in c.cache) if complete else None)
+            elif spec.kind == WINDOW:
+                first, k, v = _window_range(c)
+                layers.append((first, _owned(k), _owned(v)))
+            else:
+                layers.append(None)
+        arrays = [a for entry in layers if entry for a in entry if isinstance(a, mx.array)]
+        mx.eval(arrays)
+        return Capture(position, tuple(layers))
+
+    def _window_sources(self, prompt_cache: list[Any], captures: Sequence[Capture], layer: int) -> list[tuple]:
+        """(first, end, keys, values) of every range of this window layer's positions we have."""
+        first, k, v = _window_range(prompt_cache[layer])
+        sources = [(first, first + k.shape[2], k, v)]
+        for cap in captures:
+            f, ck, cv = cap.layers[layer]
+            sources.append((f, f + ck.shape[2], ck, cv))
+        return sources
+
+    def _window_part(self, sources: list[tuple], lo: int, hi: int) -> tuple[mx.array, mx.array] | None:
+        """The longest suffix of positions lo..hi-1 some source holds, or None."""
+        best = None
+        for first, end, k, v in sources:
+            if end >= hi and first < hi and (best is None or first < best[0]):
+                best = (first, k, v)
+        if best is None:
+            return None
+        first, k, v = best
+        a = max(lo, first)
+        return mx.contiguous(k[..., a - first : hi - first, :]), mx.contiguous(v[..., a - first : hi - first, :])
+
+    def slice_blocks(
+        self, prompt_cache: list[Any], start: int, end: int, block_size: int, captures: Sequence[Capture] = ()
+    ) -> list[tuple[Payload, int]]:
+        """Copy blocks start..end-1 (block indices) out of the cache: [(payload, nbytes)]. Window
+        layers take what the cache or a capture still holds of each block."""
+        out = []
+        windows = {i: self._window_sources(prompt_cache, captures, i) for i, s in enumerate(self.specs) if s.kind == WINDOW}
+        for b in range(start, end):
+            lo, hi = b * block_size, (b + 1) * block_size
+            payload: Payload = []
+            for i, (spec, c) in enumerate(zip(self.specs, prompt_cache, strict=True)):
+                if spec.kind == KV:
+                    payload.append((mx.contiguous(c.keys[..., lo:hi, :]), mx.contiguous(c.values[..., lo:hi, :])))
+                elif spec.kind == WINDOW:
+                    payload.append(self._window_part(windows[i], lo, hi))
+                else:
+                    payload.append(None)
+            out.append(payload)
+        mx.eval(_arrays_of(out))
+        return [(p, payload_nbytes(p)) for p in out]
+
+    def slice_tail(
+        self,
+        prompt_cache: list[Any],
+        start: int,
+        end: int,
+        state: Capture | None = None,
+        captures: Sequence[Capture] = (),
+    ) -> tuple[Payload, int]:
+        """Copy positions start..end-1 (a tail) out of the cache, with the recurrent state of
+        `state` (a capture at `end`) when given: (payload, nbytes)."""
+        payload: Payload = []
+        for i, (spec, c) in enumerate(zip(self.specs, prompt_cache, strict=True)):
+            if spec.kind == KV:
+                payload.append((mx.contiguous(c.keys[..., start:end, :]), mx.contiguous(c.values[..., start:end, :])))
+            elif spec.kind == WINDOW:
+                payload.append(self._window_part(self._window_sources(prompt_cache, captures, i), start, end))
+            else:
+                payload.append(state.layers[i] if state is not None else None)
+        mx.eval(_arrays_of([payload]))
+        return payload, payload_nbytes(payload)
+
+    # --- using blocks ---------------------------------------------------------------------------
+
+    def usable(self, payloads: Sequence[Payload], tail: Payload | None, tail_used: int, tail_len: int) -> bool:
+        """Whether these blocks, then the first `tail_used` of the tail's `tail_len` positions,
+        can be assembled into a cache equal to a cold run's: every window layer has its last
+        min(P, W) positions, every recurrent layer a state at exactly P (the tail's end)."""
+        if not payloads and not tail_used:
+            return True
+        for i, spec in enumerate(self.specs):
+            if spec.kind == STATE:
+                if tail is None or tail_used != tail_len or tail[i] is None:
+                    return False
+            elif spec.kind == WINDOW:
+                pieces = _window_pieces(payloads, tail, tail_used, tail_len, i, self.block_size)
+                have = sum(k.shape[2] for k, _ in pieces)
+                if have < min(len(payloads) * self.block_size + tail_used, spec.window):
+                    return False
+        return True
+
+    def assemble(
+        self,
+        payloads: Sequence[Payload],
+        tail: Payload | None = None,
+        tail_tokens: int = 0,
+        tail_len: int = 0,
+        room: int = 0,
+    ) -> list[Any]:
+        """A fresh prompt cache holding the given blocks in order, then the first `tail_tokens`
+        of the tail's `tail_len` positions (nothing: an empty cache). Check `usable` first. With
+        `room`, full-attention buffers have space for that many more tokens (rounded up to
+        mlx-lm's 256-token step), so a lone prefill writes in place instead of copying to grow."""
+        prompt_cache = make_prompt_cache(self.model)
+        length = len(payloads) * self.block_size + tail_tokens
+        if not length:
+            return prompt_cache
+        for i, (spec, cache) in enumerate(zip(self.specs, prompt_cache, strict=True)):
+            if spec.kind == KV:
+                _fill_kv(cache, payloads, tail, tail_tokens, i, length, room)
+            elif spec.kind == WINDOW:
+                pieces = _window_pieces(payloads, tail, tail_tokens, tail_len, i, self.block_size)
+                keep = min(length, spec.window)
+                cache.keys = mx.concatenate([k for k, _ in pieces], axis=2)[..., -keep:, :]
+                cache.values = mx.concatenate([v for _, v in pieces], axis=2)[..., -keep:, :]
+                cache.offset, cache._idx = length, keep
+            else:
+                for j, a in enumerate(tail[i]):
+                    cache[j] = a
+        mx.eval([a for c in prompt_cache for a in _cache_arrays(c)])
+        return prompt_cache
+
+    # --- the SSD's named arrays -----------------------------------------------------------------
+
+    def to_arrays(self, payload: Payload) -> dict[str, mx.array]:
+        """Named arrays for the SSD store: `<layer>.k` / `<layer>.v`, `<layer>.s<j>` for states."""
+        out: dict[str, mx.array] = {}
+        for i, (spec, entry) in enumerate(zip(self.specs, payload, strict=True)):
+            if entry is None:
+                continue
+            if spec.kind == STATE:
+                for j, a in enumerate(entry):
+                    out[f"{i}.s{j}"] = a
+            else:
+                out[f"{i}.k"], out[f"{i}.v"] = entry
+        return out
+
+    def from_arrays(self, arrays: dict[str, mx.array]) -> tuple[Payload, int]:
+        """The inverse of to_arrays: (payload, nbytes). Raises KeyError for a wrong layout."""
+        payload: Payload = []
+        for i, spec in enumerate(self.specs):
+            if spec.kind == KV:
+                payload.append((arrays[f"{i}.k"], arrays[f"{i}.v"]))
+            elif spec.kind == WINDOW:
+                payload.append((arrays[f"{i}.k"], arrays[f"{i}.v"]) if f"{i}.k" in arrays else None)
+            else:
+                names = [f"{i}.s{j}" for j in range(spec.state_size)]
+                payload.append(tuple(arrays[n] for n in names) if names[0] in arrays else None)
+        expected = sum(len(e) if e is not None else 0 for e in payload)
+        if expected != len(arrays):
+            raise KeyError(f"{len(arrays)} arrays where the layout has {expected}")
+        return payload, payload_nbytes(payload)
+
+
+def cache_layout(model: Any, block_size: int) -> CacheLayout:
+    """The model's cache layout for `block_size`-token blocks; `reason` is set when some layer's
+    cache cannot be cached."""
     cache = make_prompt_cache(model)
-    kinds = sorted({type(c).__name__ for c in cache})
-    if any(type(c) is not KVCache for c in cache):
-        return CacheSupport(False, f"model cache is {', '.join(kinds)}, not plain attention KV", "")
-    dtype = _kv_dtype(model)
-    return CacheSupport(True, "", dtype)
+    specs, refused = [], set()
+    for c in cache:
+        kind = type(c)
+        if kind is KVCache:
+            specs.append(LayerSpec(KV))
+        elif kind is RotatingKVCache and c.keep == 0:
+            specs.append(LayerSpec(WINDOW, window=c.max_size))
+        elif kind is ArraysCache:
+            specs.append(LayerSpec(STATE, state_size=len(c.cache)))
+        else:
+            refused.add(kind.__name__ + (f"(keep={c.keep})" if kind is RotatingKVCache else ""))
+    reason = f"model cache has {', '.join(sorted(refused))} layers, which are not cached" if refused else ""
+    return CacheLayout(model, specs, reason, _kv_dtype(model), block_size)
 
 
 def _kv_dtype(model: Any) -> str:
@@ -39,70 +297,72 @@ def _kv_dtype(model: Any) -> str:
     return "unknown"
 
 
-def cache_length(prompt_cache: list[Any]) -> int:
-    return prompt_cache[0].offset if prompt_cache else 0
+def _window_range(c: Any) -> tuple[int, mx.array, mx.array]:
+    """A rotating cache's positions in order: (first position, keys, values)."""
+    if c.keys is None:
+        return c.offset, mx.zeros((1, 1, 0, 1)), mx.zeros((1, 1, 0, 1))
+    if c.keep:
+        raise ValueError("rotating caches that keep leading positions are not cached")
+    k, v = c._temporal_order(c.keys), c._temporal_order(c.values)
+    held = min(k.shape[2], c.offset)
+    k, v = k[..., k.shape[2] - held :, :], v[..., v.shape[2] - held :, :]
+    return c.offset - held, k, v
 
 
-def slice_blocks(prompt_cache: list[KVCache], start: int, end: int, block_size: int) -> list[tuple[Payload, int]]:
-    """Copy blocks start..end-1 (block indices) out of the cache: [(payload, nbytes)]."""
-    out: list[tuple[Payload, int]] = []
-    arrays: list[mx.array] = []
-    for i in range(start, end):
-        lo, hi = i * block_size, (i + 1) * block_size
-        payload = [(mx.contiguous(c.keys[..., lo:hi, :]), mx.contiguous(c.values[..., lo:hi, :])) for c in prompt_cache]
-        arrays.extend(a for pair in payload for a in pair)
-        out.append(payload)
-    mx.eval(arrays)
-    return [(p, sum(k.nbytes + v.nbytes for k, v in p)) for p in out]
+def _window_pieces(
+    payloads: Sequence[Payload], tail: Payload | None, tail_used: int, tail_len: int, layer: int, block_size: int
+) -> list[tuple[mx.array, mx.array]]:
+    """The window layer's data ending at the prefix's end, contiguous, oldest first (stops at
+    the first gap: positions before it are unusable)."""
+    pieces = []
+    if tail_used:
+        entry = tail[layer] if tail is not None else None
+        held = entry[0].shape[2] if entry is not None else 0
+        missing = tail_len - held  # the entry is a suffix of the tail's positions
+        if held == 0 or tail_used <= missing:
+            return []
+        k, v = entry
+        used = tail_used - missing
+        pieces.append((k[..., :used, :], v[..., :used, :]))
+        if missing > 0:
+            return pieces
+    for payload in reversed(payloads):
+        entry = payload[layer]
+        if entry is None:
+            break
+        pieces.append(entry)
+        if entry[0].shape[2] < block_size:  # a suffix of the block: nothing before it
+            break
+    return pieces[::-1]
 
 
-def slice_tokens(prompt_cache: list[KVCache], start: int, end: int) -> tuple[Payload, int]:
-    """Copy token positions start..end-1 out of the cache (a partial block): (payload, nbytes)."""
-    payload = [
-        (mx.contiguous(c.keys[..., start:end, :]), mx.contiguous(c.values[..., start:end, :])) for c in prompt_cache
-    ]
-    mx.eval([a for pair in payload for a in pair])
-    return payload, sum(k.nbytes + v.nbytes for k, v in payload)
+def _fill_kv(
+    cache: KVCache, payloads: Sequence[Payload], tail: Payload | None, tail_used: int, layer: int, length: int, room: int
+) -> None:
+    keys = [p[layer][0] for p in payloads]
+    values = [p[layer][1] for p in payloads]
+    if tail_used:
+        keys.append(tail[layer][0][..., :tail_used, :])
+        values.append(tail[layer][1][..., :tail_used, :])
+    if room > 0:
+        spare = -(-(length + room) // cache.step) * cache.step - length
+        k, v = keys[0], values[0]
+        keys.append(mx.zeros((*k.shape[:2], spare, k.shape[3]), k.dtype))
+        values.append(mx.zeros((*v.shape[:2], spare, v.shape[3]), v.dtype))
+    cache.keys = mx.concatenate(keys, axis=2)
+    cache.values = mx.concatenate(values, axis=2)
+    cache.offset = length
 
 
-def assemble(
-    model: Any, payloads: list[Payload], tail: Payload | None = None, tail_tokens: int = 0, room: int = 0
-) -> list[KVCache]:
-    """A fresh prompt cache holding the given blocks in order, then the first `tail_tokens`
-    positions of `tail` (empty list and no tail: an empty cache). With `room`, the cache's
-    buffers have space for at least that many more tokens (rounded up to mlx-lm's 256-token
-    step), so prefilling them writes in place instead of copying the whole prefix to grow."""
-    prompt_cache = make_prompt_cache(model)
-    if tail is not None and tail_tokens:
-        payloads = [*payloads, [(k[..., :tail_tokens, :], v[..., :tail_tokens, :]) for k, v in tail]]
-    if not payloads:
-        return prompt_cache
-    length = sum(p[0][0].shape[2] for p in payloads)
-    for layer, cache in enumerate(prompt_cache):
-        keys = [p[layer][0] for p in payloads]
-        values = [p[layer][1] for p in payloads]
-        if room > 0:
-            spare = -(-(length + room) // cache.step) * cache.step - length
-            k, v = keys[0], values[0]
-            keys.append(mx.zeros((*k.shape[:2], spare, k.shape[3]), k.dtype))
-            values.append(mx.zeros((*v.shape[:2], spare, v.shape[3]), v.dtype))
-        cache.keys = mx.concatenate(keys, axis=2)
-        cache.values = mx.concatenate(values, axis=2)
-        cache.offset = length
-    mx.eval([c.keys for c in prompt_cache] + [c.values for c in prompt_cache])
-    return prompt_cache
+def _cache_arrays(c: Any) -> list[mx.array]:
+    if isinstance(c, ArraysCache):
+        return [a for a in c.cache if a is not None]
+    return [a for a in (c.keys, c.values) if a is not None]
 
 
-def payload_to_arrays(payload: Payload) -> dict[str, mx.array]:
-    """Named arrays for the SSD store: `<layer>.k` / `<layer>.v`."""
-    out: dict[str, mx.array] = {}
-    for layer, (k, v) in enumerate(payload):
-        out[f"{layer}.k"], out[f"{layer}.v"] = k, v
-    return out
+def _arrays_of(payloads: Sequence[Payload]) -> list[mx.array]:
+    return [a for p in payloads for e in p if e is not None for a in e if isinstance(a, mx.array)]
 
 
-def payload_from_arrays(arrays: dict[str, mx.array]) -> tuple[Payload, int]:
-    """The inverse of payload_to_arrays: (payload, nbytes). Raises KeyError for a wrong layout."""
-    num_layers = len(arrays) // 2
-    payload = [(arrays[f"{i}.k"], arrays[f"{i}.v"]) for i in range(num_layers)]
-    return payload, sum(k.nbytes + v.nbytes for k, v in payload)
+def payload_nbytes(payload: Payload) -> int:
+    return sum(a.nbytes for e in payload if e is not None for a in e if isinstance(a, mx.array))

@@ -35,14 +35,20 @@ def framed(*parts: bytes) -> bytes:
     return b"".join(struct.pack("<Q", len(p)) + p for p in parts)
 
 
-def namespace_hash(model_fingerprint: str, kv_dtype: str, block_size: int, layout: int = LAYOUT_VERSION) -> bytes:
-    parts = (
+def namespace_hash(
+    model_fingerprint: str, kv_dtype: str, block_size: int, layout: int = LAYOUT_VERSION, cache_layout: str = ""
+) -> bytes:
+    """`cache_layout`: the model's per-layer cache kinds (blocks.CacheLayout.signature; "" for
+    plain attention KV, whose namespaces predate it and stay as they were)."""
+    parts = [
         b"mlx-kvserve",
         model_fingerprint.encode(),
         kv_dtype.encode(),
         str(layout).encode(),
         str(block_size).encode(),
-    )
+    ]
+    if cache_layout:
+        parts.append(cache_layout.encode())
     return blake3(framed(*parts)).digest()
 
 

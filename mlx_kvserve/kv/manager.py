@@ -15,7 +15,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from .base import Block, MatchResult
+from .base import Block, MatchResult, PrefixRules
 from .hashing import BlockHasher
 from .pins import PinRegistry
 from .ram import RAMStore
@@ -46,8 +46,10 @@ class KVManager:
         next_tier: NextTier | None = None,
         pins: PinRegistry | None = None,
         pinned_ram_share: float = 0.5,
+        rules: PrefixRules | None = None,
     ):
         self.hasher = hasher
+        self.rules = rules  # None: every chain of blocks is usable (plain attention KV)
         self.pins = pins if pins is not None else PinRegistry(None)
         self.pinned_ram_share = pinned_ram_share
         self.block_size = hasher.block_size
@@ -82,7 +84,9 @@ class KVManager:
 
     def lookup(self, tokens: Sequence[int], max_tokens: int | None = None) -> MatchResult:
         """Longest verified cached prefix of `tokens`, at most `max_tokens` long: full blocks from
-        RAM, then from the next tier (loaded outside the lock and promoted into RAM), then a tail."""
+        RAM, then from the next tier (loaded outside the lock and promoted into RAM), then a tail.
+        With `rules`, the longest such prefix the rules accept: shorter chains (and the tails
+        after them) are tried until one is usable (the empty prefix always is)."""
         limit = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
         bs = self.block_size
         hashes = self.hasher.hash_blocks(tokens, limit // bs)
@@ -93,22 +97,45 @@ class KVManager:
             loaded = self._load_next_tier(tokens, hashes, len(found))
             if loaded:
                 self._promote(loaded, found)
+        num_blocks, tail = self._choose_end(tokens, found, limit)
+        if num_blocks < len(found):
+            self.release(found[num_blocks:])
+            found = found[:num_blocks]
         with self._lock:
             self._stats["hits"] += len(found)
             self._stats["hit_tokens"] += len(found) * bs
-            tail = None
-            parent = found[-1].block_hash if found else self.hasher.namespace
-            rest = tokens[len(found) * bs : limit]
-            if self._tails is not None:
-                tail = self._tails.match(parent, rest)
-        if tail is None and self._tails is not None and rest and self.next_tier is not None:
-            tail = self._load_tail(parent, rest)
+            if tail is not None:
+                self._stats["tail_hits"] += 1
+                self._stats["tail_hit_tokens"] += tail.num_tokens
         if tail is None:
             return MatchResult(found, len(found) * bs)
+        return MatchResult(
+            found, len(found) * bs + tail.num_tokens, tail.tail.payload, tail.num_tokens, len(tail.tail.token_ids)
+        )
+
+    def _choose_end(self, tokens: Sequence[int], found: list[Block], limit: int) -> tuple[int, TailMatch | None]:
+        """How many of the found blocks to use, and the tail after them (no lock held)."""
+        bs, rules = self.block_size, self.rules
+        for k in range(len(found), -1, -1):
+            tail = self._match_tail(found[k - 1].block_hash if k else self.hasher.namespace, tokens[k * bs : limit])
+            if rules is None:
+                return k, tail
+            payloads = [b.payload for b in found[:k]]
+            if tail is not None and rules.usable(payloads, tail.tail.payload, tail.num_tokens, len(tail.tail.token_ids)):
+                return k, tail
+            if rules.usable(payloads, None, 0, 0):
+                return k, None
+        return 0, None
+
+    def _match_tail(self, parent: bytes, rest: Sequence[int]) -> TailMatch | None:
+        """The best tail under `parent` for `rest`: from RAM, else from the next tier."""
+        if self._tails is None or not rest:
+            return None
         with self._lock:
-            self._stats["tail_hits"] += 1
-            self._stats["tail_hit_tokens"] += tail.num_tokens
-        return MatchResult(found, len(found) * bs + tail.num_tokens, tail.tail.payload, tail.num_tokens)
+            tail = self._tails.match(parent, rest)
+        if tail is None and self.next_tier is not None:
+            tail = self._load_tail(parent, rest)
+        return tail
 
     def _load_tail(self, parent: bytes, rest: Sequence[int]) -> TailMatch | None:
         """A tail from the next tier (no lock held), kept in RAM from then on."""

@@ -49,10 +49,11 @@ def tail_key(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
 
 
 class SSDTailStore:
-    def __init__(self, folder: Path, namespace: bytes, per_parent: int = 4):
+    def __init__(self, folder: Path, namespace: bytes, per_parent: int = 4, exact: bool = False):
         self.folder = folder
         self.namespace = namespace
         self.per_parent = per_parent
+        self.exact = exact  # tails are usable only whole (they carry checkpoints): see TailStore
         keys = ("saves", "hits", "errors", "write_errors", "skipped_low_space", "skipped_budget", "evictions")
         self.stats = {f"ssd_tail_{k}": 0 for k in keys}
         # A running total between listings: deletions by other paths (damaged files, TTL) only make
@@ -109,6 +110,8 @@ class SSDTailStore:
                 self._discard(path, exc)
                 continue
             n = common_prefix(header.token_ids, rest)
+            if self.exact and n < len(header.token_ids):
+                continue
             if n and (best is None or n > best[0]):
                 best = (n, path, header)
         if best is None:

@@ -37,11 +37,16 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class TailStore:
-    """At most `per_parent` tails per parent, LRU over all tails within `max_bytes`."""
+    """At most `per_parent` tails per parent, LRU over all tails within `max_bytes`.
 
-    def __init__(self, max_bytes: int, per_parent: int = 4):
+    `exact`: a tail is usable only whole (it carries a checkpoint, a state at its very end), so
+    a lookup takes only tails all of whose tokens the prompt shares, and a longer tail never
+    replaces the shorter ones it extends."""
+
+    def __init__(self, max_bytes: int, per_parent: int = 4, exact: bool = False):
         self.max_bytes = max_bytes
         self.per_parent = per_parent
+        self.exact = exact
         self._tails: OrderedDict[tuple[bytes, tuple[int, ...]], Tail] = OrderedDict()
         self.used_bytes = 0
 
@@ -59,6 +64,8 @@ class TailStore:
         best: TailMatch | None = None
         for tail in self._siblings(parent_hash):
             n = common_prefix(tail.token_ids, rest)
+            if self.exact and n < len(tail.token_ids):
+                continue
             if n and (best is None or n > best.num_tokens):
                 best = TailMatch(tail, n)
         if best is not None:
@@ -70,11 +77,15 @@ class TailStore:
         if tail.nbytes > self.max_bytes:
             return False
         siblings = self._siblings(tail.parent_hash)
-        if any(common_prefix(s.token_ids, tail.token_ids) == len(tail.token_ids) for s in siblings):
-            return False
-        for s in siblings:
-            if common_prefix(s.token_ids, tail.token_ids) == len(s.token_ids):
-                self._remove(s)
+        if self.exact:
+            if any(s.token_ids == tail.token_ids for s in siblings):
+                return False
+        else:
+            if any(common_prefix(s.token_ids, tail.token_ids) == len(tail.token_ids) for s in siblings):
+                return False
+            for s in siblings:
+                if common_prefix(s.token_ids, tail.token_ids) == len(s.token_ids):
+                    self._remove(s)
         remaining = self._siblings(tail.parent_hash)
         for s in remaining[: max(0, len(remaining) + 1 - self.per_parent)]:
             self._remove(s)

@@ -32,7 +32,8 @@ PRUNE_INTERVAL_S = 3600.0
 
 class SSDTier:
     """`to_arrays(payload)` / `from_arrays(arrays) -> (payload, nbytes)` convert block payloads to
-    the store's named arrays; only the engine knows their layout."""
+    the store's named arrays; only the engine knows their layout. `exact_tails`: tails carry
+    checkpoints and are usable only whole (see TailStore)."""
 
     def __init__(
         self,
@@ -44,6 +45,7 @@ class SSDTier:
         flush_interval_s: float = 2.0,
         async_writes: bool = True,
         write_hold_s: float = 0.0,
+        exact_tails: bool = False,
     ):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}")
@@ -59,7 +61,7 @@ class SSDTier:
         self.damaged_files: list[DamagedFile] = []  # a shutdown record found damaged (and set aside)
         self.last_shutdown = read_shutdown_record(store.cache_dir, self.damaged_files)
         self.validation: dict[str, Any] = {}  # the startup validate_index report
-        self.tails = SSDTailStore(store.cache_dir / "tails", store.namespace)
+        self.tails = SSDTailStore(store.cache_dir / "tails", store.namespace, exact=exact_tails)
         store.attach_secondary(self.tails)  # every byte the tier writes counts in one budget
         self._tail_lock = threading.Lock()  # guards _tail_keys
         self._tail_keys: set[bytes] = set()  # writer jobs that are tails, not blocks
