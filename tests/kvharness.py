@@ -30,6 +30,7 @@ def make_generator(
     ssd_dir: Path | None = None,
     write_hold_s: float = 0.0,
     checkpoint_every: int = 0,
+    prefill_step_size: int = 512,
 ) -> Generator:
     """A Generator with a fresh RAM tier and, when `ssd_dir` is given, an SSD tier there (close
     it with `close_ssd` to drain the writer, as a server shutdown does)."""
@@ -58,7 +59,7 @@ def make_generator(
     rules = layout if layout.needs_checkpoints else None
     manager = KVManager(hasher, RAMStore(ram_bytes), tail_store, tier, rules=rules)
     prefix_cache = PrefixCache(model, manager, ssd_tier=tier, layout=layout, checkpoint_every=checkpoint_every)
-    return Generator(model, tokenizer, prefix_cache)
+    return Generator(model, tokenizer, prefix_cache, prefill_step_size)
 
 
 def close_ssd(generator: Generator) -> bool:

@@ -31,6 +31,7 @@ from ..models.loader import LoadedModel
 from .generate import Generator
 from .prefix_cache import PrefixCache
 from .request import Failed, GenerationRequest, SamplingParams
+from .turns import turn_start_token
 from .worker import InferenceWorker
 
 log = logging.getLogger(__name__)
@@ -154,7 +155,12 @@ def build_prefix_cache(
         fingerprint[:12],
     )
     prefix_cache = PrefixCache(
-        loaded.model, manager, ssd_tier=ssd_tier, layout=layout, checkpoint_every=config.cache.checkpoint_every
+        loaded.model,
+        manager,
+        ssd_tier=ssd_tier,
+        layout=layout,
+        checkpoint_every=config.cache.checkpoint_every,
+        turn_marker=turn_start_token(loaded.tokenizer) if layout.needs_checkpoints else None,
     )
     return prefix_cache, folder_lock
 
@@ -265,9 +271,12 @@ class Engine:
 
     def cache_stats(self) -> dict[str, Any]:
         manager = self.prefix_cache.manager
+        layout = self.prefix_cache.layout
         if manager is None:
-            return {"enabled": False, "reason": self.prefix_cache.reason}
-        out = {"enabled": True, "block_size": manager.block_size, **manager.stats()}
+            return {"enabled": False, "reason": self.prefix_cache.reason, "layers": layout.describe()}
+        out = {"enabled": True, "block_size": manager.block_size, "layers": layout.describe(), **manager.stats()}
+        if layout.needs_checkpoints:
+            out["checkpoint_every"] = self.prefix_cache.checkpoint_every
         tier = self.prefix_cache.ssd_tier
         if tier is not None:
             out.update(tier.stats())

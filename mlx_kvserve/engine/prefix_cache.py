@@ -15,6 +15,7 @@ from typing import Any
 from ..kv import blocks
 from ..kv.base import Block, MatchResult
 from ..kv.manager import KVManager
+from .turns import message_starts
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ class PrefixCache:
         ssd_tier: Any = None,
         layout: blocks.CacheLayout | None = None,
         checkpoint_every: int = 0,
+        turn_marker: int | None = None,
     ):
         self.model = model
         self.manager = manager
@@ -53,6 +55,7 @@ class PrefixCache:
         # window contents) take checkpoints during prefill: every `checkpoint_every` tokens (a
         # multiple of the block size), where a request asks, and at the end of each prompt.
         self.checkpoint_every = -(-checkpoint_every // bs) * bs if checkpoint_every > 0 else 0
+        self.turn_marker = turn_marker  # the token opening each chat message (engine/turns.py)
         self.reason = reason
         self.ssd_tier = ssd_tier  # kv.tiering.SSDTier or None; the engine closes it at shutdown
         self._hold_lock = threading.Lock()  # guards _num_holding
@@ -90,14 +93,15 @@ class PrefixCache:
             raise
         return Prepared(cache, match)
 
-    def checkpoints(self, prompt_len: int, cached: int, asked: Sequence[int] = ()) -> list[int]:
-        """Where to capture while prefilling prompt[cached:]: every `checkpoint_every` tokens, at
-        the positions the request asks for (where its last message starts) and at
-        prompt_len - 1 (the longest prefix a repeat of the prompt may use). Empty for models
+    def checkpoints(self, prompt: Sequence[int], cached: int, asked: Sequence[int] = ()) -> list[int]:
+        """Where to capture while prefilling prompt[cached:]: every `checkpoint_every` tokens,
+        where its last messages start (and at the positions the request asks for), and at
+        len(prompt) - 1 (the longest prefix a repeat of the prompt may use). Empty for models
         whose every block chain is usable."""
         if self.manager is None or not self.layout.needs_checkpoints:
             return []
-        points = set(asked) | {prompt_len - 1}
+        prompt_len = len(prompt)
+        points = set(asked) | set(message_starts(prompt, self.turn_marker, cached)) | {prompt_len - 1}
         if self.checkpoint_every:
             points.update(range(self.checkpoint_every, prompt_len, self.checkpoint_every))
         return sorted(p for p in points if cached < p < prompt_len)
@@ -176,7 +180,9 @@ class PrefixCache:
         manager, layout = self.manager, self.layout
         bs = manager.block_size
         held = layout.cache_length(prepared.prompt_cache)
-        length = min(len(kv_tokens) if held is None else held, len(kv_tokens), upto if upto is not None else len(kv_tokens))
+        length = min(
+            len(kv_tokens) if held is None else held, len(kv_tokens), upto if upto is not None else len(kv_tokens)
+        )
         tokens = list(kv_tokens[:length])
         num_full = length // bs
         first = max(len(prepared.match.blocks), prepared.registered_blocks)

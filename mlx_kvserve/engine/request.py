@@ -78,6 +78,9 @@ class GenerationRequest:
     emit: Callable[[Event], None]
     cancelled: threading.Event = field(default_factory=threading.Event)
     on_done: Callable[[], None] | None = None  # called by the worker after everything, KV registration included
+    # Prompt positions worth a checkpoint for hybrid / sliding-window models (where the last message
+    # starts: the prefix the next request in the conversation or with the same system prompt shares).
+    checkpoint_at: tuple[int, ...] = ()
 
     def cancel(self) -> None:
         """Ask the worker to stop this request at the next token (safe from any thread)."""

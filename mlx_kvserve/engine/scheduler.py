@@ -87,6 +87,10 @@ class Scheduler:
         prefix_cache.room_for_prefill = False  # the batch copies each prefix into its own cache
         self.prefill_step_size = prefill_step_size
         self.max_batch = max_batch
+        # Recurrent layers prefill one prompt at a time: mlx-lm right-pads prompts of different
+        # lengths prefilled together, and some of its recurrent layers (nemotron_h's in 0.32.2)
+        # let the padding into their state. Decoding stays batched.
+        self.prefill_batch_size = 1 if prefix_cache.layout.has_state else max_batch
         self.stats = SchedulerStats()
         self._eos = StopSequences([[t] for t in tokenizer.eos_token_ids])
         self._batch: BatchGenerator | None = None
@@ -119,7 +123,7 @@ class Scheduler:
             self._batch = BatchGenerator(
                 self.model,
                 completion_batch_size=self.max_batch,
-                prefill_batch_size=self.max_batch,
+                prefill_batch_size=self.prefill_batch_size,
                 prefill_step_size=self.prefill_step_size,
             )
         return self._batch
@@ -158,7 +162,7 @@ class Scheduler:
         try:
             cached = prepared.match.num_tokens
             params = req.params
-            points = self.prefix_cache.checkpoints(len(req.prompt_tokens), cached, req.checkpoint_at)
+            points = self.prefix_cache.checkpoints(req.prompt_tokens, cached, req.checkpoint_at)
             (uid,) = self._generator().insert_segments(
                 [_segments(req.prompt_tokens, cached, points)],
                 max_tokens=[params.max_tokens],

@@ -151,7 +151,9 @@ class CacheLayout:
         """Copy blocks start..end-1 (block indices) out of the cache: [(payload, nbytes)]. Window
         layers take what the cache or a capture still holds of each block."""
         out = []
-        windows = {i: self._window_sources(prompt_cache, captures, i) for i, s in enumerate(self.specs) if s.kind == WINDOW}
+        windows = {
+            i: self._window_sources(prompt_cache, captures, i) for i, s in enumerate(self.specs) if s.kind == WINDOW
+        }
         for b in range(start, end):
             lo, hi = b * block_size, (b + 1) * block_size
             payload: Payload = []
@@ -337,7 +339,13 @@ def _window_pieces(
 
 
 def _fill_kv(
-    cache: KVCache, payloads: Sequence[Payload], tail: Payload | None, tail_used: int, layer: int, length: int, room: int
+    cache: KVCache,
+    payloads: Sequence[Payload],
+    tail: Payload | None,
+    tail_used: int,
+    layer: int,
+    length: int,
+    room: int,
 ) -> None:
     keys = [p[layer][0] for p in payloads]
     values = [p[layer][1] for p in payloads]
