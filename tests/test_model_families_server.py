@@ -9,13 +9,14 @@ import json
 
 import pytest
 from familymodels import build_family_model
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.cache import ChunkedKVCache, KVCache, RotatingKVCache
 from mlx_lm.utils import load
 from starlette.testclient import TestClient
 from test_hardening_wire import make_engine
 
 from mlx_kvserve.config import ApiKeys
 from mlx_kvserve.engine.turns import message_starts, turn_start_token
+from mlx_kvserve.errors import ModelLoadError
 from mlx_kvserve.models.loader import LoadedModel
 from mlx_kvserve.server.app import create_app
 
@@ -107,3 +108,17 @@ def test_a_refused_layout_serves_with_caching_off_and_says_why(tiny_model_dir, t
         health = client.get("/health").json()
         assert health["cache"]["enabled"] is False and health["status"] == "ok"
         assert health["cache"]["reason"] == "model cache has RotatingKVCache(keep=4) layers, which are not cached"
+
+
+class _ChunkedModel(_SinkModel):
+    """A model with llama4's chunked attention cache, which mlx-lm's BatchGenerator cannot batch."""
+
+    def make_cache(self):
+        return [ChunkedKVCache(64), *[KVCache() for _ in self._inner.layers[1:]]]
+
+
+def test_a_model_the_batch_cannot_run_is_refused_at_startup(tiny_model_dir, tmp_path):
+    plain = _loaded(tiny_model_dir)
+    loaded = LoadedModel("chunked", plain.path, _ChunkedModel(plain.model), plain.tokenizer, plain.config, 2048)
+    with pytest.raises(ModelLoadError, match="ChunkedKVCache layers cannot be batched"):
+        make_engine(loaded, tmp_path)

@@ -16,6 +16,7 @@ from typing import Any
 
 from ..checked_json import DamagedFile
 from ..config import Config, default_home
+from ..errors import ModelLoadError
 from ..kv import blocks
 from ..kv.folder_lock import FolderLock
 from ..kv.fsmode import ensure_private_root, private_mkdir
@@ -169,6 +170,9 @@ class Engine:
     def __init__(self, loaded: LoadedModel, config: Config):
         self.loaded = loaded
         self.config = config
+        reason = blocks.unbatchable(loaded.model)
+        if reason:  # every request would fail: refuse to start instead
+            raise ModelLoadError(f"model {loaded.name} cannot be served: {reason}")
         self._memo_damage: list[DamagedFile] = []  # a fingerprint memo set aside at startup
         # The folder lock is held from here to stop(): one process per cache folder.
         self.prefix_cache, self.folder_lock = build_prefix_cache(loaded, config, self._memo_damage)

@@ -290,6 +290,13 @@ def cache_layout(model: Any, block_size: int) -> CacheLayout:
     return CacheLayout(model, specs, reason, _kv_dtype(model), block_size)
 
 
+def unbatchable(model: Any) -> str:
+    """Why mlx-lm's BatchGenerator cannot run this model ("" when it can): a layer cache with no
+    `merge` (ChunkedKVCache, QuantizedKVCache in mlx-lm 0.32.2) cannot join a batch."""
+    kinds = sorted({type(c).__name__ for c in make_prompt_cache(model) if not hasattr(c, "merge")})
+    return f"its {', '.join(kinds)} layers cannot be batched by mlx-lm's BatchGenerator" if kinds else ""
+
+
 def _kv_dtype(model: Any) -> str:
     from mlx.utils import tree_flatten
 
