@@ -14,7 +14,7 @@ import click
 
 from . import blas
 from .cache_cli import cache_group
-from .config import Config, as_dict, key_overrides, load_api_keys, load_config
+from .config import ROUTER_POLICIES, Config, as_dict, key_overrides, load_api_keys, load_config
 from .errors import KVServeError
 from .service.commands import service_group
 
@@ -84,7 +84,13 @@ def _overrides(model, dtype, host, port, api_key=None, api_key_file=None) -> dic
 
 @cli.command()
 @_config_options
-def run(config_path, model, dtype, host, port, api_key, api_key_file) -> None:
+@click.option(
+    "--distributed",
+    type=click.Choice(["tensor", "pipeline"]),
+    default=None,
+    help="Run one model across the processes `mlx.launch` started (every rank runs this command; rank 0 serves HTTP).",
+)
+def run(config_path, model, dtype, host, port, api_key, api_key_file, distributed) -> None:
     """Load the model and serve the OpenAI API."""
     blas.reexec_with_fast_blas()
     config = _load(config_path, _overrides(model, dtype, host, port, api_key, api_key_file))
@@ -101,15 +107,23 @@ def run(config_path, model, dtype, host, port, api_key, api_key_file) -> None:
     from .server.app import create_app
 
     log.info("BLAS in use: %s", blas.blas_in_use())
+    world = _world(distributed)
     try:
-        loaded = load_model(config.model.path, config.models_path(), config.model.dtype, config.model.served_name)
+        shard = (world.group, world.mode) if world is not None else None
+        loaded = load_model(
+            config.model.path, config.models_path(), config.model.dtype, config.model.served_name, shard
+        )
     except KVServeError as exc:
         raise click.ClickException(exc.message) from None
     try:
-        engine = Engine(loaded, config)
+        engine = Engine(loaded, config, world)
     except KVServeError as exc:  # e.g. another server holds the cache folder: say so, exit 1
         log.error("%s", exc.message)
         raise click.ClickException(exc.message) from None
+    if world is not None and world.rank != 0:
+        log.info("rank %d of %d (%s parallel): following rank 0", world.rank, world.size, world.mode)
+        engine.serve_follower()
+        return
     app = create_app(engine, keys)
     # uvicorn re-raises the SIGTERM it handled once its graceful shutdown is done, which would end
     # the process as killed by the signal; for service managers that shutdown is a clean exit (0).
@@ -122,6 +136,20 @@ def run(config_path, model, dtype, host, port, api_key, api_key_file) -> None:
         timeout_graceful_shutdown=config.server.shutdown_timeout_s,
         access_log=False,  # the mlx_kvserve.requests logger writes one richer line per request
     )
+
+
+def _world(mode: str | None):
+    """This process's rank among those `mlx.launch` started, or None when not distributed."""
+    if mode is None:
+        return None
+    import mlx.core as mx
+
+    from .engine.distributed import World
+
+    group = mx.distributed.init()
+    if group.size() < 2:
+        raise click.ClickException("--distributed needs several processes: start them with mlx.launch")
+    return World(group, mode)
 
 
 def _log_access(config: Config, inference_key: str, admin_key: str) -> None:
@@ -162,6 +190,66 @@ def config_show(config_path, model, dtype, host, port, api_key, api_key_file) ->
     """Print the effective configuration (file + variables + flags + defaults) as JSON, keys redacted."""
     config = _load(config_path, _overrides(model, dtype, host, port, api_key, api_key_file))
     click.echo(json.dumps(as_dict(config, redact=True), indent=2))
+
+
+ROUTER_API_KEY_ENV = "MLX_KVSERVE_ROUTER_API_KEY"
+BACKEND_API_KEY_ENV = "MLX_KVSERVE_BACKEND_API_KEY"
+
+
+@cli.command()
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False), help="TOML config ([router]).")
+@click.option("--backend", "backends", multiple=True, help="Base URL of an mlx-kvserve server (repeat for each).")
+@click.option("--policy", type=click.Choice(ROUTER_POLICIES), help="Routing policy (default unified).")
+@click.option("--overload-factor", type=float, help="unified: leave a session's backend above this x average load.")
+@click.option("--tokenizer", help="Tokenizer (model folder or hub id); default: the model the backends report.")
+@click.option("--host", help="Address to bind (default 127.0.0.1).")
+@click.option("--port", type=int, help="Port to bind (default 8100).")
+@click.option(
+    "--api-key-file", type=click.Path(dir_okay=False), help=f"Key clients must send (or ${ROUTER_API_KEY_ENV})."
+)
+@click.option(
+    "--backend-api-key-file",
+    type=click.Path(dir_okay=False),
+    help=f"Key sent to the backends (or ${BACKEND_API_KEY_ENV}).",
+)
+def router(
+    config_path, backends, policy, overload_factor, tokenizer, host, port, api_key_file, backend_api_key_file
+) -> None:
+    """Route requests across several servers, to the one whose cache holds the conversation."""
+    overrides = {
+        "backends": list(backends) or None,
+        "policy": policy,
+        "overload_factor": overload_factor,
+        "tokenizer": tokenizer,
+        "listen_host": host,
+        "listen_port": port,
+    }
+    for name, env, path in (
+        ("api_key", ROUTER_API_KEY_ENV, api_key_file),
+        ("backend_api_key", BACKEND_API_KEY_ENV, backend_api_key_file),
+    ):
+        overrides.update(key_overrides(name, os.environ.get(env) if not path else None, path))
+    try:
+        config = load_config(config_path, {"router": overrides})
+    except KVServeError as exc:
+        raise click.ClickException(exc.message) from None
+    rc = config.router
+    if not rc.backends:
+        raise click.UsageError("name at least one backend: --backend URL or router.backends in the config")
+    _setup_logging(rc.log_level)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per proxied request and poll otherwise
+    import uvicorn
+
+    from .router.app import create_router_app
+
+    try:
+        app = create_router_app(rc)
+    except KVServeError as exc:
+        raise click.ClickException(exc.message) from None
+    if not rc.api_key and not rc.api_key_file and rc.listen_host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("router listening on %s without an API key: anyone who can reach it can use it", rc.listen_host)
+    signal.signal(signal.SIGTERM, _exit_cleanly)
+    uvicorn.run(app, host=rc.listen_host, port=rc.listen_port, log_level=rc.log_level, access_log=False)
 
 
 cli.add_command(service_group)

@@ -111,7 +111,7 @@ class CacheConfig:
     pin_on_start: list[str] = field(default_factory=list)  # prompt files warmed and pinned at startup
     # Hybrid and sliding-window models: a checkpoint (recurrent state, window contents) every this
     # many prompt tokens, rounded up to whole blocks; 0 = only at prompt and message ends.
-    checkpoint_every: int = 1024
+    checkpoint_every: int = 4096
 
 
 @dataclass(frozen=True)
@@ -131,6 +131,30 @@ class SSDConfig:
     min_free_bytes: int = 2 * 1024**3  # stop writing when the disk has less free space than this
 
 
+ROUTER_POLICIES = ("lmetric", "load_only", "sticky", "unified", "round_robin")  # router.policies.Policy
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """`mlx-kvserve router`: a cache-aware proxy in front of several servers (docs/router.md)."""
+
+    backends: list[str] = field(default_factory=list)  # base URLs of mlx-kvserve servers
+    policy: str = "unified"
+    overload_factor: float = 2.0  # unified: leave the session's backend above this x the average load
+    session_header: str = "x-session-id"  # else OpenAI's `user`, else Anthropic's `metadata.user_id`
+    tokenizer: str = ""  # "" = the model the backends report (its folder, or its hub id)
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 8100
+    api_key: str = field(default="", repr=False)  # what clients send to the router; "" = none
+    api_key_file: str = ""
+    backend_api_key: str = field(default="", repr=False)  # what the router sends (the backends' admin key if set)
+    backend_api_key_file: str = ""
+    health_interval_s: float = 2.0  # how often each backend's /health is polled (down ones come back this way)
+    connect_timeout_s: float = 5.0
+    max_body_bytes: int = 4 * 1024 * 1024
+    log_level: str = "info"
+
+
 @dataclass(frozen=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
@@ -138,6 +162,7 @@ class Config:
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     ssd: SSDConfig = field(default_factory=SSDConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
 
     def models_path(self) -> Path:
         return Path(self.model.models_dir).expanduser() if self.model.models_dir else default_home() / "models"
@@ -271,7 +296,27 @@ def validate(config: Config) -> Config:
     _check(d.flush_interval_s >= 0, "ssd.flush_interval_s", "must be >= 0")
     _check(d.write_hold_s >= 0, "ssd.write_hold_s", "must be >= 0 (0 = never hold writes)")
     _check(d.drain_timeout_s >= 0, "ssd.drain_timeout_s", "must be >= 0")
+    _validate_router(config.router)
     return config
+
+
+def _validate_router(r: RouterConfig) -> None:
+    for url in r.backends:
+        _check(url.startswith(("http://", "https://")), "router.backends", f"must be http(s) URLs, got {url!r}")
+    _check(len(set(r.backends)) == len(r.backends), "router.backends", "names a backend twice")
+    _check(r.policy in ROUTER_POLICIES, "router.policy", f"must be one of {', '.join(ROUTER_POLICIES)}")
+    _check(r.overload_factor >= 1, "router.overload_factor", f"must be >= 1, got {r.overload_factor}")
+    _check(bool(r.session_header.strip()), "router.session_header", "must not be empty")
+    _check(0 <= r.listen_port <= 65535, "router.listen_port", f"must be 0..65535, got {r.listen_port}")
+    _check(r.health_interval_s > 0, "router.health_interval_s", "must be > 0")
+    _check(r.connect_timeout_s > 0, "router.connect_timeout_s", "must be > 0")
+    _check(r.max_body_bytes >= 1024, "router.max_body_bytes", "must be at least 1KiB")
+    levels = ("critical", "error", "warning", "info", "debug")
+    _check(r.log_level in levels, "router.log_level", f"must be one of {', '.join(levels)}")
+    for key in ("api_key", "backend_api_key"):
+        value = getattr(r, key)
+        _check(not (value and getattr(r, f"{key}_file")), f"router.{key}", f"set {key} or {key}_file, not both")
+        _check(_is_key_text(value), f"router.{key}", "must be printable ASCII without spaces")
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, Any]] | None = None) -> Config:
@@ -301,7 +346,13 @@ def as_dict(config: Config, redact: bool = False) -> dict[str, Any]:
     """The config as plain data; with `redact`, set API keys read "<redacted>"."""
     out = dataclasses.asdict(config)
     if redact:
-        for key in ("api_key", "admin_api_key"):
-            if out["server"][key]:
-                out["server"][key] = "<redacted>"
+        secrets = (
+            ("server", "api_key"),
+            ("server", "admin_api_key"),
+            ("router", "api_key"),
+            ("router", "backend_api_key"),
+        )
+        for section, key in secrets:
+            if out[section][key]:
+                out[section][key] = "<redacted>"
     return out

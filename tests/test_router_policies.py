@@ -130,6 +130,14 @@ def test_unified_gate_breaks_on_overload():
     assert d.reason == Reason.AFFINITY_OVERLOADED and d.name == "b"
 
 
+def test_unified_gate_reason_survives_a_round_robin_tie():
+    # a is overloaded; b and c tie on (score, new_prefill, num_requests): the turn goes round, the label says why
+    state = PolicyState(affinity={"s": "a"}, rr_counter=1)
+    backends = [view("a", reqs=9, pending=100, hit=1000), view("b"), view("c")]  # a: 100 x 9; b, c: 1000 x 0
+    d = pick_unified(backends, req(1000, "s"), state)
+    assert (d.name, d.reason, d.used_round_robin, d.bind_session) == ("c", Reason.AFFINITY_OVERLOADED, True, True)
+
+
 def test_unified_overload_factor_is_configurable():
     state = PolicyState(affinity={"s": "a"})
     backends = [view("a", reqs=7, hit=1000), view("b", reqs=0), view("c", reqs=1)]

@@ -14,6 +14,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from blake3 import blake3
+
 from ..checked_json import DamagedFile
 from ..config import Config, default_home
 from ..errors import ModelLoadError
@@ -29,6 +31,8 @@ from ..kv.tails import TailStore
 from ..kv.tiering import SSDTier
 from ..kv.writer import SSDWriterThread
 from ..models.loader import LoadedModel
+from .cache_admin import CacheAdmin
+from .distributed import BroadcastAdmin, DistributedWorker, World
 from .generate import Generator
 from .prefix_cache import PrefixCache
 from .request import Failed, GenerationRequest, SamplingParams
@@ -36,6 +40,10 @@ from .turns import turn_start_token
 from .worker import InferenceWorker
 
 log = logging.getLogger(__name__)
+
+RANKS_TIMEOUT_S = 10.0  # distributed: how long /health waits for every rank's cache statistics
+# Of each rank's cache statistics, what /health lists per rank.
+RANK_KEYS = ("enabled", "kv_ram_blocks", "kv_ram_bytes", "kv_tails", "kv_pinned_blocks", "kv_hits", "ssd_blocks")
 
 
 def physical_memory_bytes() -> int:
@@ -118,12 +126,16 @@ def build_ssd_tier(config: Config, namespace: bytes, pins: PinRegistry, layout: 
 
 
 def build_prefix_cache(
-    loaded: LoadedModel, config: Config, damaged: list[DamagedFile] | None = None
+    loaded: LoadedModel, config: Config, damaged: list[DamagedFile] | None = None, world: World | None = None
 ) -> tuple[PrefixCache, FolderLock | None]:
     """The block cache for this model, or a disabled one with the reason (logged once), and the
     lock on its cache folder (None when it uses none), which the caller releases at shutdown. A
     damaged fingerprint memo is appended to `damaged` (the stores keep their own damaged files).
-    Raises ConfigError or FolderBusyError (see lock_store_folder)."""
+    Raises ConfigError or FolderBusyError (see lock_store_folder).
+
+    Distributed (`world`), each rank caches its own shard: the block hashes are the same on every
+    rank (their namespace names the sharding, so one layout's blocks are never read under another),
+    while each rank's files live in their own folder and carry the rank in their namespace."""
     if not config.cache.enabled:
         return PrefixCache(loaded.model, None, "disabled by configuration ([cache] enabled = false)", layout=None), None
     layout = blocks.cache_layout(loaded.model, config.cache.block_size)
@@ -131,15 +143,19 @@ def build_prefix_cache(
         log.warning("block caching is off for this model: %s", layout.reason)
         return PrefixCache(loaded.model, None, layout.reason, layout=layout), None
     fingerprint = model_fingerprint(loaded.path, default_home() / "fingerprints.json", damaged)
-    namespace = namespace_hash(fingerprint, layout.kv_dtype, config.cache.block_size, cache_layout=layout.signature)
+    sharding = f"|{world.tag}" if world is not None else ""
+    namespace = namespace_hash(
+        fingerprint, layout.kv_dtype, config.cache.block_size, cache_layout=layout.signature + sharding
+    )
+    store_namespace = blake3(namespace + f"rank{world.rank}".encode()).digest() if world is not None else namespace
     budget = config.cache.ram_max_bytes or physical_memory_bytes() // 4
     # Tails (partial last blocks) get an eighth of the RAM budget, full blocks the rest; for models
     # with recurrent layers tails carry the checkpoints, without which no block is usable: half.
     tails = TailStore(budget // 2 if layout.has_state else budget // 8, exact=layout.exact_tails)
-    folder_lock = lock_store_folder(config, namespace)  # before anything reads or writes the folder
+    folder_lock = lock_store_folder(config, store_namespace)  # before anything reads or writes the folder
     try:
         pins = PinRegistry(folder_lock.folder / PINS_FILE if folder_lock else None)
-        ssd_tier = build_ssd_tier(config, namespace, pins, layout) if folder_lock else None
+        ssd_tier = build_ssd_tier(config, store_namespace, pins, layout) if folder_lock else None
     except BaseException:
         if folder_lock is not None:
             folder_lock.release()
@@ -167,15 +183,19 @@ def build_prefix_cache(
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, config: Config):
+    """The model, its block cache and the worker that runs the batch. Distributed (`world`), one
+    per rank: rank 0's serves HTTP; the others run `serve_follower` (engine/distributed.py)."""
+
+    def __init__(self, loaded: LoadedModel, config: Config, world: World | None = None):
         self.loaded = loaded
         self.config = config
+        self.world = world
         reason = blocks.unbatchable(loaded.model)
         if reason:  # every request would fail: refuse to start instead
             raise ModelLoadError(f"model {loaded.name} cannot be served: {reason}")
         self._memo_damage: list[DamagedFile] = []  # a fingerprint memo set aside at startup
         # The folder lock is held from here to stop(): one process per cache folder.
-        self.prefix_cache, self.folder_lock = build_prefix_cache(loaded, config, self._memo_damage)
+        self.prefix_cache, self.folder_lock = build_prefix_cache(loaded, config, self._memo_damage, world)
         self.generator = Generator(
             loaded.model,
             loaded.tokenizer,
@@ -183,8 +203,32 @@ class Engine:
             config.generation.prefill_step_size,
             config.server.batch_limit(),
         )
-        self.worker = InferenceWorker(self.generator, config.server.max_queue)
+        if world is None:
+            self.worker = InferenceWorker(self.generator, config.server.max_queue)
+        else:
+            self.prefix_cache.agree = world.all_lengths
+            self.worker = DistributedWorker(self.generator, config.server.max_queue, world, self._execute)
         self.started_at = time.time()
+
+    def _execute(self, name: str, args: tuple) -> Any:
+        """A cache command on this rank (distributed: run on every rank by the worker)."""
+        if name == "stats":
+            return self.local_cache_stats()
+        return getattr(CacheAdmin(self.prefix_cache), name)(*args)
+
+    def cache_admin(self) -> CacheAdmin:
+        """Cache administration for the HTTP routes: distributed, pins, unpins, flushes and prunes
+        run on every rank (each holds its shard of every block)."""
+        if self.world is None:
+            return CacheAdmin(self.prefix_cache)
+        return BroadcastAdmin(self.prefix_cache, self.worker)
+
+    def serve_follower(self) -> None:
+        """Ranks other than 0: run the batch on rank 0's updates until it stops, then shut down."""
+        try:
+            self.worker.run_follower()
+        finally:
+            self.stop(0)
 
     @property
     def model_name(self) -> str:
@@ -274,6 +318,21 @@ class Engine:
         return list(self.loaded.tokenizer.encode(prompt))
 
     def cache_stats(self) -> dict[str, Any]:
+        """This server's cache statistics; distributed, rank 0's plus every rank's under "ranks"
+        (gathered; "ranks_error" says why when the ranks did not answer)."""
+        stats = self.local_cache_stats()
+        if self.world is None:
+            return stats
+        try:
+            ranks = self.worker.run_command("stats", timeout=RANKS_TIMEOUT_S)
+        except Exception as exc:  # a rank is gone or the batch is stuck
+            stats["ranks_error"] = str(exc) or type(exc).__name__
+            return stats
+        stats["world"] = {"mode": self.world.mode, "size": self.world.size}
+        stats["ranks"] = [{k: r.get(k) for k in RANK_KEYS if k in r} for r in ranks]
+        return stats
+
+    def local_cache_stats(self) -> dict[str, Any]:
         manager = self.prefix_cache.manager
         layout = self.prefix_cache.layout
         if manager is None:

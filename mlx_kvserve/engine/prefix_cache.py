@@ -56,6 +56,9 @@ class PrefixCache:
         # multiple of the block size), where a request asks, and at the end of each prompt.
         self.checkpoint_every = -(-checkpoint_every // bs) * bs if checkpoint_every > 0 else 0
         self.turn_marker = turn_marker  # the token opening each chat message (engine/turns.py)
+        # Distributed: every rank's cached length for a lookup (a collective; engine/distributed.py).
+        # Set, the ranks agree on the shortest before prefill.
+        self.agree: Any = None
         self.reason = reason
         self.ssd_tier = ssd_tier  # kv.tiering.SSDTier or None; the engine closes it at shutdown
         self._hold_lock = threading.Lock()  # guards _num_holding
@@ -79,6 +82,8 @@ class PrefixCache:
         if self.manager is None:
             return Prepared(self.layout.assemble([]), MatchResult([], 0))
         match = self.manager.lookup(prompt, max_tokens=len(prompt) - 1)
+        if self.agree is not None:
+            match = self._agree(prompt, match)
         try:
             cache = self.layout.assemble(
                 [b.payload for b in match.blocks],
@@ -92,6 +97,19 @@ class PrefixCache:
             self.first_token()
             raise
         return Prepared(cache, match)
+
+    def _agree(self, prompt: Sequence[int], match: MatchResult) -> MatchResult:
+        """The longest prefix every rank has: while the ranks' cached lengths differ, those above
+        the shortest look up again within it (each round is one collective on every rank; the
+        longest length only falls, so it ends)."""
+        while True:
+            lengths = self.agree(match.num_tokens)
+            shortest = min(lengths)
+            if shortest == max(lengths):
+                return match
+            if match.num_tokens > shortest:
+                self.manager.release(match.blocks)
+                match = self.manager.lookup(prompt, max_tokens=shortest)
 
     def checkpoints(self, prompt: Sequence[int], cached: int, asked: Sequence[int] = ()) -> list[int]:
         """Where to capture while prefilling prompt[cached:]: every `checkpoint_every` tokens,

@@ -138,7 +138,7 @@ class Scheduler:
             return
         hashes: list[bytes] = []
         manager = self.prefix_cache.manager
-        if manager is not None:
+        if manager is not None and self.prefix_cache.agree is None:  # distributed: no waits (rank-local)
             try:
                 usable = max(0, len(req.prompt_tokens) - 1)  # what a lookup may use
                 hashes = manager.hasher.hash_blocks(req.prompt_tokens, usable // manager.block_size)

@@ -69,8 +69,7 @@ class InferenceWorker:
     def stop(self, timeout: float | None = None) -> None:
         with self._lock:
             self._closing = True
-            for req in self._running.values():
-                req.cancel()
+            self._cancel_running()
         while True:  # cancel everything still queued so no client waits forever
             try:
                 item = self._queue.get_nowait()
@@ -83,6 +82,11 @@ class InferenceWorker:
         self._queue.put(_STOP)
         if self._thread.is_alive():
             self._thread.join(timeout)
+
+    def _cancel_running(self) -> None:
+        """Stop the running requests at their next token. Lock held."""
+        for req in self._running.values():
+            req.cancel()
 
     def _loop(self) -> None:
         stopping = False

@@ -3,6 +3,8 @@
 Each event gets a sequence number that only grows. A follower asks for everything after the last number it
 saw; when that number has already fallen out of the bounded log (or belongs to an earlier process, i.e. is
 ahead of the log), it gets `resync=True` and must rebuild its view from a snapshot of the stored hashes.
+Each log also has a random `epoch`: numbers from another log (a restarted process) mean nothing here, and a
+follower that names a different epoch must resync even when its number happens to be in range.
 The log never blocks the caller beyond one short lock; the KV manager appends to it as blocks come and go.
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import threading
+import uuid
 from collections import deque
 from typing import NamedTuple
 
@@ -44,6 +47,7 @@ class BlockEventLog:
         self._lock = threading.Lock()  # guards _events and _last_seq
         self._events: deque[BlockEvent] = deque(maxlen=capacity)
         self._last_seq = 0
+        self.epoch = uuid.uuid4().hex[:16]
 
     def append(self, kind: BlockEventKind, block_hash: bytes) -> None:
         with self._lock:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from .base import Block, MatchResult, PrefixRules
+from .events import BlockEventLog
 from .hashing import BlockHasher
 from .pins import PinRegistry
 from .ram import RAMStore
@@ -59,6 +60,8 @@ class KVManager:
         self._tails = tails
         self._tick = 0
         self.num_flushes = 0  # flush() calls so far: registrations deferred across one are dropped
+        # Blocks entering and leaving RAM, for routers; appended under _lock, so in the order RAM changed.
+        self.events = BlockEventLog()
         self._stats = dict.fromkeys(
             (
                 "lookups",
@@ -121,7 +124,9 @@ class KVManager:
             if rules is None:
                 return k, tail
             payloads = [b.payload for b in found[:k]]
-            if tail is not None and rules.usable(payloads, tail.tail.payload, tail.num_tokens, len(tail.tail.token_ids)):
+            if tail is not None and rules.usable(
+                payloads, tail.tail.payload, tail.num_tokens, len(tail.tail.token_ids)
+            ):
                 return k, tail
             if rules.usable(payloads, None, 0, 0):
                 return k, None
@@ -199,6 +204,8 @@ class KVManager:
             moved = self._ram.evict_to_budget(can_evict=lambda b: tier.contains(b.block_hash))
             self._stats["pinned_demotions"] += len(moved)
             evicted += moved
+        for block in evicted:
+            self.events.removed(block.block_hash)
         self._stats["evictions"] += len(evicted)
         return evicted
 
@@ -259,6 +266,7 @@ class KVManager:
             dropped = [b for b in self._ram if b.ref_count == 0 and not self.pins.is_pinned(b.block_hash)]
             for block in dropped:
                 self._ram.remove(block.block_hash)
+                self.events.removed(block.block_hash)
             kept = len(self._ram)
             if self._tails is not None:
                 self._tails.clear()
@@ -296,6 +304,7 @@ class KVManager:
                     block = present
                 else:
                     self._ram.insert(block, self._next_tick())
+                    self.events.stored(block.block_hash)
                     self._stats["promotions"] += 1
                 block.ref_count += 1
                 found.append(block)
@@ -333,6 +342,7 @@ class KVManager:
                 return False
             block = Block(block_hash, parent_hash, ids, payload, nbytes)
             self._ram.insert(block, self._next_tick())
+            self.events.stored(block_hash)
             self._stats["inserts"] += 1
             evicted = self._evict()
         if self.next_tier is not None:  # phase 2: outside the lock

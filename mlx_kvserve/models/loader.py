@@ -70,13 +70,22 @@ def context_length(config: dict[str, Any]) -> int:
     return int(text.get("max_position_embeddings", 4096))
 
 
-def load_model(spec: str, models_dir: Path, dtype: str, served_name: str = "") -> LoadedModel:
-    from mlx_lm.utils import load
+def load_model(
+    spec: str, models_dir: Path, dtype: str, served_name: str = "", distributed: tuple[Any, str] | None = None
+) -> LoadedModel:
+    """The model and tokenizer. `distributed`: (mx.distributed group, "tensor" | "pipeline"): this
+    rank's shard, loaded with mlx-lm's sharded loading."""
+    from mlx_lm.utils import load, sharded_load
 
     name, path = resolve_model_path(spec, models_dir, dtype)
     log.info("loading model %s from %s", name, path)
     try:
-        model, tokenizer = load(str(path))
+        if distributed is None:
+            model, tokenizer = load(str(path))
+        else:
+            group, mode = distributed
+            groups = {"tensor_group": group} if mode == "tensor" else {"pipeline_group": group}
+            model, tokenizer = sharded_load(str(path), **groups)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot load model from {path}: {exc}") from exc
     config = json.loads((path / "config.json").read_text())

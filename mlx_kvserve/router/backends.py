@@ -19,12 +19,31 @@ class BackendState:
     def __init__(self, url: str, block_size: int = 0):
         self.url = url
         self.block_size = block_size  # 0 until the backend's layout is known: no hit can be estimated
+        self.namespace: bytes | None = None  # the backend's hashing namespace, from its layout
         self._lock = threading.Lock()
         self._blocks: set[bytes] = set()
         self.is_up = True
+        self.last_error = ""  # why it was last taken out ("" while up)
         self.num_requests = 0
         self.pending_prefill_tokens = 0
         self.decode_tokens = 0
+
+    # --- layout and health --------------------------------------------------------------------------------
+
+    def set_layout(self, namespace: bytes | None, block_size: int) -> None:
+        """The backend's hashing; a changed namespace (another model, block size) forgets the old blocks."""
+        with self._lock:
+            if namespace != self.namespace or block_size != self.block_size:
+                self._blocks = set()
+            self.namespace, self.block_size = namespace, block_size
+
+    def mark_down(self, reason: str) -> None:
+        with self._lock:
+            self.is_up, self.last_error = False, reason
+
+    def mark_up(self) -> None:
+        with self._lock:
+            self.is_up, self.last_error = True, ""
 
     # --- blocks -------------------------------------------------------------------------------------------
 
@@ -32,6 +51,15 @@ class BackendState:
         with self._lock:
             self._blocks.update(stored)
             self._blocks.difference_update(removed)
+
+    def apply_ordered(self, events: Iterable[tuple[bool, bytes]]) -> None:
+        """(is_stored, hash) pairs in the order the backend's RAM changed: a hash stored then removed is gone."""
+        with self._lock:
+            for is_stored, block_hash in events:
+                if is_stored:
+                    self._blocks.add(block_hash)
+                else:
+                    self._blocks.discard(block_hash)
 
     def reset_blocks(self, snapshot: Iterable[bytes]) -> None:
         """Replace the block set with a snapshot (after a reconnect or a resync)."""

@@ -45,7 +45,7 @@ class Reason(str, enum.Enum):
     AFFINITY = "affinity"  # sticky: the bound backend; unified: the gate held
     AFFINITY_COLD = "affinity_cold"  # unified: bound backend's hit ratio <= 0.5, fell back to lmetric
     AFFINITY_OVERLOADED = "affinity_overloaded"  # unified: bound backend above factor x average load
-    TIE_ROUND_ROBIN = "tie_round_robin"  # unified: several backends share the best 3-key tuple
+    TIE_ROUND_ROBIN = "tie_round_robin"  # unified, no affinity: several backends share the best 3-key tuple
     ROUND_ROBIN = "round_robin"  # round_robin policy
 
 
@@ -159,7 +159,9 @@ def pick_unified(
     tied = [k for k in keys if k[:3] == best]
     if len(tied) > 1:
         winner = tied[state.rr_counter % len(tied)]
-        return _decision(backends, winner[3], Reason.TIE_ROUND_ROBIN, bind=bind, rr=True)
+        # A broken affinity gate is the more telling label; the round-robin turn is taken either way.
+        reason = Reason.TIE_ROUND_ROBIN if fallback_reason == Reason.LOWEST_SCORE else fallback_reason
+        return _decision(backends, winner[3], reason, bind=bind, rr=True)
     return _decision(backends, tied[0][3], fallback_reason, bind=bind)
 
 

@@ -38,6 +38,7 @@ from .logprobs import LogprobFormatter
 from .metrics import RequestRecord, ServerMetrics
 from .output import REASONING, TOOL, ChatOutput, Segment
 from .output import collect as collect_segments
+from .router_routes import router_routes
 
 log = logging.getLogger(__name__)
 _DISCONNECT_POLL_S = 0.2
@@ -345,6 +346,7 @@ def create_app(engine: Engine, keys: ApiKeys | None = None) -> Starlette:
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics_text, methods=["GET"]),
         *cache_routes(engine, read_json),
+        *router_routes(engine),
         *anthropic_routes(handler, read_json),
     ]
     handlers = {

@@ -50,7 +50,7 @@ async def _target_hashes(
 
 
 def cache_routes(engine: Engine, read_json) -> list[Route]:
-    admin = CacheAdmin(engine.prefix_cache)
+    admin = engine.cache_admin()
 
     async def body_of(request: Request, allow_empty: bool = False) -> dict[str, Any]:
         body = await read_json(request, engine.config.server.max_body_bytes, allow_empty)

@@ -63,6 +63,20 @@ class HealthMonitor:
         if self.shutting_down:
             body["status"], body["problems"] = "shutting_down", []
             return body, 503
+        fatal = self.fatal(body.get("cache", {}))
+        if fatal:  # distributed: the ranks cannot run a step together any more
+            body["status"], body["problems"] = "unavailable", fatal
+            return body, 503
         problems = self.problems(body.get("cache", {}))
         body["status"], body["problems"] = ("degraded" if problems else "ok"), problems
         return body, 200
+
+    def fatal(self, cache: dict[str, Any]) -> list[str]:
+        """Why no request can be served at all (distributed: a rank died or does not answer)."""
+        found = []
+        failed = getattr(self.engine.worker, "failed", "")
+        if failed:
+            found.append(failed)
+        if cache.get("ranks_error"):
+            found.append(f"the other ranks do not answer: {cache['ranks_error']}")
+        return found

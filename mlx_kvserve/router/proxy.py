@@ -1,0 +1,282 @@
+"""The router's core: pick a backend for a request (seed 004's policies over the backends' state), forward
+it, and pass the reply back as it arrives.
+
+Load is counted here, as requests start and finish (never inside a picker): a request adds its expected new
+prefill to the chosen backend's pending prefill until its first token, one to its requests until its last
+byte, and each token event to its decode tokens. A backend that cannot be reached, or answers 429/503
+before any byte, is skipped for the next one the policy picks; a backend that dies mid-stream ends that
+client's stream with an error event in the stream's dialect, and is taken out until its /health answers.
+The client leaving closes the upstream request, and the backend cancels the generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import anyio
+import httpx
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from ..errors import KVServeError
+from ..kv.hashing import BlockHasher
+from .backends import BackendState
+from .metrics import RouterMetrics
+from .policies import DEFAULT_OVERLOAD_FACTOR, NoBackendError, Policy, PolicyState, RouteRequest, apply_decision, choose
+from .prompts import MESSAGES_PATH, PromptInfo
+from .watch import ReplyWatcher, stream_error
+
+log = logging.getLogger(__name__)
+
+RETRY_STATUSES = frozenset({429, 503})  # busy or shutting down: another backend may serve it now
+HOP_HEADERS = frozenset(
+    {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "upgrade", "te", "trailer"}
+)
+AUTH_HEADERS = frozenset({"authorization", "x-api-key"})
+REPLY_HEADERS = ("content-type", "retry-after", "www-authenticate", "cache-control")
+DISCONNECT_POLL_S = 0.2
+CLIENT_CLOSED = 499
+
+
+class BackendFailedError(KVServeError):
+    """Every backend tried failed before answering (502)."""
+
+    status_code = 502
+    error_type = "server_error"
+
+
+class _ClientGone(Exception):
+    pass
+
+
+@dataclass
+class Route:
+    """One request's place on one backend, from the decision to its last byte."""
+
+    backend: BackendState
+    new_prefill: int  # tokens the backend is expected to prefill (the prompt less the estimated hit)
+    estimated_hit: int
+    started: float = field(default_factory=time.monotonic)
+    prefill_pending: bool = True
+    decoded: int = 0
+    is_finished: bool = False
+
+    def first_token(self) -> None:
+        if self.prefill_pending:
+            self.prefill_pending = False
+            self.backend.prefill_done(self.new_prefill)
+
+    def finish(self) -> None:
+        """Take the request off its backend's load; only the first call counts."""
+        if not self.is_finished:
+            self.is_finished = True
+            self.backend.finish_request(self.new_prefill if self.prefill_pending else 0, self.decoded)
+
+
+class _RelayResponse(StreamingResponse):
+    """A streamed reply that closes its upstream even when its body never ran (the client left before the
+    first byte, so the generator, and its `finally`, never started)."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]], **kwargs):
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.on_close()
+
+
+class Router:
+    """Decisions and forwarding for a set of backends. Everything runs on one event loop; `pick` never
+    awaits, so each decision sees the load of every decision before it."""
+
+    def __init__(
+        self,
+        backends: Sequence[BackendState],
+        client: httpx.AsyncClient,
+        policy: Policy | str = Policy.UNIFIED,
+        overload_factor: float = DEFAULT_OVERLOAD_FACTOR,
+        backend_headers: dict[str, str] | None = None,
+        metrics: RouterMetrics | None = None,
+    ):
+        self.backends = list(backends)
+        self.client = client
+        self.policy = Policy(policy)
+        self.overload_factor = overload_factor
+        self.backend_headers = backend_headers or {}
+        self.state = PolicyState()
+        self.metrics = metrics or RouterMetrics(lambda: self.backends)
+
+    # --- decisions ----------------------------------------------------------------------------------------
+
+    def pick(self, info: PromptInfo, exclude: frozenset[str] = frozenset()) -> Route:
+        """Choose among the up backends not in `exclude` and count the request on the chosen one.
+        Raises NoBackendError (503) when none is left."""
+        candidates = [b for b in self.backends if b.is_up and b.url not in exclude]
+        if not candidates:
+            raise NoBackendError("no backend is up" if not exclude else "no other backend is up")
+        tokens = info.tokens or []
+        hashes: dict[tuple[bytes | None, int], list[bytes]] = {}
+        views = []
+        for b in candidates:
+            key = (b.namespace, b.block_size)
+            if key not in hashes:
+                hashes[key] = BlockHasher(b.namespace, b.block_size).hash_blocks(tokens) if b.namespace else []
+            views.append(b.view(hashes[key]))
+        request = RouteRequest(len(tokens), info.session_id)
+        decision = choose(self.policy, views, request, self.state, self.overload_factor)
+        apply_decision(self.state, request, decision)
+        chosen = candidates[decision.index]
+        hit = views[decision.index].cache_hit_tokens
+        route = Route(chosen, max(0, len(tokens) - hit), hit)
+        chosen.start_request(route.new_prefill)
+        self.metrics.decisions.labels(self.policy.value, decision.reason.value, chosen.url).inc()
+        self.metrics.estimated_cached.labels(chosen.url).inc(hit)
+        return route
+
+    def any_backend(self) -> BackendState:
+        """An up backend for a request that generates nothing (model list, token count): the least loaded."""
+        up = [b for b in self.backends if b.is_up]
+        if not up:
+            raise NoBackendError("no backend is up")
+        return min(up, key=lambda b: b.num_requests)
+
+    # --- forwarding ---------------------------------------------------------------------------------------
+
+    def _upstream(self, request: Request, backend: BackendState, body: bytes) -> httpx.Request:
+        headers = [(k, v) for k, v in request.headers.items() if k not in HOP_HEADERS and k not in AUTH_HEADERS] + list(
+            self.backend_headers.items()
+        )
+        url = backend.url + request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        return self.client.build_request(request.method, url, headers=headers, content=body, timeout=None)
+
+    async def _send(self, request: Request, upstream: httpx.Request) -> httpx.Response:
+        """The backend's response headers; raises _ClientGone (the upstream request cancelled) when the client
+        leaves first, as it may while a backend computes a whole reply."""
+        task = asyncio.ensure_future(self.client.send(upstream, stream=True))
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    raise _ClientGone()
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+                    await task
+
+    async def _open(self, request: Request, backend: BackendState, body: bytes) -> httpx.Response:
+        try:
+            return await self._send(request, self._upstream(request, backend, body))
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
+            # Most likely a pooled connection the backend closed as it went idle, before reading the request:
+            # once more on a fresh connection before the backend is taken for down.
+            return await self._send(request, self._upstream(request, backend, body))
+
+    async def forward(self, request: Request, body: bytes, info: PromptInfo, generates: bool = True) -> Response:
+        """Send the request to a backend the policy picks, and the next on failure; the reply streams back."""
+        tried: set[str] = set()
+        failures: list[str] = []
+        while True:
+            try:
+                route = self.pick(info, frozenset(tried)) if generates else Route(self.any_backend(), 0, 0)
+            except NoBackendError:
+                if failures:
+                    raise BackendFailedError(f"no backend answered: {'; '.join(failures)}") from None
+                raise
+            backend = route.backend
+            tried.add(backend.url)
+            if not generates:
+                backend.start_request(0)
+            try:
+                resp = await self._open(request, backend, body)
+            except _ClientGone:
+                route.finish()
+                self.metrics.requests.labels(backend.url, str(CLIENT_CLOSED)).inc()
+                return Response(status_code=CLIENT_CLOSED)
+            except httpx.HTTPError as exc:
+                route.finish()
+                failures.append(f"{backend.url}: {type(exc).__name__}")
+                self._take_out(backend, "connect", f"request failed: {type(exc).__name__}: {exc}")
+                self.metrics.retries.inc()
+                if not generates:
+                    raise BackendFailedError(f"no backend answered: {failures[-1]}") from None
+                continue
+            if resp.status_code in RETRY_STATUSES and generates and self._others_up(tried):
+                await resp.aclose()
+                route.finish()
+                failures.append(f"{backend.url}: HTTP {resp.status_code}")
+                self.metrics.retries.inc()
+                continue
+            return self._relay(request, resp, route, info)
+
+    def _others_up(self, tried: set[str]) -> bool:
+        return any(b.is_up and b.url not in tried for b in self.backends)
+
+    def _take_out(self, backend: BackendState, kind: str, reason: str) -> None:
+        log.warning("backend %s is out of rotation: %s", backend.url, reason)
+        backend.mark_down(reason)
+        self.metrics.failures.labels(backend.url, kind).inc()
+
+    def _relay(self, request: Request, resp: httpx.Response, route: Route, info: PromptInfo) -> Response:
+        is_stream = resp.headers.get("content-type", "").startswith("text/event-stream")
+        headers = {k: resp.headers[k] for k in REPLY_HEADERS if k in resp.headers}
+        headers["x-kvserve-backend"] = route.backend.url
+        body = self._relay_body(request.url.path, resp, route, ReplyWatcher(is_stream))
+        on_close = lambda: self._close(resp, route, str(CLIENT_CLOSED))  # noqa: E731
+        return _RelayResponse(body, on_close, status_code=resp.status_code, headers=headers)
+
+    async def _relay_body(
+        self, path: str, resp: httpx.Response, route: Route, watcher: ReplyWatcher
+    ) -> AsyncIterator[bytes]:
+        backend, status = route.backend, str(resp.status_code)
+        try:
+            async for chunk in resp.aiter_raw():
+                tokens = watcher.feed(chunk)
+                if tokens:
+                    if route.prefill_pending:
+                        route.first_token()
+                        self.metrics.ttft.labels(backend.url).observe(time.monotonic() - route.started)
+                    backend.decoded(tokens)
+                    route.decoded += tokens
+                yield chunk
+            watcher.finish()
+            self._observe_usage(route, watcher)
+        except httpx.HTTPError as exc:  # the backend died mid-reply: the status is sent, end it clearly
+            status = "502"
+            self._take_out(backend, "mid_reply", f"reply cut short: {type(exc).__name__}")
+            if watcher.is_stream:
+                yield stream_error(
+                    path.startswith(MESSAGES_PATH), f"the backend failed mid-reply ({type(exc).__name__})"
+                )
+        except BaseException:  # cancelled: the client left; closing the response tells the backend
+            status = str(CLIENT_CLOSED)
+            raise
+        finally:
+            await self._close(resp, route, status)
+
+    async def _close(self, resp: httpx.Response, route: Route, status: str) -> None:
+        """Close the upstream reply (the backend sees its client leave) and count the request done, once."""
+        if route.is_finished:
+            return
+        route.finish()
+        with anyio.CancelScope(shield=True):
+            await resp.aclose()
+        self.metrics.requests.labels(route.backend.url, status).inc()
+        self.metrics.duration.labels(route.backend.url).observe(time.monotonic() - route.started)
+
+    def _observe_usage(self, route: Route, watcher: ReplyWatcher) -> None:
+        url = route.backend.url
+        if watcher.prompt_tokens is not None:
+            self.metrics.prompt_tokens.labels(url).inc(watcher.prompt_tokens)
+            self.metrics.reported_cached.labels(url).inc(watcher.cached_tokens or 0)

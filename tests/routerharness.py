@@ -1,0 +1,176 @@
+"""Fake backends for the router's tests: real HTTP servers on loopback (uvicorn in a thread), each with a real
+KVManager behind the real /v1/cache/layout and /v1/cache/events routes, and a chat endpoint whose behaviour a
+test sets (answer, stream slowly, fail mid-stream, answer 503). A byte tokenizer stands in for the model's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from mlx_kvserve.kv.hashing import BlockHasher, namespace_hash
+from mlx_kvserve.kv.manager import KVManager
+from mlx_kvserve.kv.ram import RAMStore
+from mlx_kvserve.server.router_routes import router_routes
+
+BS = 4
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ByteTokenizer:
+    """Token ids are the UTF-8 bytes; a chat renders as its contents joined by newlines."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, **kwargs) -> list[int]:
+        return self.encode("\n".join(m["content"] for m in messages))
+
+
+def chat_tokens(messages: list[dict]) -> list[int]:
+    return ByteTokenizer().apply_chat_template(messages)
+
+
+class ServerThread:
+    """An ASGI app served by uvicorn on a free loopback port, in a daemon thread."""
+
+    def __init__(self, app, port: int | None = None):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on", timeout_graceful_shutdown=2
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 10
+        while not self.server.started:
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+class FakeBackend:
+    """A backend with a real block cache. `mode`: "ok", "slow" (a chunk every `delay_s`), "die" (one chunk
+    then the connection breaks; /health fails too), "busy" (503), "down" (/health fails). `seen` records (path, headers, body) of each request;
+    `closed` counts streams whose client went away before the end."""
+
+    def __init__(self, name: str, model_path: str = "", ns: bytes | None = None):
+        self.name = name
+        self.mode = "ok"
+        self.delay_s = 0.05
+        self.num_chunks = 3
+        self.seen: list[tuple[str, dict, dict]] = []
+        self.closed = 0
+        self.finished = 0
+        self.hasher = BlockHasher(ns or namespace_hash("fake-model", "float32", BS), BS)
+        self.manager = KVManager(self.hasher, RAMStore(10**9))
+        engine = SimpleNamespace(
+            model_name="fake",
+            loaded=SimpleNamespace(path=Path(model_path or "/nonexistent/fake")),
+            prefix_cache=SimpleNamespace(manager=self.manager, reason=""),
+        )
+        routes = [
+            Route("/health", self.health, methods=["GET"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/messages", self.chat, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            *router_routes(engine),
+        ]
+        self.app = Starlette(routes=routes)
+        self.server: ServerThread | None = None
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def start(self, port: int | None = None) -> FakeBackend:
+        self.server = ServerThread(self.app, port)
+        return self
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    def store(self, tokens: list[int]) -> int:
+        """Register the full blocks of `tokens` as cached; returns how many were new."""
+        hashes = self.hasher.hash_blocks(tokens)
+        new = 0
+        for i, h in enumerate(hashes):
+            parent = hashes[i - 1] if i else self.hasher.namespace
+            new += self.manager.cache_block(h, parent, tokens[i * BS : (i + 1) * BS], None, 1)
+        return new
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"}, status_code=503 if self.mode in ("down", "die") else 200)
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": self.name}]})
+
+    async def chat(self, request: Request) -> Response:
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            body = None
+        self.seen.append((request.url.path, dict(request.headers), body))
+        if self.mode == "busy":
+            return JSONResponse({"error": {"message": "busy"}}, status_code=503)
+        if not isinstance(body, dict):
+            return JSONResponse({"error": {"message": "not JSON"}}, status_code=400)
+        tokens = chat_tokens(body.get("messages", []))
+        cached = sum(1 for h in self.hasher.hash_blocks(tokens) if self.manager.in_ram(h)) * BS
+        usage = {"prompt_tokens": len(tokens), "completion_tokens": self.num_chunks, "total_tokens": len(tokens) + 3}
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        if not body.get("stream"):
+            await asyncio.sleep(self.delay_s if self.mode == "slow" else 0)
+            if await request.is_disconnected():
+                self.closed += 1
+                return Response(status_code=499)
+            self.store(tokens)
+            self.finished += 1
+            return JSONResponse({"choices": [{"message": {"content": self.name}}], "usage": usage})
+        return StreamingResponse(self._stream(tokens, usage), media_type="text/event-stream")
+
+    async def _stream(self, tokens: list[int], usage: dict):
+        done = False
+        try:
+            yield f"data: {json.dumps({'choices': [{'delta': {'role': 'assistant'}}]})}\n\n"
+            for i in range(self.num_chunks):
+                if self.mode in ("slow", "die") and i:
+                    await asyncio.sleep(self.delay_s)
+                if self.mode == "die" and i == 1:
+                    raise RuntimeError("backend died")
+                yield f"data: {json.dumps({'choices': [{'delta': {'content': f'{self.name}{i}'}}]})}\n\n"
+            self.store(tokens)
+            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+            done = True
+            self.finished += 1
+        finally:
+            if not done and self.mode != "die":
+                self.closed += 1
+
+
+def wait_for(predicate, timeout: float = 5.0, what: str = "condition") -> None:
+    deadline = time.time() + timeout
+    while not predicate():
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)

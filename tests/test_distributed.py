@@ -1,0 +1,108 @@
+"""One model over two ranks (mx.distributed, ring backend on loopback, tensor parallel) with the
+block cache on each rank: greedy output equals the single-process run, cold, on a RAM hit and on
+an SSD hit after restarting both ranks; a block file lost on one rank gives a shorter hit with
+the same output; pins reach both ranks. The agreement on the cached length is also tested alone,
+with a fake group."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from kvharness import greedy, make_generator
+from mlx_lm.utils import load
+
+ROOT = Path(__file__).resolve().parents[1]
+BS = 16
+
+
+def _launch(model_dir: Path, home: Path, prompts: list[list[int]], *extra: str) -> dict:
+    launcher = Path(sys.executable).with_name("mlx.launch")
+    prompts_file = home / "prompts.json"
+    prompts_file.write_text(json.dumps(prompts))
+    script = Path(__file__).with_name("dist_rank.py")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [str(launcher), "-n", "2", "--backend", "ring", "--", sys.executable, str(script)]
+    cmd += [str(model_dir), str(home), "tensor", str(prompts_file), *extra]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=home)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    assert out.returncode == 0 and lines, f"rc {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+@pytest.fixture(scope="module")
+def single(tiny_model_dir):
+    model, tokenizer = load(str(tiny_model_dir))
+    return model, tokenizer
+
+
+def test_agreement_takes_the_shortest_prefix_any_rank_has(single):
+    """A fake second rank that holds fewer tokens: the lookup shrinks to its length, and the output
+    stays the cold one."""
+    model, tokenizer = single
+    prompt = tokenizer.encode("The river runs past the mill and the old bridge towards the sea. " * 5)
+    cold = greedy(make_generator(model, tokenizer, BS), prompt, 10)
+    gen = make_generator(model, tokenizer, BS)
+    greedy(gen, prompt, 10)
+    seen: list[list[int]] = []
+
+    def other_rank_has(n: int) -> list[int]:
+        lengths = [n, min(n, 3 * BS)]  # the other rank lost everything after block 3
+        seen.append(lengths)
+        return lengths
+
+    gen.prefix_cache.agree = other_rank_has
+    ids, _, cached = greedy(gen, prompt, 10)
+    assert cached == 3 * BS and ids == cold[0]
+    assert seen[0][0] > 3 * BS and seen[-1] == [3 * BS, 3 * BS]
+    gen.prefix_cache.manager.check_integrity()
+
+
+@pytest.mark.slow
+def test_two_ranks_equal_one_process_cold_hit_restart_and_lost_block(single, tiny_model_dir, tmp_path):
+    if shutil.which("mlx.launch", path=str(Path(sys.executable).parent)) is None:
+        pytest.skip("mlx.launch is not installed next to this Python")
+    model, tokenizer = single
+    prompt = tokenizer.encode("Harbour lights shine over the quiet water while the boats come home. " * 4)
+    expected = list(greedy(make_generator(model, tokenizer, BS), prompt, 10)[0])
+
+    first = _launch(tiny_model_dir, tmp_path, [prompt, prompt], "--pin")
+    assert [r["tokens"] for r in first["results"]] == [expected, expected]
+    assert [r["cached"] for r in first["results"]] == [0, len(prompt) - 1]
+    assert first["pinned"] == 1
+    assert [r["kv_pinned_blocks"] for r in first["ranks"]] == [len(prompt) // BS] * 2  # pins reach both ranks
+    assert all(r["kv_ram_blocks"] >= len(prompt) // BS for r in first["ranks"])
+
+    restarted = _launch(tiny_model_dir, tmp_path, [prompt])  # both ranks restarted on their SSD folders
+    assert restarted["results"] == [{"tokens": expected, "cached": len(prompt) - 1}]
+
+    # Rank 1 loses its block 2 (a deleted file): both ranks use the prefix before it.
+    rank1 = Path((tmp_path / "rank1.dir").read_text())
+    victim = next(rank1.rglob(f"{first['hashes'][2]}.safetensors"))
+    victim.unlink()
+    shorter = _launch(tiny_model_dir, tmp_path, [prompt])
+    assert shorter["results"] == [{"tokens": expected, "cached": 2 * BS}]
+
+
+def test_a_dead_rank_makes_health_a_503_with_the_reason():
+    from types import SimpleNamespace
+
+    from mlx_kvserve.server.health import HealthMonitor
+
+    worker = SimpleNamespace(failed="", is_alive=True)
+    config = SimpleNamespace(ssd=SimpleNamespace(enabled=False))
+    engine = SimpleNamespace(worker=worker, config=config, health=lambda: {"cache": {"enabled": True}})
+    monitor = HealthMonitor(engine)
+    assert monitor.report()[1] == 200
+    worker.failed = "distributed worker stopped: [ring] connection to a peer was lost"
+    body, status = monitor.report()
+    assert status == 503 and body["status"] == "unavailable" and body["problems"] == [worker.failed]
+    worker.failed = ""
+    engine.health = lambda: {"cache": {"enabled": True, "ranks_error": "TimeoutError"}}
+    body, status = monitor.report()
+    assert status == 503 and "do not answer: TimeoutError" in body["problems"][0]
