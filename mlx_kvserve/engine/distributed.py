@@ -59,7 +59,9 @@ class World:
         data = pickle.dumps(obj) if self.rank == 0 else b""
         size = mx.distributed.all_sum(mx.array(len(data)), group=self.group).item()
         # Bytes travel as int32: the ring backend's sums of small-integer types garble data here.
-        buf = mx.array(np.frombuffer(data, np.uint8).astype(np.int32)) if self.rank == 0 else mx.zeros((size,), mx.int32)
+        buf = (
+            mx.array(np.frombuffer(data, np.uint8).astype(np.int32)) if self.rank == 0 else mx.zeros((size,), mx.int32)
+        )
         out = mx.distributed.all_sum(buf, group=self.group)
         mx.eval(out)  # on rank 0 too: every rank must run every collective, in the same order
         return pickle.loads(np.array(out).astype(np.uint8).tobytes()) if self.rank else obj
