@@ -21,14 +21,14 @@ ROOT = Path(__file__).resolve().parents[1]
 BS = 16
 
 
-def _launch(model_dir: Path, home: Path, prompts: list[list[int]], *extra: str) -> dict:
+def _launch(model_dir: Path, home: Path, prompts: list[list[int]], *extra: str, mode: str = "tensor") -> dict:
     launcher = Path(sys.executable).with_name("mlx.launch")
     prompts_file = home / "prompts.json"
     prompts_file.write_text(json.dumps(prompts))
     script = Path(__file__).with_name("dist_rank.py")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [str(launcher), "-n", "2", "--backend", "ring", "--", sys.executable, str(script)]
-    cmd += [str(model_dir), str(home), "tensor", str(prompts_file), *extra]
+    cmd += [str(model_dir), str(home), mode, str(prompts_file), *extra]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=home)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     assert out.returncode == 0 and lines, f"rc {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
@@ -63,29 +63,52 @@ def test_agreement_takes_the_shortest_prefix_any_rank_has(single):
     gen.prefix_cache.manager.check_integrity()
 
 
+def _qwen2(folder: Path) -> Path:
+    """A tiny qwen2 (a family mlx-lm can pipeline; its llama cannot)."""
+    from mlx_kvserve.models.synthetic import base_vocab_size, random_model, write_model_folder
+
+    config = {
+        "model_type": "qwen2",
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": base_vocab_size(),
+        "max_position_embeddings": 2048,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "eos_token_id": [2],
+    }
+    return write_model_folder(folder, config, random_model(config))
+
+
 @pytest.mark.slow
-def test_two_ranks_equal_one_process_cold_hit_restart_and_lost_block(single, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
+def test_two_ranks_equal_one_process_cold_hit_restart_and_lost_block(mode, tiny_model_dir, tmp_path):
     if shutil.which("mlx.launch", path=str(Path(sys.executable).parent)) is None:
         pytest.skip("mlx.launch is not installed next to this Python")
-    model, tokenizer = single
+    model_dir = tiny_model_dir if mode == "tensor" else _qwen2(tmp_path / "qwen2")
+    model, tokenizer = load(str(model_dir))
     prompt = tokenizer.encode("Harbour lights shine over the quiet water while the boats come home. " * 4)
     expected = list(greedy(make_generator(model, tokenizer, BS), prompt, 10)[0])
 
-    first = _launch(tiny_model_dir, tmp_path, [prompt, prompt], "--pin")
+    first = _launch(model_dir, tmp_path, [prompt, prompt], "--pin", mode=mode)
     assert [r["tokens"] for r in first["results"]] == [expected, expected]
     assert [r["cached"] for r in first["results"]] == [0, len(prompt) - 1]
     assert first["pinned"] == 1
     assert [r["kv_pinned_blocks"] for r in first["ranks"]] == [len(prompt) // BS] * 2  # pins reach both ranks
     assert all(r["kv_ram_blocks"] >= len(prompt) // BS for r in first["ranks"])
 
-    restarted = _launch(tiny_model_dir, tmp_path, [prompt])  # both ranks restarted on their SSD folders
+    restarted = _launch(model_dir, tmp_path, [prompt], mode=mode)  # both ranks restarted on their SSD folders
     assert restarted["results"] == [{"tokens": expected, "cached": len(prompt) - 1}]
 
     # Rank 1 loses its block 2 (a deleted file): both ranks use the prefix before it.
     rank1 = Path((tmp_path / "rank1.dir").read_text())
     victim = next(rank1.rglob(f"{first['hashes'][2]}.safetensors"))
     victim.unlink()
-    shorter = _launch(tiny_model_dir, tmp_path, [prompt])
+    shorter = _launch(model_dir, tmp_path, [prompt], mode=mode)
     assert shorter["results"] == [{"tokens": expected, "cached": 2 * BS}]
 
 

@@ -139,14 +139,15 @@ def build_prefix_cache(
     if not config.cache.enabled:
         return PrefixCache(loaded.model, None, "disabled by configuration ([cache] enabled = false)", layout=None), None
     layout = blocks.cache_layout(loaded.model, config.cache.block_size)
+    # One hash chain on every rank (pins and lengths are compared across ranks): rank 0's layout
+    # names it, whatever share of the layers this rank runs.
+    signature = world.share(layout.signature) if world is not None else layout.signature
     if not layout.supported:
         log.warning("block caching is off for this model: %s", layout.reason)
         return PrefixCache(loaded.model, None, layout.reason, layout=layout), None
     fingerprint = model_fingerprint(loaded.path, default_home() / "fingerprints.json", damaged)
     sharding = f"|{world.tag}" if world is not None else ""
-    namespace = namespace_hash(
-        fingerprint, layout.kv_dtype, config.cache.block_size, cache_layout=layout.signature + sharding
-    )
+    namespace = namespace_hash(fingerprint, layout.kv_dtype, config.cache.block_size, cache_layout=signature + sharding)
     store_namespace = blake3(namespace + f"rank{world.rank}".encode()).digest() if world is not None else namespace
     budget = config.cache.ram_max_bytes or physical_memory_bytes() // 4
     # Tails (partial last blocks) get an eighth of the RAM budget, full blocks the rest; for models

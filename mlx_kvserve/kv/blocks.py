@@ -8,7 +8,8 @@ A model's cache is a list of per-layer caches; `cache_layout` tells each layer's
   window when the block was registered (a suffix of the block, possibly empty);
 - recurrent / linear attention (`ArraysCache`): a fixed-size state with no per-position data.
   It is kept only as a checkpoint: the state after exactly P tokens, stored with the tail that
-  ends at P.
+  ends at P;
+- a layer this process does not run (pipeline parallel: another rank holds it): nothing.
 
 A payload is a list with one entry per layer: `(keys, values)` of shape (1, heads, n, dim) for
 attention layers (n = the block's or tail's positions; fewer, or None, for a window layer), a
@@ -24,13 +25,13 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
-KV, WINDOW, STATE = "kv", "window", "state"
+KV, WINDOW, STATE, IDLE = "kv", "window", "state", "idle"
 Payload = list[Any]
 
 
 @dataclass(frozen=True)
 class LayerSpec:
-    kind: str  # KV, WINDOW or STATE
+    kind: str  # KV, WINDOW, STATE or IDLE
     window: int = 0  # WINDOW: the window's size in positions
     state_size: int = 0  # STATE: how many arrays the state has
 
@@ -104,7 +105,7 @@ class CacheLayout:
     def cache_length(self, prompt_cache: list[Any]) -> int | None:
         """How many tokens the cache holds; None when no layer counts them (recurrent only)."""
         for spec, c in zip(self.specs, prompt_cache, strict=True):
-            if spec.kind != STATE:
+            if spec.kind in (KV, WINDOW):
                 return c.offset
         return None
 
@@ -118,7 +119,7 @@ class CacheLayout:
             elif spec.kind == WINDOW:
                 first, k, v = _window_range(c)
                 layers.append((first, _owned(k), _owned(v)))
-            else:
+            else:  # full attention (the cache keeps every position) or a layer not run here
                 layers.append(None)
         arrays = [a for entry in layers if entry for a in entry if isinstance(a, mx.array)]
         mx.eval(arrays)
@@ -162,7 +163,7 @@ class CacheLayout:
                     payload.append((mx.contiguous(c.keys[..., lo:hi, :]), mx.contiguous(c.values[..., lo:hi, :])))
                 elif spec.kind == WINDOW:
                     payload.append(self._window_part(windows[i], lo, hi))
-                else:
+                else:  # recurrent (kept with tails only) or not run here
                     payload.append(None)
             out.append(payload)
         mx.eval(_arrays_of(out))
@@ -184,8 +185,10 @@ class CacheLayout:
                 payload.append((mx.contiguous(c.keys[..., start:end, :]), mx.contiguous(c.values[..., start:end, :])))
             elif spec.kind == WINDOW:
                 payload.append(self._window_part(self._window_sources(prompt_cache, captures, i), start, end))
-            else:
+            elif spec.kind == STATE:
                 payload.append(state.layers[i] if state is not None else None)
+            else:
+                payload.append(None)
         mx.eval(_arrays_of([payload]))
         return payload, payload_nbytes(payload)
 
@@ -233,7 +236,7 @@ class CacheLayout:
                 cache.keys = mx.concatenate([k for k, _ in pieces], axis=2)[..., -keep:, :]
                 cache.values = mx.concatenate([v for _, v in pieces], axis=2)[..., -keep:, :]
                 cache.offset, cache._idx = length, keep
-            else:
+            elif spec.kind == STATE:
                 for j, a in enumerate(tail[i]):
                     cache[j] = a
         mx.eval([a for c in prompt_cache for a in _cache_arrays(c)])
@@ -262,6 +265,8 @@ class CacheLayout:
                 payload.append((arrays[f"{i}.k"], arrays[f"{i}.v"]))
             elif spec.kind == WINDOW:
                 payload.append((arrays[f"{i}.k"], arrays[f"{i}.v"]) if f"{i}.k" in arrays else None)
+            elif spec.kind == IDLE:
+                payload.append(None)
             else:
                 names = [f"{i}.s{j}" for j in range(spec.state_size)]
                 payload.append(tuple(arrays[n] for n in names) if names[0] in arrays else None)
@@ -275,10 +280,13 @@ def cache_layout(model: Any, block_size: int) -> CacheLayout:
     """The model's cache layout for `block_size`-token blocks; `reason` is set when some layer's
     cache cannot be cached."""
     cache = make_prompt_cache(model)
+    layers = getattr(model, "layers", None)
     specs, refused = [], set()
-    for c in cache:
+    for i, c in enumerate(cache):
         kind = type(c)
-        if kind is KVCache:
+        if isinstance(layers, list) and i < len(layers) and layers[i] is None:  # pipeline: another rank's
+            specs.append(LayerSpec(IDLE))
+        elif kind is KVCache:
             specs.append(LayerSpec(KV))
         elif kind is RotatingKVCache and c.keep == 0:
             specs.append(LayerSpec(WINDOW, window=c.max_size))

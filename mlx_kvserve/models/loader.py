@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,8 +87,35 @@ def load_model(
         else:
             group, mode = distributed
             groups = {"tensor_group": group} if mode == "tensor" else {"pipeline_group": group}
-            model, tokenizer = sharded_load(str(path), **groups)
+            source = _with_weight_index(path, models_dir) if mode == "pipeline" else path
+            model, tokenizer = sharded_load(str(source), **groups)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot load model from {path}: {exc}") from exc
     config = json.loads((path / "config.json").read_text())
     return LoadedModel(served_name or name, path, model, tokenizer, config, context_length(config))
+
+
+def _with_weight_index(path: Path, models_dir: Path) -> Path:
+    """A folder mlx-lm's pipeline loading can read: it picks each rank's weight files from
+    model.safetensors.index.json, which a single-file model lacks. Then a sibling folder of links
+    to the model's files plus a generated index (the user's folder is left as it is)."""
+    if (path / "model.safetensors.index.json").exists():
+        return path
+    weights = sorted(path.glob("*.safetensors"))
+    digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
+    linked = models_dir / f"{path.name}-{digest}-indexed"
+    linked.mkdir(parents=True, exist_ok=True)
+    weight_map = {}
+    for f in weights:
+        with open(f, "rb") as fh:  # a safetensors header: u64 length, then JSON naming every tensor
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        weight_map.update({name: f.name for name in header if name != "__metadata__"})
+    for f in path.iterdir():
+        link = linked / f.name
+        if f.is_file() and not link.exists():
+            with contextlib.suppress(FileExistsError):  # every rank on one machine makes the same links
+                link.symlink_to(f.resolve())
+    tmp = linked / f".index.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps({"weight_map": weight_map}))
+    os.replace(tmp, linked / "model.safetensors.index.json")
+    return linked
