@@ -122,6 +122,9 @@ def run(config_path, model, dtype, host, port, api_key, api_key_file, distribute
         raise click.ClickException(exc.message) from None
     if world is not None and world.rank != 0:
         log.info("rank %d of %d (%s parallel): following rank 0", world.rank, world.size, world.mode)
+        # A follower cannot stop alone (the ranks run in lockstep): it stops when rank 0 says so,
+        # or when rank 0 is gone (its next collective fails), and drains its SSD writer either way.
+        signal.signal(signal.SIGTERM, lambda *_: log.info("SIGTERM: this rank stops when rank 0 does"))
         engine.serve_follower()
         return
     app = create_app(engine, keys)

@@ -141,7 +141,7 @@ def main() -> None:
     ap.add_argument("--system-words", type=int, default=300, help="system prompt length (~1.5 tokens a word)")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--quick", action="store_true", help="6 sessions x 2 turns")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench_results" / "router")
+    ap.add_argument("--out", type=Path, default=ROOT / "results" / "router")
     args = ap.parse_args()
     if args.quick:
         args.sessions, args.turns = 6, 2

@@ -19,6 +19,7 @@ import logging
 import pickle
 import queue
 import random
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -47,6 +48,19 @@ class World:
         self.mode = mode
         self.rank = group.rank()
         self.size = group.size()
+        # The engine's own collectives (updates, agreements, gathers): count and seconds, the
+        # settling wait for MLX's queued work included (plain ints/floats: read by /health).
+        self.collectives = 0
+        self.collective_s = 0.0
+
+    def _timed(self, fn: Any, *args: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            _settle()
+            return fn(*args)
+        finally:
+            self.collectives += 1
+            self.collective_s += time.perf_counter() - start
 
     @property
     def tag(self) -> str:
@@ -55,7 +69,9 @@ class World:
 
     def share(self, obj: Any = None) -> Any:
         """Rank 0's `obj` on every rank."""
-        _settle()
+        return self._timed(self._share, obj)
+
+    def _share(self, obj: Any) -> Any:
         data = pickle.dumps(obj) if self.rank == 0 else b""
         size = mx.distributed.all_sum(mx.array(len(data)), group=self.group).item()
         # Bytes travel as int32: the ring backend's sums of small-integer types garble data here.
@@ -68,7 +84,9 @@ class World:
 
     def gather(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, in rank order, on every rank."""
-        _settle()
+        return self._timed(self._gather, obj)
+
+    def _gather(self, obj: Any) -> list[Any]:
         data = pickle.dumps(obj)
         sizes = [int(n) for n in mx.distributed.all_gather(mx.array([len(data)]), group=self.group).tolist()]
         padded = np.zeros((1, max(sizes)), np.int32)
@@ -78,8 +96,7 @@ class World:
 
     def all_lengths(self, n: int) -> list[int]:
         """Every rank's `n` (one small collective)."""
-        _settle()
-        return mx.distributed.all_gather(mx.array([n]), group=self.group).tolist()
+        return self._timed(lambda: mx.distributed.all_gather(mx.array([n]), group=self.group).tolist())
 
 
 def _settle() -> None:

@@ -329,7 +329,13 @@ class Engine:
         except Exception as exc:  # a rank is gone or the batch is stuck
             stats["ranks_error"] = str(exc) or type(exc).__name__
             return stats
-        stats["world"] = {"mode": self.world.mode, "size": self.world.size}
+        world = self.world
+        stats["world"] = {
+            "mode": world.mode,
+            "size": world.size,
+            "collectives": world.collectives,  # rank 0's: updates, agreements, gathers
+            "collective_s": round(world.collective_s, 4),
+        }
         stats["ranks"] = [{k: r.get(k) for k in RANK_KEYS if k in r} for r in ranks]
         return stats
 
