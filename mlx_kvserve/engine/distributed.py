@@ -48,15 +48,15 @@ class World:
         self.mode = mode
         self.rank = group.rank()
         self.size = group.size()
-        # The engine's own collectives (updates, agreements, gathers): count and seconds, the
-        # settling wait for MLX's queued work included (plain ints/floats: read by /health).
+        # The engine's own collectives (updates, agreements, gathers): count and seconds spent in
+        # them, waiting for the other ranks included (plain ints/floats: read by /health).
         self.collectives = 0
         self.collective_s = 0.0
 
     def _timed(self, fn: Any, *args: Any) -> Any:
+        _settle()  # not counted: that is the forward pass finishing, not the collective
         start = time.perf_counter()
         try:
-            _settle()
             return fn(*args)
         finally:
             self.collectives += 1
