@@ -112,6 +112,10 @@ class CacheConfig:
     # Hybrid and sliding-window models: a checkpoint (recurrent state, window contents) every this
     # many prompt tokens, rounded up to whole blocks; 0 = only at prompt and message ends.
     checkpoint_every: int = 4096
+    # Quantized KV, opt-in: 0 (off), 8 or 4 bits per key and value in full-attention layers, in the
+    # running cache and in the blocks (RAM and SSD: 2x / 4x smaller than fp16). Outputs then equal
+    # a cold run with the same kv_bits, not the full-precision run. Part of the cache namespace.
+    kv_bits: int = 0
 
 
 @dataclass(frozen=True)
@@ -286,6 +290,7 @@ def validate(config: Config) -> Config:
     _check(g.prefill_step_size >= 1, "generation.prefill_step_size", "must be >= 1")
     _check(c.block_size >= 1, "cache.block_size", f"must be >= 1, got {c.block_size}")
     _check(c.checkpoint_every >= 0, "cache.checkpoint_every", f"must be >= 0, got {c.checkpoint_every}")
+    _check(c.kv_bits in (0, 4, 8), "cache.kv_bits", f"must be 0, 4 or 8, got {c.kv_bits}")
     _check(0 < c.pinned_ram_share <= 1, "cache.pinned_ram_share", "must be in (0, 1]")
     d = config.ssd
     _check(d.ttl_days >= 0, "ssd.ttl_days", "must be >= 0")

@@ -31,10 +31,11 @@ def make_generator(
     write_hold_s: float = 0.0,
     checkpoint_every: int = 0,
     prefill_step_size: int = 512,
+    kv_bits: int = 0,
 ) -> Generator:
     """A Generator with a fresh RAM tier and, when `ssd_dir` is given, an SSD tier there (close
     it with `close_ssd` to drain the writer, as a server shutdown does)."""
-    layout = blocks.cache_layout(model, block_size)
+    layout = blocks.cache_layout(model, block_size, kv_bits)
     namespace = namespace_hash("test-model", "float32", block_size, cache_layout=layout.signature)
     hasher = BlockHasher(namespace, block_size)
     tier = None

@@ -138,7 +138,7 @@ def build_prefix_cache(
     while each rank's files live in their own folder and carry the rank in their namespace."""
     if not config.cache.enabled:
         return PrefixCache(loaded.model, None, "disabled by configuration ([cache] enabled = false)", layout=None), None
-    layout = blocks.cache_layout(loaded.model, config.cache.block_size)
+    layout = blocks.cache_layout(loaded.model, config.cache.block_size, config.cache.kv_bits)
     # One hash chain on every rank (pins and lengths are compared across ranks): rank 0's layout
     # names it, whatever share of the layers this rank runs.
     signature = world.share(layout.signature) if world is not None else layout.signature
@@ -347,6 +347,8 @@ class Engine:
         out = {"enabled": True, "block_size": manager.block_size, "layers": layout.describe(), **manager.stats()}
         if layout.needs_checkpoints:
             out["checkpoint_every"] = self.prefix_cache.checkpoint_every
+        if layout.kv_bits:
+            out["kv_bits"] = layout.kv_bits
         tier = self.prefix_cache.ssd_tier
         if tier is not None:
             out.update(tier.stats())

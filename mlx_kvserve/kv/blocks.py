@@ -23,7 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, RotatingKVCache, make_prompt_cache
+
+from . import kvquant
 
 KV, WINDOW, STATE, IDLE = "kv", "window", "state", "idle"
 Payload = list[Any]
@@ -55,12 +57,18 @@ class CacheLayout:
     """A model's per-layer cache kinds and the operations on its blocks, tails and checkpoints.
     `supported` False: block caching stays off for this model and `reason` says why."""
 
-    def __init__(self, model: Any, specs: Sequence[LayerSpec], reason: str, kv_dtype: str, block_size: int):
+    def __init__(
+        self, model: Any, specs: Sequence[LayerSpec], reason: str, kv_dtype: str, block_size: int, kv_bits: int = 0
+    ):
         self.model = model
         self.block_size = block_size
         self.specs = tuple(specs)
         self.reason = reason
         self.kv_dtype = kv_dtype
+        # Quantized KV (kv/kvquant.py): full-attention layers round every key and value as it enters
+        # the cache, and blocks store them as (integers, exponents) per keys and values.
+        self.kv_bits = kv_bits
+        self._rounded = _rounded_caches(kv_bits) if kv_bits else None
 
     @property
     def supported(self) -> bool:
@@ -88,9 +96,10 @@ class CacheLayout:
     def signature(self) -> str:
         """The layout in the cache's namespace ("" for all-full-attention models, whose
         namespace predates layouts), so a cache written for one layout is never read for another."""
+        quant = f"|kv_bits={self.kv_bits}" if self.kv_bits else ""
         if all(s.kind == KV for s in self.specs):
-            return ""
-        return ",".join(f"{s.kind}{s.window or s.state_size or ''}" for s in self.specs)
+            return quant.removeprefix("|")
+        return ",".join(f"{s.kind}{s.window or s.state_size or ''}" for s in self.specs) + quant
 
     def describe(self) -> dict[str, int]:
         """Layers per kind (for /health)."""
@@ -101,6 +110,14 @@ class CacheLayout:
         return out
 
     # --- reading a live cache -------------------------------------------------------------------
+
+    def new_cache(self) -> list[Any]:
+        """An empty prompt cache for this model (full-attention layers rounding with kv_bits)."""
+        cache = make_prompt_cache(self.model)
+        if self._rounded is not None:
+            rounded = self._rounded[0]
+            cache = [rounded() if spec.kind == KV else c for spec, c in zip(self.specs, cache, strict=True)]
+        return cache
 
     def cache_length(self, prompt_cache: list[Any]) -> int | None:
         """How many tokens the cache holds; None when no layer counts them (recurrent only)."""
@@ -160,7 +177,7 @@ class CacheLayout:
             payload: Payload = []
             for i, (spec, c) in enumerate(zip(self.specs, prompt_cache, strict=True)):
                 if spec.kind == KV:
-                    payload.append((mx.contiguous(c.keys[..., lo:hi, :]), mx.contiguous(c.values[..., lo:hi, :])))
+                    payload.append(self._kv_entry(c.keys[..., lo:hi, :], c.values[..., lo:hi, :]))
                 elif spec.kind == WINDOW:
                     payload.append(self._window_part(windows[i], lo, hi))
                 else:  # recurrent (kept with tails only) or not run here
@@ -182,7 +199,7 @@ class CacheLayout:
         payload: Payload = []
         for i, (spec, c) in enumerate(zip(self.specs, prompt_cache, strict=True)):
             if spec.kind == KV:
-                payload.append((mx.contiguous(c.keys[..., start:end, :]), mx.contiguous(c.values[..., start:end, :])))
+                payload.append(self._kv_entry(c.keys[..., start:end, :], c.values[..., start:end, :]))
             elif spec.kind == WINDOW:
                 payload.append(self._window_part(self._window_sources(prompt_cache, captures, i), start, end))
             elif spec.kind == STATE:
@@ -191,6 +208,21 @@ class CacheLayout:
                 payload.append(None)
         mx.eval(_arrays_of([payload]))
         return payload, payload_nbytes(payload)
+
+    def _kv_entry(self, keys: mx.array, values: mx.array) -> tuple[mx.array, ...]:
+        """A full-attention layer's part of a block: (keys, values), or with kv_bits their
+        (integers, exponents) each: exact, since the cache holds values already rounded."""
+        if not self.kv_bits:
+            return mx.contiguous(keys), mx.contiguous(values)
+        return (*kvquant.quantize(keys, self.kv_bits), *kvquant.quantize(values, self.kv_bits))
+
+    def _kv_arrays(self, entry: tuple[mx.array, ...]) -> tuple[mx.array, mx.array]:
+        """(keys, values) of a full-attention entry, dequantized when stored quantized."""
+        if len(entry) == 2:
+            return entry
+        kq, ke, vq, ve = entry
+        dtype = mx.float16 if self.kv_dtype == "float16" else mx.bfloat16 if self.kv_dtype == "bfloat16" else mx.float32
+        return kvquant.dequantize(kq, ke, self.kv_bits, dtype), kvquant.dequantize(vq, ve, self.kv_bits, dtype)
 
     # --- using blocks ---------------------------------------------------------------------------
 
@@ -223,13 +255,16 @@ class CacheLayout:
         of the tail's `tail_len` positions (nothing: an empty cache). Check `usable` first. With
         `room`, full-attention buffers have space for that many more tokens (rounded up to
         mlx-lm's 256-token step), so a lone prefill writes in place instead of copying to grow."""
-        prompt_cache = make_prompt_cache(self.model)
+        prompt_cache = self.new_cache()
         length = len(payloads) * self.block_size + tail_tokens
         if not length:
             return prompt_cache
         for i, (spec, cache) in enumerate(zip(self.specs, prompt_cache, strict=True)):
             if spec.kind == KV:
-                _fill_kv(cache, payloads, tail, tail_tokens, i, length, room)
+                kv = [self._kv_arrays(p[i]) for p in payloads]
+                if tail_tokens:
+                    kv.append(self._kv_arrays(tail[i]))
+                _fill_kv(cache, kv, tail_tokens, length, room)
             elif spec.kind == WINDOW:
                 pieces = _window_pieces(payloads, tail, tail_tokens, tail_len, i, self.block_size)
                 keep = min(length, spec.window)
@@ -253,6 +288,8 @@ class CacheLayout:
             if spec.kind == STATE:
                 for j, a in enumerate(entry):
                     out[f"{i}.s{j}"] = a
+            elif len(entry) == 4:  # quantized keys and values
+                out[f"{i}.kq"], out[f"{i}.ke"], out[f"{i}.vq"], out[f"{i}.ve"] = entry
             else:
                 out[f"{i}.k"], out[f"{i}.v"] = entry
         return out
@@ -261,7 +298,9 @@ class CacheLayout:
         """The inverse of to_arrays: (payload, nbytes). Raises KeyError for a wrong layout."""
         payload: Payload = []
         for i, spec in enumerate(self.specs):
-            if spec.kind == KV:
+            if spec.kind == KV and self.kv_bits:
+                payload.append(tuple(arrays[f"{i}.{n}"] for n in ("kq", "ke", "vq", "ve")))
+            elif spec.kind == KV:
                 payload.append((arrays[f"{i}.k"], arrays[f"{i}.v"]))
             elif spec.kind == WINDOW:
                 payload.append((arrays[f"{i}.k"], arrays[f"{i}.v"]) if f"{i}.k" in arrays else None)
@@ -276,7 +315,7 @@ class CacheLayout:
         return payload, payload_nbytes(payload)
 
 
-def cache_layout(model: Any, block_size: int) -> CacheLayout:
+def cache_layout(model: Any, block_size: int, kv_bits: int = 0) -> CacheLayout:
     """The model's cache layout for `block_size`-token blocks; `reason` is set when some layer's
     cache cannot be cached."""
     cache = make_prompt_cache(model)
@@ -295,7 +334,18 @@ def cache_layout(model: Any, block_size: int) -> CacheLayout:
         else:
             refused.add(kind.__name__ + (f"(keep={c.keep})" if kind is RotatingKVCache else ""))
     reason = f"model cache has {', '.join(sorted(refused))} layers, which are not cached" if refused else ""
-    return CacheLayout(model, specs, reason, _kv_dtype(model), block_size)
+    if kv_bits and not reason:
+        dims = {c.keys.shape[-1] for c in _probe_cache(model, specs)}
+        if not all(kvquant.supported(d) for d in dims):
+            reason = f"kv_bits needs head dimensions divisible by {kvquant.GROUP}; this model has {sorted(dims)}"
+    return CacheLayout(model, specs, reason, _kv_dtype(model), block_size, kv_bits)
+
+
+def _probe_cache(model: Any, specs: Sequence[LayerSpec]) -> list[Any]:
+    """The full-attention caches after one token (their head dimensions)."""
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([[0]]), cache=cache))
+    return [c for spec, c in zip(specs, cache, strict=True) if spec.kind == KV]
 
 
 def unbatchable(model: Any) -> str:
@@ -353,20 +403,13 @@ def _window_pieces(
     return pieces[::-1]
 
 
-def _fill_kv(
-    cache: KVCache,
-    payloads: Sequence[Payload],
-    tail: Payload | None,
-    tail_used: int,
-    layer: int,
-    length: int,
-    room: int,
-) -> None:
-    keys = [p[layer][0] for p in payloads]
-    values = [p[layer][1] for p in payloads]
+def _fill_kv(cache: KVCache, kv: Sequence[tuple[mx.array, mx.array]], tail_used: int, length: int, room: int) -> None:
+    """Fill a full-attention cache with the (keys, values) of each block, the last one a tail of
+    which only `tail_used` positions count (when `tail_used`)."""
+    keys = [k for k, _ in kv]
+    values = [v for _, v in kv]
     if tail_used:
-        keys.append(tail[layer][0][..., :tail_used, :])
-        values.append(tail[layer][1][..., :tail_used, :])
+        keys[-1], values[-1] = keys[-1][..., :tail_used, :], values[-1][..., :tail_used, :]
     if room > 0:
         spare = -(-(length + room) // cache.step) * cache.step - length
         k, v = keys[0], values[0]
@@ -375,6 +418,32 @@ def _fill_kv(
     cache.keys = mx.concatenate(keys, axis=2)
     cache.values = mx.concatenate(values, axis=2)
     cache.offset = length
+
+
+def _rounded_caches(bits: int) -> tuple[type, type]:
+    """(KVCache, BatchKVCache) subclasses that round keys and values to `bits` as they enter,
+    so attention sees the same rounded KV in a cold run and on a hit. mlx-lm's batch builds its
+    cache with the first cache's `merge`, and keeps that class through extend and filter."""
+
+    class RoundedBatchKVCache(BatchKVCache):
+        def update_and_fetch(self, keys, values):
+            return super().update_and_fetch(kvquant.round_trip(keys, bits), kvquant.round_trip(values, bits))
+
+        @classmethod
+        def merge(cls, caches):
+            if all(c.size() == 0 for c in caches):  # mlx-lm returns a plain BatchKVCache for these
+                return cls([0] * len(caches))
+            return super().merge(caches)
+
+    class RoundedKVCache(KVCache):
+        def update_and_fetch(self, keys, values):
+            return super().update_and_fetch(kvquant.round_trip(keys, bits), kvquant.round_trip(values, bits))
+
+        @classmethod
+        def merge(cls, caches):
+            return RoundedBatchKVCache.merge(caches)
+
+    return RoundedKVCache, RoundedBatchKVCache
 
 
 def _cache_arrays(c: Any) -> list[mx.array]:
