@@ -169,6 +169,11 @@ class FakeEngine:
     def cache_stats(self) -> dict:
         return dict(self.stats)
 
+    def cache_admin(self):
+        from mlx_kvserve.engine.cache_admin import CacheAdmin
+
+        return CacheAdmin(self.prefix_cache)
+
     def health(self) -> dict:
         return {"status": "ok", "model": self.model_name, "cache": self.cache_stats()}
 
