@@ -188,6 +188,36 @@ def main() -> None:
     ]
     lines += ["", *targets(results)]
     write_report({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}, args.out, lines)
+    chart(results, args.out / "router.png")
+
+
+def chart(results: dict, out: Path) -> None:
+    """Mean and p90 TTFT and the hit rate per policy, side by side (one PNG; needs the bench extra)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("no chart: matplotlib is missing (pip install -e '.[bench]')")
+        return
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    policies = list(results)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    x = range(len(policies))
+    left.bar([i - 0.2 for i in x], [results[p]["mean_ttft_s"] * 1000 for p in policies], 0.4, label="mean")
+    left.bar([i + 0.2 for i in x], [results[p]["p90_ttft_s"] * 1000 for p in policies], 0.4, label="p90")
+    left.set_xticks(list(x), policies, rotation=20)
+    left.set_ylabel("TTFT (ms)")
+    left.legend()
+    right.bar(list(x), [results[p]["hit_rate"] * 100 for p in policies], 0.6, color="tab:green")
+    right.set_xticks(list(x), policies, rotation=20)
+    right.set_ylabel("cache hit rate (%)")
+    fig.suptitle("Router policies, one replayed trace (3 backends)")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
 
 
 def targets(results: dict) -> list[str]:
