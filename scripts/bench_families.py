@@ -173,6 +173,29 @@ def scenarios(server: Server, model_dir: Path, turns: int, conversations: int, m
     return out
 
 
+def checkpoint_bytes(model_dir: Path) -> dict[str, int]:
+    """What one checkpoint of this model stores (its recurrent states and its windows' contents) and
+    the full-attention KV per token, measured on a real capture of the model's cache."""
+    import mlx.core as mx
+    from mlx_lm.utils import load
+
+    from mlx_kvserve.kv import blocks
+
+    model, _ = load(str(model_dir))
+    layout = blocks.cache_layout(model, 64)
+    cache = layout.new_cache()
+    mx.eval(model(mx.array([list(range(3, 1027))]), cache=cache))  # 1024 tokens: every window full
+    capture = layout.capture(cache, 1024)
+    state = sum(
+        a.nbytes for spec, e in zip(layout.specs, capture.layers, strict=True) if spec.kind == "state" for a in e
+    )
+    window = sum(
+        e[1].nbytes + e[2].nbytes for spec, e in zip(layout.specs, capture.layers, strict=True) if spec.kind == "window"
+    )
+    kv = sum(c.keys[..., :1, :].nbytes * 2 for spec, c in zip(layout.specs, cache, strict=True) if spec.kind == "kv")
+    return {"state_bytes_per_checkpoint": state, "window_bytes_per_checkpoint": window, "kv_bytes_per_token": kv}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="3 turns, 4 interleaved conversations")
@@ -184,8 +207,17 @@ def main() -> None:
         "| model | scenario | server | cold TTFT (s) | hit TTFT (s) | cold / hit | cached / shared prefix |",
         "|---|---|---|---|---|---|---|",
     ]
+    sizes = []
     for name in SHAPES:
         model_dir = build(name)
+        size = checkpoint_bytes(model_dir)
+        results.setdefault(name, {})["checkpoint"] = size
+        sizes.append(
+            f"- {name}: a checkpoint stores {size['state_bytes_per_checkpoint'] / 1024:.0f} KiB of recurrent state "
+            f"and {size['window_bytes_per_checkpoint'] / 1024:.0f} KiB of window contents (kept in the blocks); "
+            f"full-attention KV is {size['kv_bytes_per_token']} bytes per token, so a checkpoint weighs as much as "
+            f"{(size['state_bytes_per_checkpoint'] / max(1, size['kv_bytes_per_token'])):.0f} tokens of KV"
+        )
         servers = start(model_dir)
         try:
             for server in servers:
@@ -205,7 +237,7 @@ def main() -> None:
         finally:
             for s in servers:
                 s.stop()
-    write_report(results, args.out, lines)
+    write_report(results, args.out, [*lines, "", *sizes])
 
 
 if __name__ == "__main__":
