@@ -184,7 +184,6 @@ def test_tool_fields_are_parsed():
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("response_format", {"type": "json_object"}),
         ("frequency_penalty", 0.5),
         ("logit_bias", {"1": 5}),
         ("functions", [{"name": "f"}]),

@@ -32,6 +32,7 @@ from ..kv.tiering import SSDTier
 from ..kv.writer import SSDWriterThread
 from ..models.loader import LoadedModel
 from .cache_admin import CacheAdmin
+from .constrain import grammars_for
 from .distributed import BroadcastAdmin, DistributedWorker, World
 from .generate import Generator
 from .prefix_cache import PrefixCache
@@ -314,6 +315,10 @@ class Engine:
         if tools:  # only when given: a template that takes no tools renders as before
             extra["tools"] = tools
         return list(tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra))
+
+    def check_schema(self, schema: dict[str, Any]) -> str:
+        """Why structured output cannot enforce this JSON schema ("" when it can). Any thread."""
+        return grammars_for(self.loaded.tokenizer).check(schema)
 
     def text_tokens(self, prompt: str) -> list[int]:
         return list(self.loaded.tokenizer.encode(prompt))

@@ -22,6 +22,7 @@ class SamplingParams:
     min_p: float = 0.0  # 0 = off
     logprobs: bool = False  # attach each sampled token's logprob to its TextDelta
     top_logprobs: int = 0  # and this many most likely alternatives (implies logprobs)
+    json_schema: dict | None = None  # structured output: every completion token keeps the text valid for it
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
+from .constrain import grammars_for
 from .prefill import cached_blocks, pick_leader
 from .prefix_cache import PrefixCache, Prepared
 from .request import Failed, Finished, GenerationRequest, TextDelta, TokenLogprob, Usage
@@ -169,6 +170,9 @@ class Scheduler:
                 caches=[prepared.prompt_cache],
                 all_tokens=[list(req.prompt_tokens[:cached])],
                 samplers=[make_request_sampler(params)],
+                logits_processors=[[grammars_for(self.tokenizer).processor(params.json_schema)]]
+                if params.json_schema is not None
+                else None,
                 stop_sequences=[self._eos],
             )
         except Exception as exc:

@@ -142,6 +142,8 @@ class CompletionHandler:
         record = request.scope.get(RECORD_KEY) or RequestRecord("-", request.method, request.url.path, time.monotonic())
         record.stream = req.stream
         self.check_model(req.model)
+        if req.json_schema is not None:
+            await self.check_schema(req.json_schema)
         prompt = await self.tokens(req)
         oa.check_prompt_limit(req, len(prompt), server.max_prompt_tokens)
         budget = oa.completion_budget(
@@ -160,6 +162,12 @@ class CompletionHandler:
         self.engine.submit(gen_req)
         record.request_id, record.prompt_tokens = gen_req.request_id, len(prompt)
         return gen_req, track
+
+    async def check_schema(self, schema: dict) -> None:
+        """InvalidRequestError (400) for a response_format schema llguidance cannot enforce."""
+        problem = await run_in_threadpool(self.engine.check_schema, schema)
+        if problem:
+            raise InvalidRequestError(f"response_format: {problem}", param="response_format")
 
     def _with_extension(self, body: dict, req: oa.CompletionRequest, gen_req: GenerationRequest) -> dict:
         """Add the opt-in `kvserve` object: the prompt's block hashes, to pin exactly what was sent."""

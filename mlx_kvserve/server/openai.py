@@ -50,6 +50,7 @@ class CompletionRequest:
     logprobs: LogprobRequest = LogprobRequest(False, 0)
     top_k: int = 0  # 0 = off
     min_p: float = 0.0  # 0 = off
+    json_schema: dict[str, Any] | None = None  # response_format json_object / json_schema
 
     def sampling(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(
@@ -62,6 +63,7 @@ class CompletionRequest:
             min_p=self.min_p,
             logprobs=self.logprobs.enabled,
             top_logprobs=self.logprobs.num_top,
+            json_schema=self.json_schema,
         )
 
 
@@ -217,7 +219,7 @@ def _parse_seed(body: dict[str, Any]) -> int | None:
 
 # Fields served as asked. `user` only names the caller, so there is nothing to do for it.
 _FIELDS = {"model", "max_tokens", "temperature", "top_p", "n", "seed", "stop", "stream", "stream_options"}
-_FIELDS |= {"kvserve", "user", "max_completion_tokens", "top_k", "min_p", "logprobs"}
+_FIELDS |= {"kvserve", "user", "max_completion_tokens", "top_k", "min_p", "logprobs", "response_format"}
 CHAT_FIELDS = _FIELDS | {"messages", "tools", "tool_choice", "parallel_tool_calls"}
 CHAT_FIELDS |= {"chat_template_kwargs", "top_logprobs"}
 TEXT_FIELDS = _FIELDS | {"prompt"}
@@ -227,7 +229,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "frequency_penalty": (None, 0),
     "presence_penalty": (None, 0),
     "logit_bias": (None, {}),
-    "response_format": (None, {"type": "text"}),
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
@@ -258,6 +259,38 @@ def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
             f"'chat_template_kwargs' may not set {', '.join(bad)}: the server sets it", param="chat_template_kwargs"
         )
     return kwargs
+
+
+MAX_SCHEMA_BYTES = 64 * 1024
+
+
+def parse_response_format(body: dict[str, Any]) -> dict[str, Any] | None:
+    """The JSON schema the completion must follow: None for {"type": "text"} (or no field), any
+    JSON object for {"type": "json_object"}, the given schema for {"type": "json_schema",
+    "json_schema": {"name", "schema", "strict"}}. ValidationError (422) for anything else."""
+    fmt = _field(body, "response_format", (dict,), "an object")
+    if fmt is None:
+        return None
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind != "json_schema":
+        raise ValidationError(
+            "'response_format.type' must be 'text', 'json_object' or 'json_schema'", param="response_format"
+        )
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+        raise ValidationError(
+            "'response_format.json_schema' must be an object with a 'schema' object", param="response_format"
+        )
+    if not isinstance(spec.get("name", ""), str) or not isinstance(spec.get("strict", False), bool | None):
+        raise ValidationError("'response_format.json_schema' has a bad 'name' or 'strict'", param="response_format")
+    schema = spec.get("schema", {})
+    if len(json.dumps(schema)) > MAX_SCHEMA_BYTES:
+        raise ValidationError(f"the JSON schema is over {MAX_SCHEMA_BYTES} bytes", param="response_format")
+    return schema or {"type": "object"}
 
 
 def parse_request(body: Any, kind: str, defaults: Defaults) -> CompletionRequest:
@@ -293,6 +326,7 @@ def parse_request(body: Any, kind: str, defaults: Defaults) -> CompletionRequest
         logprobs=parse_logprobs(body, kind),
         top_k=_parse_top_k(body),
         min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        json_schema=parse_response_format(body),
     )
     check_fields(body, CHAT_FIELDS if kind == "chat" else TEXT_FIELDS)
     return req
