@@ -59,7 +59,7 @@ def build(folder: Path, name: str) -> tuple[Path, str]:
         "eos_token_id": [2],
     }
     if not (folder / "model.safetensors").exists():
-        write_model_folder(folder, config, random_model(config, scale=1.0))
+        write_model_folder(folder, config, random_model(config, scale=4.0))
     return folder, mode
 
 
