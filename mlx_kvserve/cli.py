@@ -111,7 +111,12 @@ def run(config_path, model, dtype, host, port, api_key, api_key_file, distribute
     try:
         shard = (world.group, world.mode) if world is not None else None
         loaded = load_model(
-            config.model.path, config.models_path(), config.model.dtype, config.model.served_name, shard
+            config.model.path,
+            config.models_path(),
+            config.model.dtype,
+            config.model.served_name,
+            shard,
+            config.model.chat_template,
         )
     except KVServeError as exc:
         raise click.ClickException(exc.message) from None

@@ -92,6 +92,7 @@ class ModelConfig:
     dtype: str = field(default_factory=_default_model_dtype)  # for .gguf conversion
     models_dir: str = ""  # where converted models are cached; "" = <home>/models
     served_name: str = ""  # id reported by /v1/models; "" = derived from path
+    chat_template: str = ""  # a Jinja chat template file, or the template itself; "" = the tokenizer's own
 
 
 @dataclass(frozen=True)

@@ -73,22 +73,30 @@ def context_length(config: dict[str, Any]) -> int:
 
 
 def load_model(
-    spec: str, models_dir: Path, dtype: str, served_name: str = "", distributed: tuple[Any, str] | None = None
+    spec: str,
+    models_dir: Path,
+    dtype: str,
+    served_name: str = "",
+    distributed: tuple[Any, str] | None = None,
+    chat_template: str = "",
 ) -> LoadedModel:
     """The model and tokenizer. `distributed`: (mx.distributed group, "tensor" | "pipeline"): this
-    rank's shard, loaded with mlx-lm's sharded loading."""
+    rank's shard, loaded with mlx-lm's sharded loading. `chat_template`: a Jinja template file, or
+    the template itself, used instead of the tokenizer's (mlx-lm then reads its tool-call and
+    thinking markers from it). ModelLoadError when the file cannot be read."""
     from mlx_lm.utils import load, sharded_load
 
     name, path = resolve_model_path(spec, models_dir, dtype)
     log.info("loading model %s from %s", name, path)
+    extra = {"chat_template": read_chat_template(chat_template)} if chat_template else None
     try:
         if distributed is None:
-            model, tokenizer = load(str(path))
+            model, tokenizer = load(str(path), tokenizer_config=extra)
         else:
             group, mode = distributed
             groups = {"tensor_group": group} if mode == "tensor" else {"pipeline_group": group}
             source = _with_weight_index(path, models_dir) if mode == "pipeline" else path
-            model, tokenizer = sharded_load(str(source), **groups)
+            model, tokenizer = sharded_load(str(source), **groups, tokenizer_config=extra)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot load model from {path}: {exc}") from exc
     config = json.loads((path / "config.json").read_text())
@@ -119,3 +127,20 @@ def _with_weight_index(path: Path, models_dir: Path) -> Path:
     tmp.write_text(json.dumps({"weight_map": weight_map}))
     os.replace(tmp, linked / "model.safetensors.index.json")
     return linked
+
+
+MAX_TEMPLATE_BYTES = 1024 * 1024
+
+
+def read_chat_template(spec: str) -> str:
+    """The template `[model] chat_template` names: the text itself when it holds Jinja markup
+    ("{{" or "{%"), else the contents of that file. ModelLoadError when it cannot be read."""
+    if "{{" in spec or "{%" in spec:
+        return spec
+    path = Path(spec).expanduser()
+    try:
+        if path.stat().st_size > MAX_TEMPLATE_BYTES:
+            raise ModelLoadError(f"chat template {path} is over {MAX_TEMPLATE_BYTES} bytes")
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"cannot read the chat template {path} ([model] chat_template): {exc}") from None
