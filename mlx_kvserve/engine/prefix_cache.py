@@ -213,10 +213,10 @@ class PrefixCache:
             for index, block_hash, parent in todo:
                 payload, nbytes = sliced[index - start]
                 ids = tokens[index * bs : (index + 1) * bs]
-                if manager.cache_block(block_hash, parent, ids, payload, nbytes, write=write):
+                if manager.cache_block(block_hash, parent, ids, payload, nbytes, write=write, depth=index):
                     added += 1
                     if not write:
-                        prepared.deferred.append(Block(block_hash, parent, tuple(ids), payload, nbytes))
+                        prepared.deferred.append(Block(block_hash, parent, tuple(ids), payload, nbytes, depth=index))
                         prepared.deferred_at_flush = manager.num_flushes
         prepared.registered_blocks = max(prepared.registered_blocks, num_full)
         for end, state in sorted(self._tail_ends(prepared, len(kv_tokens), length, prompt_len).items()):

@@ -11,7 +11,8 @@ from typing import Any, NamedTuple, Protocol
 @dataclass
 class Block:
     """One full block of KV. `ref_count` counts in-flight requests using it ("in use"); a block in
-    use is never evicted. `last_access` is a monotonic counter, not wall time."""
+    use is never evicted. `last_access` is a monotonic counter, not wall time. `depth`: the block's
+    index in its chain (0: the first block of a prompt); the SSD writer sheds deep blocks first."""
 
     block_hash: bytes
     parent_hash: bytes
@@ -21,6 +22,7 @@ class Block:
     ref_count: int = 0
     last_access: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
+    depth: int = 0
 
 
 class MatchResult(NamedTuple):

@@ -330,9 +330,10 @@ class KVManager:
         payload: Any,
         nbytes: int,
         write: bool = True,
+        depth: int = 0,
     ) -> bool:
-        """Register a new full block. Returns False when it was already cached (or collides).
-        `write=False`: not handed to the next tier yet (see `write_deferred`)."""
+        """Register a new full block (`depth`: its index in the chain). Returns False when it was
+        already cached (or collides). `write=False`: not handed to the next tier yet (see `write_deferred`)."""
         ids = tuple(token_ids)
         with self._lock:  # phase 1: RAM registration
             existing = self._ram.get(block_hash)
@@ -340,7 +341,7 @@ class KVManager:
                 key = "dedup" if existing.token_ids == ids else "collisions"
                 self._stats[key] += 1
                 return False
-            block = Block(block_hash, parent_hash, ids, payload, nbytes)
+            block = Block(block_hash, parent_hash, ids, payload, nbytes, depth=depth)
             self._ram.insert(block, self._next_tick())
             self.events.stored(block_hash)
             self._stats["inserts"] += 1
