@@ -156,10 +156,11 @@ def test_tool_calls_stream_as_tool_use_blocks(tool_client, scripted):  # noqa: F
 @pytest.mark.parametrize(
     "fields, words",
     [
-        ({"tool_choice": {"type": "any"}, "tools": [TOOL]}, "constrained decoding"),
-        ({"tool_choice": {"type": "tool", "name": "get_weather"}, "tools": [TOOL]}, "constrained decoding"),
+        ({"tool_choice": {"type": "any"}, "tools": [TOOL]}, "tool calling"),  # no tool support
+        ({"tool_choice": {"type": "tool", "name": "get_weather"}, "tools": [TOOL]}, "tool calling"),
+        ({"tool_choice": {"type": "tool"}, "tools": [TOOL]}, "'name'"),
         ({"extra_body": {"top_k": -1}}, "'top_k'"),  # served now; a bad value is still named
-        ({"tools": [TOOL | {"strict": True}]}, "constrained decoding"),
+        ({"tools": [TOOL | {"strict": True}]}, "tool calling"),
         ({"extra_body": {"service_tier": "auto"}}, "'service_tier'"),
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "'image'"),
         ({"system": [{"type": "text", "text": "x", "cache_control": {"type": "forever"}}]}, "cache_control"),

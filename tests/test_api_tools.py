@@ -133,19 +133,24 @@ def parse(**fields):
     return oa.parse_request({"messages": USER, **fields}, "chat", DEFAULTS)
 
 
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_required_and_named_tool_choice_are_refused_not_ignored(choice):
-    with pytest.raises(InvalidRequestError, match="constrained decoding") as err:
-        parse(tools=[WEATHER], tool_choice=choice)
+def test_required_named_and_strict_choices_are_parsed():
+    assert parse(tools=[WEATHER], tool_choice="required").tools == tl.ToolSpec([WEATHER], "required")
+    named = parse(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert named.tools == tl.ToolSpec([WEATHER], "required", name="get_weather")
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    assert parse(tools=[strict, WEATHER | {"function": {"name": "other"}}]).tools.strict_names == {"get_weather"}
+
+
+def test_a_named_choice_must_name_an_offered_tool():
+    with pytest.raises(InvalidRequestError, match="not in 'tools'") as err:
+        parse(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}})
     assert err.value.param == "tool_choice"
 
 
-def test_strict_function_schemas_are_refused_not_ignored():
-    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
-    with pytest.raises(InvalidRequestError, match="constrained decoding") as err:
-        parse(tools=[strict])
-    assert err.value.param == "tools" and "strict" in err.value.message
-    assert parse(tools=[{"type": "function", "function": {**WEATHER["function"], "strict": False}}]).tools
+def test_required_calls_and_a_response_format_contradict():
+    req = parse(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"})
+    with pytest.raises(InvalidRequestError, match="response_format"):
+        tl.call_grammar(req.tools, req.json_schema)
 
 
 @pytest.mark.parametrize(
@@ -155,6 +160,9 @@ def test_strict_function_schemas_are_refused_not_ignored():
         {"tools": [{"type": "retrieval"}]},
         {"tools": [{"type": "function", "function": {"description": "no name"}}]},
         {"tools": [WEATHER], "tool_choice": "sometimes"},
+        {"tools": [WEATHER], "tool_choice": {"type": "function"}},
+        {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": 3}}},
+        {"tools": [{"type": "function", "function": {**WEATHER["function"], "strict": "yes"}}]},
         {"tools": [WEATHER], "parallel_tool_calls": "yes"},
         {"messages": USER + [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]}]},
     ],

@@ -1,5 +1,6 @@
-"""Constrained decoding (structured output) with llguidance: a JSON schema becomes a per-request
-logits processor that masks every token the schema does not allow next.
+"""Constrained decoding with llguidance: a JSON schema (structured output) or a Lark grammar (tool
+calls: engine/tool_grammar.py) becomes a per-request logits processor that masks every token the
+grammar does not allow next.
 
 A processor belongs to one request (its matcher follows that request's tokens) and runs inside
 mlx-lm's batch: BatchGenerator calls it with the request's tokens so far (prompt included) and its
@@ -47,18 +48,32 @@ class Grammars:
         options = {"x-guidance": {"whitespace_flexible": False}} if "x-guidance" not in schema else {}
         return llguidance.grammar_from("json_schema", json.dumps({**schema, **options}))
 
-    def check(self, schema: dict[str, Any]) -> str:
-        """Why this JSON schema cannot be enforced ("" when it can)."""
+    @staticmethod
+    def _lark(text: str) -> str:
+        import llguidance
+
+        return llguidance.LLMatcher.grammar_from_lark(text)
+
+    def _validate(self, build: Any, source: Any) -> str:
         import llguidance
 
         try:
-            return llguidance.LLMatcher.validate_grammar(self._grammar(schema), self._tokenizer)
+            return llguidance.LLMatcher.validate_grammar(build(source), self._tokenizer)
         except Exception as exc:  # llguidance raises for input it cannot even parse
             return str(exc)
 
-    def processor(self, schema: dict[str, Any]) -> Any:
-        """A logits processor (tokens, logits) -> logits enforcing `schema` for one request."""
-        return _SchemaProcessor(self._tokenizer, self._grammar(schema))
+    def check(self, schema: dict[str, Any]) -> str:
+        """Why this JSON schema cannot be enforced ("" when it can)."""
+        return self._validate(self._grammar, schema)
+
+    def check_lark(self, text: str) -> str:
+        """Why this Lark grammar cannot be enforced ("" when it can)."""
+        return self._validate(self._lark, text)
+
+    def processor(self, schema: dict[str, Any] | None = None, lark: str | None = None) -> Any:
+        """A logits processor (tokens, logits) -> logits enforcing `schema` (or the Lark grammar
+        `lark`) for one request."""
+        return _SchemaProcessor(self._tokenizer, self._grammar(schema) if lark is None else self._lark(lark))
 
 
 class _SchemaProcessor:

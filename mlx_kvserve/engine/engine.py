@@ -31,6 +31,7 @@ from ..kv.tails import TailStore
 from ..kv.tiering import SSDTier
 from ..kv.writer import SSDWriterThread
 from ..models.loader import LoadedModel
+from . import tool_grammar
 from .cache_admin import CacheAdmin
 from .constrain import grammars_for
 from .distributed import BroadcastAdmin, DistributedWorker, World
@@ -319,6 +320,15 @@ class Engine:
     def check_schema(self, schema: dict[str, Any]) -> str:
         """Why structured output cannot enforce this JSON schema ("" when it can). Any thread."""
         return grammars_for(self.loaded.tokenizer).check(schema)
+
+    def call_grammar(self, prompt: list[int], spec: tool_grammar.CallGrammar) -> str:
+        """The Lark grammar that holds a reply to `spec`'s tool calls, checked by llguidance;
+        UnsupportedCallFormat when the model's format has none or the grammar cannot be enforced."""
+        text = tool_grammar.build(self.loaded.tokenizer, prompt, spec)
+        problem = grammars_for(self.loaded.tokenizer).check_lark(text)
+        if problem:
+            raise tool_grammar.UnsupportedCallFormat(problem)
+        return text
 
     def text_tokens(self, prompt: str) -> list[int]:
         return list(self.loaded.tokenizer.encode(prompt))

@@ -23,6 +23,11 @@ class SamplingParams:
     logprobs: bool = False  # attach each sampled token's logprob to its TextDelta
     top_logprobs: int = 0  # and this many most likely alternatives (implies logprobs)
     json_schema: dict | None = None  # structured output: every completion token keeps the text valid for it
+    grammar: str | None = None  # a Lark grammar the reply follows (tool calls); replaces json_schema
+
+    @property
+    def constrained(self) -> bool:
+        return self.json_schema is not None or self.grammar is not None
 
 
 @dataclass(frozen=True)

@@ -170,8 +170,8 @@ class Scheduler:
                 caches=[prepared.prompt_cache],
                 all_tokens=[list(req.prompt_tokens[:cached])],
                 samplers=[make_request_sampler(params)],
-                logits_processors=[[grammars_for(self.tokenizer).processor(params.json_schema)]]
-                if params.json_schema is not None
+                logits_processors=[[grammars_for(self.tokenizer).processor(params.json_schema, params.grammar)]]
+                if params.constrained
                 else None,
                 stop_sequences=[self._eos],
             )

@@ -137,16 +137,21 @@ def _tools(body: dict[str, Any], out: dict[str, Any]) -> None:
             if "description" in tool:
                 fn["description"] = tool["description"]
             fn["parameters"] = tool.get("input_schema", {})
-            if tool.get("strict"):
-                fn["strict"] = True  # refused below: it needs constrained decoding
+            if tool.get("strict") is not None:
+                fn["strict"] = tool["strict"]  # arguments held to input_schema by constrained decoding
             functions.append({"type": "function", "function": tl.check_function(fn, f"tools[{i}]", "tools")})
         out["tools"] = functions
     if choice is not None:
         if not isinstance(choice, dict) or choice.get("type") not in ("auto", "none", "any", "tool"):
             raise ValidationError("'tool_choice' must be {type: auto | none | any | tool}", param="tool_choice")
-        if choice["type"] in ("any", "tool"):
-            raise InvalidRequestError(f"'tool_choice' {choice['type']!r} {tl.NEEDS_CONSTRAINED}", param="tool_choice")
-        out["tool_choice"] = choice["type"]
+        if choice["type"] == "tool" and not isinstance(choice.get("name"), str):
+            raise ValidationError("'tool_choice' {type: tool} needs a 'name'", param="tool_choice")
+        out["tool_choice"] = {  # OpenAI's names for the same choices
+            "auto": "auto",
+            "none": "none",
+            "any": "required",
+            "tool": {"type": "function", "function": {"name": choice.get("name")}},
+        }[choice["type"]]
         if choice.get("disable_parallel_tool_use"):
             out["parallel_tool_calls"] = False
 

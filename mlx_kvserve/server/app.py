@@ -20,6 +20,7 @@ from starlette.routing import Route
 from ..config import ApiKeys, load_api_keys
 from ..engine.engine import Engine
 from ..engine.request import Event, Finished, GenerationRequest, TextDelta, TokenLogprob
+from ..engine.tool_grammar import CallGrammar, UnsupportedCallFormat
 from ..errors import (
     InvalidRequestError,
     KVServeError,
@@ -142,9 +143,11 @@ class CompletionHandler:
         record = request.scope.get(RECORD_KEY) or RequestRecord("-", request.method, request.url.path, time.monotonic())
         record.stream = req.stream
         self.check_model(req.model)
-        if req.json_schema is not None:
+        calls = tools.call_grammar(req.tools, req.json_schema)
+        if req.json_schema is not None and calls is None:
             await self.check_schema(req.json_schema)
         prompt = await self.tokens(req)
+        grammar = await self.call_grammar(prompt, calls) if calls is not None else None
         oa.check_prompt_limit(req, len(prompt), server.max_prompt_tokens)
         budget = oa.completion_budget(
             req, len(prompt), self.engine.context_length, self.defaults.max_tokens, server.max_completion_tokens
@@ -154,7 +157,7 @@ class CompletionHandler:
         gen_req = GenerationRequest(
             request_id=oa.new_id(req.kind),
             prompt_tokens=prompt,
-            params=req.sampling(budget),
+            params=req.sampling(budget, grammar),
             emit=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
         )
         deadlines = Deadlines(record.started, server.first_token_timeout_s, server.request_timeout_s)
@@ -162,6 +165,13 @@ class CompletionHandler:
         self.engine.submit(gen_req)
         record.request_id, record.prompt_tokens = gen_req.request_id, len(prompt)
         return gen_req, track
+
+    async def call_grammar(self, prompt: list[int], spec: CallGrammar) -> str:
+        """The grammar of a reply held to its tool calls; 400 when this model's calls cannot be held."""
+        try:
+            return await run_in_threadpool(self.engine.call_grammar, prompt, spec)
+        except UnsupportedCallFormat as exc:
+            raise InvalidRequestError(f"tool_choice / strict tools: {exc}", param="tool_choice") from exc
 
     async def check_schema(self, schema: dict) -> None:
         """InvalidRequestError (400) for a response_format schema llguidance cannot enforce."""

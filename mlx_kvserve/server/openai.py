@@ -52,7 +52,7 @@ class CompletionRequest:
     min_p: float = 0.0  # 0 = off
     json_schema: dict[str, Any] | None = None  # response_format json_object / json_schema
 
-    def sampling(self, max_tokens: int) -> SamplingParams:
+    def sampling(self, max_tokens: int, grammar: str | None = None) -> SamplingParams:
         return SamplingParams(
             max_tokens,
             self.temperature,
@@ -63,7 +63,8 @@ class CompletionRequest:
             min_p=self.min_p,
             logprobs=self.logprobs.enabled,
             top_logprobs=self.logprobs.num_top,
-            json_schema=self.json_schema,
+            json_schema=None if grammar is not None else self.json_schema,  # the grammar holds the answer format
+            grammar=grammar,
         )
 
 

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..engine.tool_grammar import reasoning_state
 from . import tools as tl
 
 CONTENT, REASONING, TOOL = "content", "reasoning", "tool"
@@ -109,8 +110,7 @@ class ChatOutput:
         state = CONTENT
         if getattr(self.tokenizer, "has_thinking", False):
             pairs[REASONING] = (self.tokenizer.think_start, self.tokenizer.think_end)
-            opened = self.tokenizer.rfind_think_start(self.prompt)
-            if opened >= 0 and opened > self.tokenizer.rfind_think_end(self.prompt):
+            if reasoning_state(self.tokenizer, self.prompt) == "open":
                 state = REASONING
         if self.spec is not None and self.spec.parses_calls and (found := tl.markers(self.tokenizer)):
             pairs[TOOL] = found

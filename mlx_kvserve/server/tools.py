@@ -2,8 +2,8 @@
 its tool-call markers parsed by mlx-lm's own parser for that model (the tokenizer's `tool_parser`,
 chosen by mlx-lm from the chat template or vocabulary). No parser is written here.
 
-Only `tool_choice` "auto" and "none" are served: "required" and a named function need constrained
-decoding, which this server does not have yet, so they are refused with a 400 rather than ignored.
+`tool_choice` "required", a named function and `strict` tools are enforced by constrained decoding
+(engine/tool_grammar.py): the reply is held to the model's call format and each tool's schema.
 """
 
 from __future__ import annotations
@@ -14,25 +14,47 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from ..engine.tool_grammar import CallGrammar
 from ..errors import InvalidRequestError, ValidationError
 
 log = logging.getLogger(__name__)
-NEEDS_CONSTRAINED = "needs constrained decoding, which this server does not support yet; use 'auto' or 'none'"
 
 
 @dataclass(frozen=True)
 class ToolSpec:
     """The tools a request offers. `tools` go to the chat template as given (OpenAI's shape);
-    `choice` is "auto" (calls are parsed out of the reply) or "none" (tools are still rendered, so
-    the prompt and its cached prefix stay the same, but the reply is returned as plain text)."""
+    `choice` is "auto" (calls are parsed out of the reply), "required" (the reply is calls, of the
+    function `name` when given) or "none" (tools are still rendered, so the prompt and its cached
+    prefix stay the same, but the reply is returned as plain text)."""
 
     tools: list[dict[str, Any]]
     choice: str = "auto"
     parallel: bool = True
+    name: str | None = None  # tool_choice naming one function
 
     @property
     def parses_calls(self) -> bool:
         return bool(self.tools) and self.choice != "none"
+
+    @property
+    def strict_names(self) -> frozenset[str]:
+        return frozenset(t["function"]["name"] for t in self.tools if t["function"].get("strict"))
+
+
+def call_grammar(spec: ToolSpec | None, answer_schema: dict[str, Any] | None) -> CallGrammar | None:
+    """What the reply must be held to for these tools and this response format; None when tool
+    calls need no grammar (the response format alone, if any, is enforced as a JSON schema)."""
+    if spec is None or not spec.parses_calls:
+        return None
+    forced = spec.choice == "required"
+    if forced and answer_schema is not None:
+        raise InvalidRequestError(
+            "'response_format' cannot apply to a reply that must be a tool call ('tool_choice')",
+            param="response_format",
+        )
+    if not forced and not spec.strict_names and answer_schema is None:
+        return None
+    return CallGrammar(tuple(spec.tools), forced, spec.name, spec.parallel, spec.strict_names, answer_schema)
 
 
 @dataclass(frozen=True)
@@ -64,11 +86,8 @@ def check_function(fn: Any, where: str, param: str) -> dict[str, Any]:
         raise ValidationError(f"{where}.description must be a string", param=param)
     if not isinstance(fn.get("parameters", {}), dict):
         raise ValidationError(f"{where}.parameters must be a JSON Schema object", param=param)
-    if fn.get("strict"):  # schema-valid arguments cannot be promised without a grammar
-        raise InvalidRequestError(
-            f"{where}.strict needs constrained decoding, which this server does not support yet; leave it out",
-            param=param,
-        )
+    if not isinstance(fn.get("strict", False), bool | None):
+        raise ValidationError(f"{where}.strict must be a boolean", param=param)
     return fn
 
 
@@ -92,11 +111,22 @@ def parse_openai_tools(body: dict[str, Any]) -> ToolSpec | None:
         check_function(tool.get("function"), f"tools[{i}].function", "tools")
     if choice is None:
         choice = "auto"
-    if choice in ("required",) or isinstance(choice, dict):
-        raise InvalidRequestError(f"'tool_choice' {json.dumps(choice)} {NEEDS_CONSTRAINED}", param="tool_choice")
-    if choice not in ("auto", "none"):
+    name = None
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ValidationError("a named 'tool_choice' is {type: 'function', function: {name}}", param="tool_choice")
+        choice, name = "required", fn["name"]
+    if choice not in ("auto", "none", "required"):
         raise ValidationError("'tool_choice' must be 'auto', 'none', 'required' or a function", param="tool_choice")
-    return ToolSpec(tools=raw, choice=choice, parallel=parallel is not False)
+    return named_spec(raw, choice, name, parallel is not False)
+
+
+def named_spec(tools: list[dict[str, Any]], choice: str, name: str | None, parallel: bool) -> ToolSpec:
+    """A ToolSpec, with a 400 when `name` is not one of the tools."""
+    if name is not None and name not in {t["function"]["name"] for t in tools}:
+        raise InvalidRequestError(f"'tool_choice' names {name!r}, which is not in 'tools'", param="tool_choice")
+    return ToolSpec(tools=tools, choice=choice, parallel=parallel, name=name)
 
 
 def check_support(tokenizer: Any, spec: ToolSpec | None, param: str = "tools") -> None:
