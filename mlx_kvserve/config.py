@@ -110,6 +110,9 @@ class CacheConfig:
     ram_max_bytes: int = 0  # 0 = a quarter of physical memory
     pinned_ram_share: float = 0.5  # above this share of the RAM budget, pinned blocks are served from the SSD
     pin_on_start: list[str] = field(default_factory=list)  # prompt files warmed and pinned at startup
+    # Anthropic cache_control pins (TTL 5 min / 1 h, refreshed on use) hold at most this share of the
+    # RAM budget (and of [ssd] max_bytes when set); the leases that expire first make room. 0 = off.
+    cache_control_share: float = 0.25
     # Hybrid and sliding-window models: a checkpoint (recurrent state, window contents) every this
     # many prompt tokens, rounded up to whole blocks; 0 = only at prompt and message ends.
     checkpoint_every: int = 4096
@@ -293,6 +296,7 @@ def validate(config: Config) -> Config:
     _check(c.checkpoint_every >= 0, "cache.checkpoint_every", f"must be >= 0, got {c.checkpoint_every}")
     _check(c.kv_bits in (0, 4, 8), "cache.kv_bits", f"must be 0, 4 or 8, got {c.kv_bits}")
     _check(0 < c.pinned_ram_share <= 1, "cache.pinned_ram_share", "must be in (0, 1]")
+    _check(0 <= c.cache_control_share <= 1, "cache.cache_control_share", "must be in [0, 1]")
     d = config.ssd
     _check(d.ttl_days >= 0, "ssd.ttl_days", "must be >= 0")
     _check(d.policy in ("write_through", "evict_only"), "ssd.policy", "must be write_through or evict_only")

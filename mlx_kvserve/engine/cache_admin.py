@@ -54,6 +54,25 @@ class CacheAdmin:
             return {"unpinned_count": 1}
         return {"unpinned_count": self.manager.unpin(hashes)}
 
+    def lease(self, tokens: Sequence[int], ttl_s: float) -> int:
+        """Pin the full blocks of `tokens` for `ttl_s` (cache_control), or push out their lease.
+        Returns the tokens leased (0 when leases are off or `tokens` holds no full block)."""
+        leases = self.manager.pins.leases
+        if leases is None:
+            return 0
+        stats = self.manager.stats()
+        block_bytes = stats["kv_ram_bytes"] // stats["kv_ram_blocks"] if stats["kv_ram_blocks"] else 0
+        return leases.grant(self.block_hashes(tokens), ttl_s, block_bytes) * self.manager.block_size
+
+    def touch_leases(self, tokens: Sequence[int]) -> int:
+        """A request with this prompt: the leases it uses live their TTL again."""
+        leases = self.manager.pins.leases
+        return leases.touch(self.block_hashes(tokens)) if leases is not None else 0
+
+    def leases(self) -> list[dict[str, Any]]:
+        leases = self.manager.pins.leases
+        return leases.items() if leases is not None else []
+
     def pins(self) -> list[dict[str, Any]]:
         tier = self.prefix_cache.ssd_tier
         return [

@@ -309,3 +309,13 @@ class BroadcastAdmin(CacheAdmin):
 
     def prune(self, *args: Any) -> dict[str, Any]:
         return self._everywhere("prune", *args)
+
+    def lease(self, tokens: Any, ttl_s: float) -> int:
+        return self._everywhere("lease", list(tokens), ttl_s)
+
+    def touch_leases(self, tokens: Any) -> int:
+        # Every request calls this: the other ranks hear of it only when rank 0 refreshed a lease.
+        refreshed = super().touch_leases(tokens)
+        if refreshed:
+            self._everywhere("touch_leases", list(tokens))
+        return refreshed

@@ -23,6 +23,7 @@ from ..kv import blocks
 from ..kv.folder_lock import FolderLock
 from ..kv.fsmode import ensure_private_root, private_mkdir
 from ..kv.hashing import BlockHasher, model_fingerprint, namespace_hash
+from ..kv.leases import LEASES_FILE, PinLeases
 from ..kv.manager import KVManager
 from ..kv.pins import PINS_FILE, PinRegistry
 from ..kv.ram import RAMStore
@@ -157,7 +158,9 @@ def build_prefix_cache(
     tails = TailStore(budget // 2 if layout.has_state else budget // 8, exact=layout.exact_tails)
     folder_lock = lock_store_folder(config, store_namespace)  # before anything reads or writes the folder
     try:
-        pins = PinRegistry(folder_lock.folder / PINS_FILE if folder_lock else None)
+        pins = PinRegistry(
+            folder_lock.folder / PINS_FILE if folder_lock else None, _leases(config, budget, folder_lock)
+        )
         ssd_tier = build_ssd_tier(config, store_namespace, pins, layout) if folder_lock else None
     except BaseException:
         if folder_lock is not None:
@@ -183,6 +186,16 @@ def build_prefix_cache(
         turn_marker=turn_start_token(loaded.tokenizer) if layout.needs_checkpoints else None,
     )
     return prefix_cache, folder_lock
+
+
+def _leases(config: Config, ram_budget: int, folder_lock: FolderLock | None) -> PinLeases | None:
+    """cache_control pins: at most [cache] cache_control_share of the RAM budget (and of the disk
+    budget, when there is one); None when the share is 0."""
+    share = config.cache.cache_control_share
+    if share <= 0:
+        return None
+    budgets = [ram_budget] + ([config.ssd.max_bytes] if config.ssd.enabled and config.ssd.max_bytes > 0 else [])
+    return PinLeases(folder_lock.folder / LEASES_FILE if folder_lock else None, int(share * min(budgets)))
 
 
 class Engine:

@@ -19,6 +19,7 @@ from ..checked_json import Const, DamagedFile, Hex, Int, MapOf, Obj, load_json, 
 from ..errors import InsufficientStorageError
 from .fsmode import open_private
 from .hashing import HASH_BYTES
+from .leases import PinLeases
 
 log = logging.getLogger(__name__)
 
@@ -28,10 +29,12 @@ PINS_SCHEMA = Obj({"version": Const(1), "pins": MapOf(Hex(HASH_BYTES), Int(1, 2*
 
 
 class PinRegistry:
-    def __init__(self, path: Path | None):
+    def __init__(self, path: Path | None, leases: PinLeases | None = None):
         """`path`: where pins persist (JSON, written atomically on every change); None keeps
-        them in memory only. A missing or damaged file starts empty (logged, see `_read`)."""
+        them in memory only. A missing or damaged file starts empty (logged, see `_read`).
+        `leases`: pins that expire (cache_control), counted as pins while they hold."""
         self.path = path
+        self.leases = leases
         self._lock = threading.Lock()  # guards _counts
         self.damaged_files: list[DamagedFile] = []  # a pins file found damaged (and set aside) at startup
         self._counts: dict[bytes, int] = self._read()
@@ -100,12 +103,13 @@ class PinRegistry:
 
     def is_pinned(self, block_hash: bytes) -> bool:
         # A dict read is atomic under the GIL; called from other locks' critical sections (cheap).
-        return self._counts.get(block_hash, 0) > 0
+        return self._counts.get(block_hash, 0) > 0 or (self.leases is not None and self.leases.covers(block_hash))
 
     def items(self) -> list[tuple[bytes, int]]:
         with self._lock:
             return list(self._counts.items())
 
     def __len__(self) -> int:
+        """Pinned hashes: counted ones, plus those only a lease holds."""
         with self._lock:
-            return len(self._counts)
+            return len(self._counts) + (len(self.leases) if self.leases is not None else 0)

@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..errors import InvalidRequestError, KVServeError, ValidationError
+from . import cache_control
 from . import openai as oa
 from . import tools as tl
 from .anthropic_reply import (
@@ -41,9 +42,7 @@ FIELDS |= {"metadata", "tools", "tool_choice", "cache_control", "thinking"}  # m
 
 
 def _check_cache_control(block: dict[str, Any], where: str) -> None:
-    marker = block.get("cache_control")
-    if marker is not None and (not isinstance(marker, dict) or marker.get("type") != "ephemeral"):
-        raise ValidationError(f'{where}.cache_control must be {{"type": "ephemeral"}}', param=where)
+    cache_control.ttl_of(block, where)  # a bad marker is a 400; good ones pin (server/cache_control.py)
 
 
 def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
@@ -178,7 +177,7 @@ def to_openai(body: Any, count_only: bool = False) -> dict[str, Any]:
             out[name] = body[name]
     if body.get("stop_sequences"):
         out["stop"] = body["stop_sequences"]
-    _check_cache_control(body, "request")  # automatic caching: every prefix is cached anyway
+    _check_cache_control(body, "request")  # automatic caching: the whole prompt
     _tools(body, out)
     _thinking(body.get("thinking"), out)
     return out
@@ -204,14 +203,19 @@ def anthropic_routes(handler: CompletionHandler, read_json: Callable) -> list[Ro
     """/v1/messages and /v1/messages/count_tokens, served by `handler` (the OpenAI chat path)."""
     engine = handler.engine
 
-    async def parse(request: Request, count_only: bool = False) -> oa.CompletionRequest:
+    async def parse(request: Request, count_only: bool = False) -> tuple[dict[str, Any], oa.CompletionRequest]:
         body = await read_json(request, engine.config.server.max_body_bytes)
-        return oa.parse_request(to_openai(body, count_only), "chat", handler.defaults)
+        return body, oa.parse_request(to_openai(body, count_only), "chat", handler.defaults)
+
+    async def tokens_of(body: dict[str, Any]) -> list[int]:
+        return await handler.tokens(oa.parse_request(to_openai(body, True), "chat", handler.defaults))
 
     async def messages(request: Request) -> Response:
         try:
-            req = await parse(request)
+            body, req = await parse(request)
+            found = cache_control.marks(body)
             gen_req, track = await handler.submit(request, req)
+            await cache_control.apply(handler, found, gen_req.prompt_tokens, tokens_of)
             if req.stream:
                 return StreamingResponse(stream_events(handler, req, gen_req, track), media_type="text/event-stream")
             done = await handler.collect(request, gen_req, track)
@@ -229,7 +233,7 @@ def anthropic_routes(handler: CompletionHandler, read_json: Callable) -> list[Ro
 
     async def count_tokens(request: Request) -> Response:
         try:
-            req = await parse(request, count_only=True)
+            _, req = await parse(request, count_only=True)
             handler.check_model(req.model)
             return JSONResponse({"input_tokens": len(await handler.tokens(req))})
         except KVServeError as exc:

@@ -148,6 +148,7 @@ class CompletionHandler:
             await self.check_schema(req.json_schema)
         prompt = await self.tokens(req)
         grammar = await self.call_grammar(prompt, calls) if calls is not None else None
+        await self.touch_leases(prompt)
         oa.check_prompt_limit(req, len(prompt), server.max_prompt_tokens)
         budget = oa.completion_budget(
             req, len(prompt), self.engine.context_length, self.defaults.max_tokens, server.max_completion_tokens
@@ -165,6 +166,12 @@ class CompletionHandler:
         self.engine.submit(gen_req)
         record.request_id, record.prompt_tokens = gen_req.request_id, len(prompt)
         return gen_req, track
+
+    async def touch_leases(self, prompt: list[int]) -> None:
+        """cache_control pins this prompt uses live their TTL again (a no-op without leases)."""
+        manager = self.engine.prefix_cache.manager
+        if manager is not None and manager.pins.leases is not None and manager.pins.leases.active:
+            await run_in_threadpool(self.engine.cache_admin().touch_leases, prompt)
 
     async def call_grammar(self, prompt: list[int], spec: CallGrammar) -> str:
         """The grammar of a reply held to its tool calls; 400 when this model's calls cannot be held."""

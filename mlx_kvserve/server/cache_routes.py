@@ -72,7 +72,9 @@ def cache_routes(engine: Engine, read_json) -> list[Route]:
         return JSONResponse(await run_in_threadpool(admin.unpin, hashes, is_chain))
 
     async def pins(request: Request) -> Response:
-        return JSONResponse({"pins": await run_in_threadpool(admin.pins)})
+        return JSONResponse(
+            {"pins": await run_in_threadpool(admin.pins), "leases": await run_in_threadpool(admin.leases)}
+        )
 
     async def stats(request: Request) -> Response:
         return JSONResponse(engine.cache_stats())

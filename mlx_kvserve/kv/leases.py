@@ -1,0 +1,199 @@
+"""Pins that expire: Anthropic's `cache_control`, as leases on block chains.
+
+A lease keeps one chain (its blocks' hashes, root first) pinned until its expiry; each use of the
+chain pushes the expiry out by the lease's TTL again. Leases are a second layer over the pin counts
+of PinRegistry: a block is pinned while a count or an unexpired lease covers it, so an expired lease
+needs no timer to end, it simply stops covering. Leases hold at most `max_bytes` of blocks (a share
+of the cache budgets): granting past it releases the leases that would expire first. They persist
+(wall-clock expiries) in `leases.json` beside pins.json, so a 1-hour pin survives a restart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..checked_json import Const, Float, Hex, MapOf, Obj, Str, load_json, remove_leftover_temps
+from .fsmode import open_private
+from .hashing import HASH_BYTES
+
+log = logging.getLogger(__name__)
+
+LEASES_FILE = "leases.json"
+MAX_LEASES = 4096
+SAVE_EVERY_S = 30.0  # a refresh is written at most this often (a grant at once)
+MAX_CHAIN = 1 << 20  # blocks in one leased chain
+LEASE_SCHEMA = Obj(  # {tip hash: {the chain's hashes concatenated, TTL, expiry}}
+    {
+        "version": Const(1),
+        "leases": MapOf(
+            Hex(HASH_BYTES),
+            Obj({"chain": Str(2 * HASH_BYTES * MAX_CHAIN), "ttl_s": Float(1, 86400 * 7), "expires": Float()}),
+            max_items=MAX_LEASES,
+        ),
+    }
+)
+
+
+@dataclass
+class Lease:
+    chain: tuple[bytes, ...]  # root first; the last hash names the lease
+    ttl_s: float
+    expires: float  # wall-clock seconds
+
+
+class PinLeases:
+    def __init__(self, path: Path | None, max_bytes: int = 0, clock: Callable[[], float] = time.time):
+        """`max_bytes` <= 0: no cap. `clock`: wall-clock seconds (tests pass a fake one)."""
+        self.path = path
+        self.max_bytes = max_bytes
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._leases: dict[bytes, Lease] = self._read()
+        self._cover: dict[bytes, float] = {}  # hash -> latest expiry of the leases holding it
+        self._saved_at = 0.0
+        self.released_for_room = 0  # leases given up to stay under max_bytes
+        self._recount()
+
+    # --- reading -----------------------------------------------------------------------------------
+
+    def covers(self, block_hash: bytes) -> bool:
+        """Whether an unexpired lease holds this block. Lock-free (a dict read)."""
+        return self._cover.get(block_hash, 0.0) > self.clock()
+
+    @property
+    def active(self) -> bool:
+        """Whether any lease is held (expired ones included until the next grant drops them)."""
+        return bool(self._leases)
+
+    def __len__(self) -> int:
+        now = self.clock()
+        return sum(1 for e in list(self._cover.values()) if e > now)
+
+    def items(self) -> list[dict]:
+        """The unexpired leases, for /v1/cache/pins."""
+        now = self.clock()
+        with self._lock:
+            return [
+                {
+                    "block_hash": tip.hex(),
+                    "blocks": len(lease.chain),
+                    "ttl_s": lease.ttl_s,
+                    "expires_in_s": round(lease.expires - now, 1),
+                }
+                for tip, lease in sorted(self._leases.items(), key=lambda kv: kv[1].expires)
+                if lease.expires > now
+            ]
+
+    # --- changing ----------------------------------------------------------------------------------
+
+    def grant(self, chain: Sequence[bytes], ttl_s: float, block_bytes: int = 0) -> int:
+        """Lease `chain` (root first) for `ttl_s` from now, or push out the lease it already has.
+        `block_bytes`: one block's size, for the cap (0: unknown, not capped). Returns how many
+        blocks are leased (fewer than the chain when the cap cuts it; 0 for an empty chain)."""
+        if not chain:
+            return 0
+        now = self.clock()
+        with self._lock:
+            self._drop_expired(now)
+            limit = self.max_bytes // block_bytes if self.max_bytes > 0 and block_bytes > 0 else len(chain)
+            chain = tuple(chain[: max(0, limit)])
+            if not chain:
+                return 0
+            old = self._leases.get(chain[-1])
+            self._leases[chain[-1]] = Lease(chain, ttl_s, max(now + ttl_s, old.expires if old else 0.0))
+            self._fit(limit, keep=chain[-1])
+            self._recount()
+            self._save(now)
+            return len(chain)
+
+    def touch(self, hashes: Iterable[bytes]) -> int:
+        """A request used these blocks: every lease whose chain ends among them lives its TTL
+        again from now. Returns how many leases were refreshed."""
+        if not self._leases:
+            return 0
+        now = self.clock()
+        with self._lock:
+            refreshed = 0
+            for block_hash in hashes:
+                lease = self._leases.get(block_hash)
+                if lease is not None and lease.expires > now:
+                    lease.expires = max(lease.expires, now + lease.ttl_s)
+                    refreshed += 1
+            if refreshed:
+                self._recount()
+                if now - self._saved_at >= SAVE_EVERY_S:
+                    self._save(now)
+            return refreshed
+
+    def _fit(self, limit_blocks: int, keep: bytes) -> None:
+        """Release the leases that expire first until the leased blocks fit `limit_blocks`."""
+        while len({h for lease in self._leases.values() for h in lease.chain}) > limit_blocks:
+            victims = sorted((lease.expires, tip) for tip, lease in self._leases.items() if tip != keep)
+            if not victims:
+                return
+            del self._leases[victims[0][1]]
+            self.released_for_room += 1
+
+    def _drop_expired(self, now: float) -> None:
+        for tip in [t for t, lease in self._leases.items() if lease.expires <= now]:
+            del self._leases[tip]
+
+    def _recount(self) -> None:
+        cover: dict[bytes, float] = {}
+        for lease in self._leases.values():
+            for h in lease.chain:
+                cover[h] = max(cover.get(h, 0.0), lease.expires)
+        self._cover = cover  # one assignment: covers() sees the old map or the new one
+
+    # --- the file ----------------------------------------------------------------------------------
+
+    def _read(self) -> dict[bytes, Lease]:
+        if self.path is None:
+            return {}
+        remove_leftover_temps(self.path)
+        loaded = load_json(self.path, LEASE_SCHEMA, 256 * 1024 * 1024, "leases file")
+        now = self.clock()
+        out = {}
+        for tip, raw in (loaded.value["leases"] if loaded.value is not None else {}).items():
+            try:
+                joined = bytes.fromhex(raw["chain"])
+            except ValueError:
+                continue
+            chain = tuple(joined[i : i + HASH_BYTES] for i in range(0, len(joined), HASH_BYTES))
+            if chain and len(joined) % HASH_BYTES == 0 and chain[-1].hex() == tip and raw["expires"] > now:
+                out[chain[-1]] = Lease(chain, raw["ttl_s"], raw["expires"])
+        return out
+
+    def _save(self, now: float) -> None:
+        """Write the leases (best effort: a lease that cannot be saved still holds until a restart)."""
+        self._saved_at = now
+        if self.path is None:
+            return
+        data = json.dumps(
+            {
+                "version": 1,
+                "leases": {
+                    tip.hex(): {"chain": b"".join(lease.chain).hex(), "ttl_s": lease.ttl_s, "expires": lease.expires}
+                    for tip, lease in self._leases.items()
+                },
+            }
+        )
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        try:
+            with open_private(tmp, "w") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            log.warning("leases file %s could not be written (%s); leases hold until a restart", self.path, exc)

@@ -1,0 +1,185 @@
+"""Anthropic `cache_control` honoured as pins that expire (issue 13, item 6): a marked block pins the
+prompt's prefix up to and including it for its TTL, every use refreshes it, it ends by itself, it
+shows in /v1/cache/pins, and leases hold at most their share of the budget. Time is a fake clock.
+"""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import pytest
+from starlette.testclient import TestClient
+from test_api_anthropic import _loaded
+from test_hardening_wire import BS, make_engine
+
+from mlx_kvserve.config import ApiKeys
+from mlx_kvserve.kv.leases import PinLeases
+from mlx_kvserve.kv.pins import PinRegistry
+from mlx_kvserve.server.app import create_app
+
+
+class Clock:
+    def __init__(self, now: float = 1_000_000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def chain(n: int, tag: bytes = b"a") -> list[bytes]:
+    return [tag * 31 + bytes([i]) for i in range(n)]
+
+
+# --- the lease book ------------------------------------------------------------------------------------------
+
+
+def test_a_lease_covers_its_chain_until_it_expires_and_use_refreshes_it():
+    clock = Clock()
+    leases = PinLeases(None, clock=clock)
+    pins = PinRegistry(None, leases)
+    blocks = chain(3)
+    assert leases.grant(blocks, 300.0) == 3
+    assert all(pins.is_pinned(h) for h in blocks) and len(pins) == 3
+    clock.now += 200
+    assert leases.touch([blocks[-1], b"x" * 32]) == 1  # the request used the whole chain
+    clock.now += 250  # 450 s after the grant, 250 after the use
+    assert pins.is_pinned(blocks[0])
+    clock.now += 51
+    assert not any(pins.is_pinned(h) for h in blocks) and len(pins) == 0 and leases.items() == []
+    assert leases.touch(blocks) == 0  # an expired lease is not revived by use
+
+
+def test_granting_again_never_shortens_a_lease():
+    clock = Clock()
+    leases = PinLeases(None, clock=clock)
+    leases.grant(chain(2), 3600.0)
+    leases.grant(chain(2), 300.0)
+    clock.now += 1000
+    assert leases.covers(chain(2)[0])
+    assert leases.items()[0]["ttl_s"] == 300.0
+
+
+def test_leases_stay_within_their_byte_share_releasing_the_soonest_to_expire():
+    clock = Clock()
+    leases = PinLeases(None, max_bytes=5 * 100, clock=clock)  # five 100-byte blocks
+    first, second = chain(3, b"a"), chain(2, b"b")
+    leases.grant(first, 300.0, block_bytes=100)
+    leases.grant(second, 3600.0, block_bytes=100)
+    assert all(leases.covers(h) for h in first + second)
+    third = chain(2, b"c")
+    leases.grant(third, 3600.0, block_bytes=100)  # 7 > 5 blocks: the 5-minute lease goes
+    assert not any(leases.covers(h) for h in first)
+    assert all(leases.covers(h) for h in second + third) and leases.released_for_room == 1
+    assert leases.grant(chain(9, b"d"), 300.0, block_bytes=100) == 5  # one chain alone: cut to the share
+
+
+def test_leases_survive_a_restart_and_expired_or_damaged_ones_do_not(tmp_path):
+    clock = Clock()
+    path = tmp_path / "leases.json"
+    leases = PinLeases(path, clock=clock)
+    leases.grant(chain(2, b"a"), 300.0)
+    leases.grant(chain(3, b"b"), 3600.0)
+    clock.now += 400
+    again = PinLeases(path, clock=clock)
+    assert [item["blocks"] for item in again.items()] == [3]
+    assert again.covers(chain(3, b"b")[0]) and not again.covers(chain(2, b"a")[0])
+    path.write_text("{not json")
+    assert PinLeases(path, clock=clock).items() == []  # set aside, no leases
+    data = {"version": 1, "leases": {chain(1)[0].hex(): {"chain": "zz", "ttl_s": 300.0, "expires": 2e6}}}
+    path.write_text(json.dumps(data))
+    assert PinLeases(path, clock=clock).items() == []  # a chain that does not read back is dropped
+
+
+# --- through the Anthropic API ---------------------------------------------------------------------------------
+
+SYSTEM = "You are a careful assistant. " * 12  # several blocks of the byte-level tiny model
+
+
+@pytest.fixture()
+def served(tiny_model_dir, tmp_path):
+    engine = make_engine(_loaded(tiny_model_dir, "tiny"), tmp_path)
+    clock = Clock()
+    engine.prefix_cache.manager.pins.leases.clock = clock
+    with TestClient(create_app(engine, ApiKeys("", ""))) as client:
+        yield engine, client, clock
+    engine.stop(0)
+
+
+def sdk(client) -> anthropic.Anthropic:
+    return anthropic.Anthropic(api_key="none", base_url="http://testserver", http_client=client, max_retries=0)
+
+
+def system_end(engine, question: str) -> tuple[list[int], int]:
+    """The prompt of SYSTEM + `question`, and where SYSTEM's text ends in it."""
+    prompt = engine.chat_tokens([{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}], True)
+    tokenizer = engine.loaded.tokenizer
+    end = next(n for n in range(len(prompt) + 1) if SYSTEM in tokenizer.decode(prompt[:n]))
+    return prompt, end
+
+
+def leases(client) -> list[dict]:
+    return client.get("/v1/cache/pins").json()["leases"]
+
+
+def test_a_marked_system_block_pins_its_prefix_for_five_minutes(served):
+    engine, client, clock = served
+    system = [{"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}}]
+    sdk(client).messages.create(model="tiny", max_tokens=2, system=system, messages=[{"role": "user", "content": "hi"}])
+    prompt, end = system_end(engine, "hi")
+    (lease,) = leases(client)
+    assert lease["ttl_s"] == 300.0
+    assert end - BS < lease["blocks"] * BS <= end  # the system prompt's full blocks, nothing after it
+    hashes = engine.cache_admin().block_hashes(prompt[: lease["blocks"] * BS])
+    assert lease["block_hash"] == hashes[-1].hex()
+    assert all(engine.prefix_cache.manager.pins.is_pinned(h) for h in hashes)
+    clock.now += 240  # a later request on the same system prompt, unmarked, uses the prefix: refreshed
+    sdk(client).messages.create(model="tiny", max_tokens=2, system=SYSTEM, messages=[{"role": "user", "content": "yo"}])
+    clock.now += 240
+    assert len(leases(client)) == 1
+    clock.now += 61
+    assert leases(client) == [] and not engine.prefix_cache.manager.pins.is_pinned(hashes[0])
+
+
+def test_a_one_hour_marker_and_a_marked_message_and_the_top_level_marker(served):
+    engine, client, clock = served
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "first question " * 8}]},
+        {"role": "assistant", "content": "an answer"},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "x" * 40, "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
+        },
+    ]
+    sdk(client).messages.create(model="tiny", max_tokens=2, system=SYSTEM, messages=messages)
+    (lease,) = leases(client)
+    assert lease["ttl_s"] == 3600.0 and lease["blocks"] >= 4
+    clock.now += 3000
+    assert len(leases(client)) == 1
+    sdk(client).messages.create(
+        model="tiny",
+        max_tokens=2,
+        messages=[{"role": "user", "content": "whole " * 40}],
+        extra_body={"cache_control": {"type": "ephemeral"}},
+    )
+    assert sorted(item["ttl_s"] for item in leases(client)) == [300.0, 3600.0]
+
+
+@pytest.mark.parametrize(
+    "marker, words",
+    [({"type": "ephemeral", "ttl": "2h"}, "'5m' or '1h'"), ({"type": "persistent"}, "ephemeral")],
+)
+def test_bad_markers_and_too_many_are_400s(served, marker, words):
+    _, client, _ = served
+    with pytest.raises(anthropic.BadRequestError, match=words):
+        sdk(client).messages.create(
+            model="tiny",
+            max_tokens=2,
+            system=[{"type": "text", "text": "s", "cache_control": marker}],
+            messages=[{"role": "user", "content": "hi"}],
+        )
+    five = [{"type": "text", "text": f"s{i}", "cache_control": {"type": "ephemeral"}} for i in range(5)]
+    with pytest.raises(anthropic.BadRequestError, match="at most 4"):
+        sdk(client).messages.create(
+            model="tiny", max_tokens=2, system=five, messages=[{"role": "user", "content": "hi"}]
+        )
