@@ -5,6 +5,7 @@ import pytest
 from mlx_kvserve.engine.request import SamplingParams, Usage
 from mlx_kvserve.errors import InvalidRequestError, ValidationError
 from mlx_kvserve.server import openai as oa
+from mlx_kvserve.server import openai_reply as oar
 
 DEFAULTS = oa.Defaults(max_tokens=512, temperature=0.7, top_p=0.9)
 USER = [{"role": "user", "content": "hi"}]
@@ -163,7 +164,7 @@ def test_budget_prompt_fills_the_context(kind, param):
 
 def test_response_shapes():
     usage = Usage(prompt_tokens=5, completion_tokens=3, cached_tokens=2)
-    body = oa.response_body(chat(), "chatcmpl-1", "m", "hello", "stop", usage)
+    body = oar.response_body(chat(), "chatcmpl-1", "m", "hello", "stop", usage)
     assert body["object"] == "chat.completion"
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "hello"}
     assert body["choices"][0]["finish_reason"] == "stop"
@@ -173,26 +174,26 @@ def test_response_shapes():
         "total_tokens": 8,
         "prompt_tokens_details": {"cached_tokens": 2},
     }
-    body = oa.response_body(text(), "cmpl-1", "m", "hello", "cancelled", usage)
+    body = oar.response_body(text(), "cmpl-1", "m", "hello", "cancelled", usage)
     assert body["object"] == "text_completion"
     assert body["choices"][0]["text"] == "hello"
     assert body["choices"][0]["finish_reason"] == "length"
 
 
 def test_chunk_shapes():
-    first = oa.chunk_body(chat(), "id", "m", "", None, first=True)
+    first = oar.chunk_body(chat(), "id", "m", "", None, first=True)
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    last = oa.chunk_body(chat(), "id", "m", None, "length")
+    last = oar.chunk_body(chat(), "id", "m", None, "length")
     assert last["choices"][0]["delta"] == {}
     assert last["choices"][0]["finish_reason"] == "length"
-    usage = oa.usage_chunk(text(), "id", "m", Usage(1, 2))
+    usage = oar.usage_chunk(text(), "id", "m", Usage(1, 2))
     assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 3
 
 
 def test_error_body_and_ids():
-    assert oa.error_body("bad", "invalid_request_error", "seed") == {
+    assert oar.error_body("bad", "invalid_request_error", "seed") == {
         "error": {"message": "bad", "type": "invalid_request_error", "param": "seed", "code": None}
     }
-    assert oa.new_id("chat").startswith("chatcmpl-")
-    assert oa.new_id("text").startswith("cmpl-")
-    assert oa.new_id("chat") != oa.new_id("chat")
+    assert oar.new_id("chat").startswith("chatcmpl-")
+    assert oar.new_id("text").startswith("cmpl-")
+    assert oar.new_id("chat") != oar.new_id("chat")

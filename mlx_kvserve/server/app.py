@@ -29,6 +29,7 @@ from ..errors import (
     RequestTimeoutError,
 )
 from . import openai as oa
+from . import openai_reply as oar
 from . import prompts, tools
 from .anthropic import anthropic_routes
 from .cache_routes import cache_routes
@@ -131,10 +132,10 @@ class CompletionHandler:
     def _reply_body(self, req: oa.CompletionRequest, gen_req: GenerationRequest, text: str, ev: Finished) -> dict:
         rid, model = gen_req.request_id, self.engine.model_name
         if req.kind != "chat":
-            return oa.response_body(req, rid, model, text, ev.finish_reason, ev.usage)
+            return oar.response_body(req, rid, model, text, ev.finish_reason, ev.usage)
         out = self.output(req, gen_req)
         content, reasoning, calls = collect_segments(out.feed(text) + out.finish())
-        return oa.response_body(req, rid, model, content, ev.finish_reason, ev.usage, reasoning, calls)
+        return oar.response_body(req, rid, model, content, ev.finish_reason, ev.usage, reasoning, calls)
 
     async def submit(self, request: Request, req: oa.CompletionRequest) -> tuple[GenerationRequest, EventTracker]:
         """Tokenize `req`, check its limits and hand it to the engine. Raises KVServeError (mapped
@@ -156,7 +157,7 @@ class CompletionHandler:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
         gen_req = GenerationRequest(
-            request_id=oa.new_id(req.kind),
+            request_id=oar.new_id(req.kind),
             prompt_tokens=prompt,
             params=req.sampling(budget, grammar),
             emit=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
@@ -237,22 +238,22 @@ class CompletionHandler:
         out = self.output(req, gen_req) if req.kind == "chat" else None
         formatter = self.logprob_formatter(req) if req.logprobs.enabled else None
         try:
-            yield _sse(oa.chunk_body(req, rid, model, "" if req.kind == "chat" else None, None, first=True))
+            yield _sse(oar.chunk_body(req, rid, model, "" if req.kind == "chat" else None, None, first=True))
             while True:
                 try:
                     ev = await track.next()
                 except RequestTimeoutError as exc:  # the status is sent: end the stream with the error
-                    yield _sse(oa.error_body(exc.message, exc.error_type, exc.param, exc.code))
+                    yield _sse(oar.error_body(exc.message, exc.error_type, exc.param, exc.code))
                     break
                 if ev is None:  # woke a hair before a deadline: wait again
                     continue
                 if isinstance(ev, TextDelta):
                     if ev.text and out is None:
-                        chunks = [oa.chunk_body(req, rid, model, ev.text, None)]
+                        chunks = [oar.chunk_body(req, rid, model, ev.text, None)]
                     else:
                         chunks = _segment_chunks(req, rid, model, out, out.feed(ev.text)) if ev.text else []
                     if formatter is not None and ev.logprobs:  # on the tokens' first chunk, or one of its own
-                        chunks = chunks or [oa.chunk_body(req, rid, model, None if out else "", None)]
+                        chunks = chunks or [oar.chunk_body(req, rid, model, None if out else "", None)]
                         chunks[0]["choices"][0]["logprobs"] = formatter.block(ev.logprobs)
                     for chunk in chunks:
                         yield _sse(chunk)
@@ -263,14 +264,14 @@ class CompletionHandler:
                         for chunk in _segment_chunks(req, rid, model, out, out.finish()):
                             yield _sse(chunk)
                         reason = "tool_calls" if out.num_calls and reason == "stop" else reason
-                    yield _sse(self._with_extension(oa.chunk_body(req, rid, model, None, reason), req, gen_req))
+                    yield _sse(self._with_extension(oar.chunk_body(req, rid, model, None, reason), req, gen_req))
                     if req.include_usage:
-                        yield _sse(oa.usage_chunk(req, rid, model, ev.usage))
+                        yield _sse(oar.usage_chunk(req, rid, model, ev.usage))
                     break
                 else:
                     err = _as_kvserve_error(ev.error)
                     track.failed(err)
-                    yield _sse(oa.error_body(err.message, err.error_type, err.param, err.code))
+                    yield _sse(oar.error_body(err.message, err.error_type, err.param, err.code))
                     break
             yield "data: [DONE]\n\n"
         finally:
@@ -284,11 +285,11 @@ def _segment_chunks(req, rid: str, model: str, out: ChatOutput, segments: list[S
         if seg.kind == TOOL:
             deltas = [call.openai(index + i) for i, call in enumerate(seg.calls)]
             index += len(seg.calls)
-            chunks.append(oa.chunk_body(req, rid, model, None, None, tool_calls=deltas))
+            chunks.append(oar.chunk_body(req, rid, model, None, None, tool_calls=deltas))
         elif seg.kind == REASONING:
-            chunks.append(oa.chunk_body(req, rid, model, None, None, reasoning=seg.text))
+            chunks.append(oar.chunk_body(req, rid, model, None, None, reasoning=seg.text))
         else:
-            chunks.append(oa.chunk_body(req, rid, model, seg.text, None))
+            chunks.append(oar.chunk_body(req, rid, model, seg.text, None))
     return chunks
 
 

@@ -13,7 +13,7 @@ from ..engine.cache_admin import CacheAdmin, parse_hashes
 from ..engine.engine import Engine
 from ..errors import InvalidRequestError, ValidationError
 from . import prompts
-from .openai import check_text, parse_messages
+from .messages import check_text, parse_messages
 
 
 async def _target_hashes(

@@ -26,7 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..config import ApiKeys
 from ..errors import AuthenticationError, BodyTimeoutError, KVServeError, OverloadedError, PayloadTooLargeError
-from . import openai as oa
+from . import openai_reply as oar
 from .metrics import RequestRecord, ServerMetrics
 
 RECORD_KEY = "mlx_kvserve.record"  # the scope key under which handlers find their RequestRecord
@@ -49,7 +49,7 @@ _HEADERS = {
 def error_response(exc: KVServeError) -> JSONResponse:
     # A message may quote request text holding a lone surrogate, which UTF-8 cannot encode.
     message = exc.message.encode("utf-8", "backslashreplace").decode("utf-8")
-    body = oa.error_body(message, exc.error_type, exc.param, exc.code)
+    body = oar.error_body(message, exc.error_type, exc.param, exc.code)
     return JSONResponse(body, status_code=exc.status_code, headers=_HEADERS.get(exc.status_code))
 
 

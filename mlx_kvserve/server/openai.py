@@ -1,4 +1,5 @@
-"""OpenAI request parsing and response shapes. Pure functions: no I/O, no MLX.
+"""OpenAI request parsing (messages: server/messages.py; replies: server/openai_reply.py). Pure
+functions: no I/O, no MLX.
 
 Parsing raises ValidationError (422) for wrong types or values and InvalidRequestError (400)
 for requests that cannot be served as asked; every message names the field.
@@ -8,17 +9,15 @@ from __future__ import annotations
 
 import json
 import math
-import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine.request import SamplingParams, Usage
+from ..engine.request import SamplingParams
 from ..errors import InvalidRequestError, ValidationError
 from . import tools as tl
 from .logprobs import LogprobRequest, parse_logprobs
+from .messages import check_text, parse_messages
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP_STRINGS = 8
 
 
@@ -94,88 +93,6 @@ def _top_p(body: dict[str, Any], default: float) -> float:
     if value <= 0:
         raise ValidationError("'top_p' must be greater than 0", param="top_p")
     return value
-
-
-def check_text(text: str, param: str) -> str:
-    """`text`, unless it holds a lone surrogate (a JSON escape like "\\ud800" with no pair), which is
-    not Unicode text and which no tokenizer takes: then InvalidRequestError (400) naming `param`."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        code = ord(text[exc.start])
-        raise InvalidRequestError(
-            f"'{param}' holds a lone surrogate (\\u{code:04x} at character {exc.start}), which is not valid Unicode text",
-            param=param,
-        ) from None
-    return text
-
-
-def _content_text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return check_text(content, f"{where}.content")
-    if isinstance(content, list):
-        parts = []
-        for i, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValidationError(f"{where}.content[{i}] must be a text part", param=f"{where}.content")
-            parts.append(part["text"])
-        return check_text("".join(parts), f"{where}.content")
-    raise ValidationError(f"{where}.content must be a string or a list of text parts", param=f"{where}.content")
-
-
-def _tool_calls(raw: Any, where: str) -> list[dict[str, Any]]:
-    """An assistant message's `tool_calls`, with each call's `arguments` decoded from its JSON text
-    into an object, as chat templates (and mlx-lm's server) expect."""
-    if not isinstance(raw, list):
-        raise ValidationError(f"{where}.tool_calls must be an array", param="messages")
-    calls = []
-    for j, call in enumerate(raw):
-        at = f"{where}.tool_calls[{j}]"
-        fn = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise ValidationError(f"{at} must be a function call with a 'name'", param="messages")
-        args = fn.get("arguments", "{}")
-        if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError:
-                raise ValidationError(f"{at}.function.arguments is not valid JSON", param="messages") from None
-        if not isinstance(args, dict):
-            raise ValidationError(f"{at}.function.arguments must be a JSON object", param="messages")
-        calls.append(
-            {"id": str(call.get("id", "")), "type": "function", "function": {"name": fn["name"], "arguments": args}}
-        )
-    return calls
-
-
-def _parse_message(msg: Any, where: str) -> dict[str, Any]:
-    if not isinstance(msg, dict):
-        raise ValidationError(f"{where} must be an object", param="messages")
-    role = msg.get("role")
-    if role not in ROLES:
-        raise ValidationError(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", param="messages")
-    content = msg.get("content")
-    if content is None and role == "assistant":
-        content = ""
-    out: dict[str, Any] = {"role": role, "content": _content_text(content, where)}
-    if role == "assistant" and msg.get("tool_calls"):
-        out["tool_calls"] = _tool_calls(msg["tool_calls"], where)
-    if role == "assistant" and msg.get("reasoning_content") is not None:
-        out["reasoning_content"] = _content_text(msg["reasoning_content"], f"{where}.reasoning")
-    for key in ("tool_call_id", "name"):  # a tool result names the call it answers
-        if msg.get(key) is not None:
-            if not isinstance(msg[key], str):
-                raise ValidationError(f"{where}.{key} must be a string", param="messages")
-            out[key] = msg[key]
-    return out
-
-
-def parse_messages(raw: Any) -> list[dict[str, Any]]:
-    """Messages as the chat template takes them: role and text content, plus an assistant's
-    `tool_calls` / `reasoning_content` and a tool message's `tool_call_id` / `name`."""
-    if not isinstance(raw, list) or not raw:
-        raise ValidationError("'messages' must be a non-empty array", param="messages")
-    return [_parse_message(msg, f"messages[{i}]") for i, msg in enumerate(raw)]
 
 
 def _parse_stop(body: dict[str, Any]) -> tuple[str, ...]:
@@ -371,103 +288,3 @@ def completion_budget(
             code="context_length_exceeded",
         )
     return req.max_tokens
-
-
-def new_id(kind: str) -> str:
-    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
-
-
-def usage_body(usage: Usage) -> dict[str, Any]:
-    return {
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.total_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
-    }
-
-
-def public_finish_reason(reason: str) -> str:
-    # A request cut short by shutdown ends like one that ran out of tokens.
-    return "length" if reason == "cancelled" else reason
-
-
-def response_body(
-    req: CompletionRequest,
-    rid: str,
-    model: str,
-    text: str,
-    reason: str,
-    usage: Usage,
-    reasoning: str = "",
-    tool_calls: tuple[tl.ToolCall, ...] | list[tl.ToolCall] = (),
-    logprobs: dict[str, Any] | None = None,
-) -> dict:
-    """The whole reply. A chat reply with tool calls ends with "tool_calls" (unless cut by
-    max_tokens) and has null content when the model wrote nothing else."""
-    reason = public_finish_reason(reason)
-    if req.kind == "chat":
-        message: dict[str, Any] = {"role": "assistant", "content": text if text or not tool_calls else None}
-        if reasoning:
-            message["reasoning_content"] = reasoning
-        if tool_calls:
-            message["tool_calls"] = [call.openai() for call in tool_calls]
-            reason = "tool_calls" if reason == "stop" else reason
-        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
-        obj = "text_completion"
-    return {
-        "id": rid,
-        "object": obj,
-        "created": int(time.time()),
-        "model": model,
-        "choices": [choice],
-        "usage": usage_body(usage),
-    }
-
-
-def chunk_body(
-    req: CompletionRequest,
-    rid: str,
-    model: str,
-    text: str | None,
-    reason: str | None,
-    first: bool = False,
-    reasoning: str | None = None,
-    tool_calls: list[dict[str, Any]] | None = None,
-    logprobs: dict[str, Any] | None = None,
-) -> dict:
-    """One streamed chunk: text (None for none), reasoning text, tool-call deltas (each with its
-    `index`) and, on the last content chunk, the finish reason."""
-    reason = public_finish_reason(reason) if reason else None
-    if req.kind == "chat":
-        delta: dict[str, Any] = {"role": "assistant"} if first else {}
-        if text is not None:
-            delta["content"] = text
-        if reasoning is not None:
-            delta["reasoning_content"] = reasoning
-        if tool_calls:
-            delta["tool_calls"] = tool_calls
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
-        obj = "chat.completion.chunk"
-    else:
-        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
-        obj = "text_completion"
-    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
-
-
-def usage_chunk(req: CompletionRequest, rid: str, model: str, usage: Usage) -> dict:
-    obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
-    return {
-        "id": rid,
-        "object": obj,
-        "created": int(time.time()),
-        "model": model,
-        "choices": [],
-        "usage": usage_body(usage),
-    }
-
-
-def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}

@@ -1,0 +1,92 @@
+"""OpenAI chat messages checked and put in the shape chat templates take. Pure functions."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ..errors import InvalidRequestError, ValidationError
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def check_text(text: str, param: str) -> str:
+    """`text`, unless it holds a lone surrogate (a JSON escape like "\\ud800" with no pair), which is
+    not Unicode text and which no tokenizer takes: then InvalidRequestError (400) naming `param`."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = ord(text[exc.start])
+        raise InvalidRequestError(
+            f"'{param}' holds a lone surrogate (\\u{code:04x} at character {exc.start}), which is not valid Unicode text",
+            param=param,
+        ) from None
+    return text
+
+
+def _content_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return check_text(content, f"{where}.content")
+    if isinstance(content, list):
+        parts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValidationError(f"{where}.content[{i}] must be a text part", param=f"{where}.content")
+            parts.append(part["text"])
+        return check_text("".join(parts), f"{where}.content")
+    raise ValidationError(f"{where}.content must be a string or a list of text parts", param=f"{where}.content")
+
+
+def _tool_calls(raw: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's `tool_calls`, with each call's `arguments` decoded from its JSON text
+    into an object, as chat templates (and mlx-lm's server) expect."""
+    if not isinstance(raw, list):
+        raise ValidationError(f"{where}.tool_calls must be an array", param="messages")
+    calls = []
+    for j, call in enumerate(raw):
+        at = f"{where}.tool_calls[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ValidationError(f"{at} must be a function call with a 'name'", param="messages")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError:
+                raise ValidationError(f"{at}.function.arguments is not valid JSON", param="messages") from None
+        if not isinstance(args, dict):
+            raise ValidationError(f"{at}.function.arguments must be a JSON object", param="messages")
+        calls.append(
+            {"id": str(call.get("id", "")), "type": "function", "function": {"name": fn["name"], "arguments": args}}
+        )
+    return calls
+
+
+def _parse_message(msg: Any, where: str) -> dict[str, Any]:
+    if not isinstance(msg, dict):
+        raise ValidationError(f"{where} must be an object", param="messages")
+    role = msg.get("role")
+    if role not in ROLES:
+        raise ValidationError(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", param="messages")
+    content = msg.get("content")
+    if content is None and role == "assistant":
+        content = ""
+    out: dict[str, Any] = {"role": role, "content": _content_text(content, where)}
+    if role == "assistant" and msg.get("tool_calls"):
+        out["tool_calls"] = _tool_calls(msg["tool_calls"], where)
+    if role == "assistant" and msg.get("reasoning_content") is not None:
+        out["reasoning_content"] = _content_text(msg["reasoning_content"], f"{where}.reasoning")
+    for key in ("tool_call_id", "name"):  # a tool result names the call it answers
+        if msg.get(key) is not None:
+            if not isinstance(msg[key], str):
+                raise ValidationError(f"{where}.{key} must be a string", param="messages")
+            out[key] = msg[key]
+    return out
+
+
+def parse_messages(raw: Any) -> list[dict[str, Any]]:
+    """Messages as the chat template takes them: role and text content, plus an assistant's
+    `tool_calls` / `reasoning_content` and a tool message's `tool_call_id` / `name`."""
+    if not isinstance(raw, list) or not raw:
+        raise ValidationError("'messages' must be a non-empty array", param="messages")
+    return [_parse_message(msg, f"messages[{i}]") for i, msg in enumerate(raw)]
