@@ -125,11 +125,23 @@ def leases(client) -> list[dict]:
 def test_a_marked_system_block_pins_its_prefix_for_five_minutes(served):
     engine, client, clock = served
     system = [{"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}}]
-    sdk(client).messages.create(model="tiny", max_tokens=2, system=system, messages=[{"role": "user", "content": "hi"}])
+    first = sdk(client).messages.create(
+        model="tiny", max_tokens=2, system=system, messages=[{"role": "user", "content": "hi"}]
+    )
     prompt, end = system_end(engine, "hi")
     (lease,) = leases(client)
     assert lease["ttl_s"] == 300.0
     assert end - BS < lease["blocks"] * BS <= end  # the system prompt's full blocks, nothing after it
+    usage = first.usage  # the pinned prefix was computed now: reported as written to the cache
+    assert (usage.cache_read_input_tokens, usage.cache_creation_input_tokens) == (0, lease["blocks"] * BS)
+    assert usage.input_tokens + usage.cache_creation_input_tokens == len(prompt)
+    again = (
+        sdk(client)
+        .messages.create(model="tiny", max_tokens=2, system=system, messages=[{"role": "user", "content": "hi"}])
+        .usage
+    )
+    assert again.cache_creation_input_tokens == 0 and again.cache_read_input_tokens >= lease["blocks"] * BS
+    assert again.input_tokens + again.cache_read_input_tokens == len(prompt)
     hashes = engine.cache_admin().block_hashes(prompt[: lease["blocks"] * BS])
     assert lease["block_hash"] == hashes[-1].hex()
     assert all(engine.prefix_cache.manager.pins.is_pinned(h) for h in hashes)

@@ -215,9 +215,10 @@ def anthropic_routes(handler: CompletionHandler, read_json: Callable) -> list[Ro
             body, req = await parse(request)
             found = cache_control.marks(body)
             gen_req, track = await handler.submit(request, req)
-            await cache_control.apply(handler, found, gen_req.prompt_tokens, tokens_of)
+            leased = max(await cache_control.apply(handler, found, gen_req.prompt_tokens, tokens_of), default=0)
             if req.stream:
-                return StreamingResponse(stream_events(handler, req, gen_req, track), media_type="text/event-stream")
+                events = stream_events(handler, req, gen_req, track, leased)
+                return StreamingResponse(events, media_type="text/event-stream")
             done = await handler.collect(request, gen_req, track)
         except KVServeError as exc:
             return error_response(exc)
@@ -228,7 +229,9 @@ def anthropic_routes(handler: CompletionHandler, read_json: Callable) -> list[Ro
         segments = out.feed(text) + out.finish()
         stop = matched_stop(engine.loaded.tokenizer, req, text, ev)
         reason = stop_reason(ev.finish_reason, out.num_calls, stop)
-        body = message_body(new_message_id(), engine.model_name, content_blocks(segments), reason, stop, ev.usage)
+        body = message_body(
+            new_message_id(), engine.model_name, content_blocks(segments), reason, stop, ev.usage, leased
+        )
         return JSONResponse(body)
 
     async def count_tokens(request: Request) -> Response:

@@ -22,15 +22,16 @@ _ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_
 _ERROR_TYPES |= {413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error", 504: "timeout_error"}
 
 
-def usage_body(usage: Usage) -> dict[str, int]:
-    """Anthropic's split: `input_tokens` are the prompt tokens computed now, `cache_read_input_tokens`
-    those served from the cache (their sum is the prompt). Every computed block is cached as well,
-    with no marker asked for, so no tokens are reported as `cache_creation_input_tokens`."""
+def usage_body(usage: Usage, leased: int = 0) -> dict[str, int]:
+    """Anthropic's split of the prompt: `cache_read_input_tokens` were served from the cache,
+    `cache_creation_input_tokens` were computed now and pinned by a cache_control marker (`leased`:
+    the longest prefix a marker pinned), `input_tokens` the rest. The three add up to the prompt."""
+    created = max(0, min(leased, usage.prompt_tokens) - usage.cached_tokens)
     return {
-        "input_tokens": usage.prompt_tokens - usage.cached_tokens,
+        "input_tokens": usage.prompt_tokens - usage.cached_tokens - created,
         "output_tokens": usage.completion_tokens,
         "cache_read_input_tokens": usage.cached_tokens,
-        "cache_creation_input_tokens": 0,
+        "cache_creation_input_tokens": created,
     }
 
 
@@ -80,7 +81,9 @@ def new_message_id() -> str:
     return "msg_" + uuid.uuid4().hex[:24]
 
 
-def message_body(mid: str, model: str, blocks: list, reason: str, stop: str | None, usage: Usage) -> dict:
+def message_body(
+    mid: str, model: str, blocks: list, reason: str, stop: str | None, usage: Usage, leased: int = 0
+) -> dict:
     return {
         "id": mid,
         "type": "message",
@@ -89,7 +92,7 @@ def message_body(mid: str, model: str, blocks: list, reason: str, stop: str | No
         "content": blocks,
         "stop_reason": reason,
         "stop_sequence": stop,
-        "usage": usage_body(usage),
+        "usage": usage_body(usage, leased),
     }
 
 
@@ -150,7 +153,9 @@ def _kvserve_error(exc: Exception) -> KVServeError:
     return exc if isinstance(exc, KVServeError) else KVServeError(f"generation failed: {type(exc).__name__}: {exc}")
 
 
-async def stream_events(handler: CompletionHandler, req: oa.CompletionRequest, gen_req, track) -> AsyncIterator[str]:
+async def stream_events(
+    handler: CompletionHandler, req: oa.CompletionRequest, gen_req, track, leased: int = 0
+) -> AsyncIterator[str]:
     """message_start, ping, content blocks as the reply is written, message_delta (stop reason and
     final usage), message_stop; an `error` event ends a stream that fails after it started."""
     engine, out, blocks, pieces = handler.engine, handler.output(req, gen_req), BlockStream(), []
@@ -177,7 +182,7 @@ async def stream_events(handler: CompletionHandler, req: oa.CompletionRequest, g
                     yield line
                 stop = matched_stop(engine.loaded.tokenizer, req, "".join(pieces), ev)
                 delta = {"stop_reason": stop_reason(ev.finish_reason, out.num_calls, stop), "stop_sequence": stop}
-                yield _event("message_delta", {"delta": delta, "usage": usage_body(ev.usage)})
+                yield _event("message_delta", {"delta": delta, "usage": usage_body(ev.usage, leased)})
                 yield _event("message_stop", {})
                 return
             else:
