@@ -132,11 +132,16 @@ class SSDConfig:
     persistent_max_retries: int = 3
     async_writes: bool = True  # false: write on the worker thread (slower decode; for debugging)
     writer_queue_size: int = 512
+    # A full writer queue: "shed" drops the least valuable queued block (deep unpinned conversation
+    # blocks before shallow shared ones; pinned never), "write_inline" makes the request's thread write it.
+    writer_when_full: str = "shed"
     write_hold_s: float = 2.0  # background writes wait up to this long while a request prefills; 0 = never
     flush_interval_s: float = 2.0  # how often the index is written while blocks arrive
-    drain_timeout_s: float = 10.0  # how long shutdown waits for queued writes
+    drain_timeout_s: float = 30.0  # at most this long shutdown waits for queued writes (they take bytes / bandwidth)
     max_bytes: int = 0  # disk budget; 0 = unlimited (the free-space floor still applies)
     min_free_bytes: int = 2 * 1024**3  # stop writing when the disk has less free space than this
+    prefetch_on_start: bool = False  # after startup, read the hottest chains into RAM while the server is idle
+    prefetch_max_bytes: int = 0  # at most this much; 0 = the RAM budget for blocks
 
 
 ROUTER_POLICIES = ("lmetric", "load_only", "sticky", "unified", "round_robin")  # router.policies.Policy
@@ -180,7 +185,7 @@ class Config:
 
 
 _SECTIONS = {f.name: f.type for f in fields(Config)}
-_BYTE_KEYS = {"max_body_bytes", "ram_max_bytes", "max_bytes", "min_free_bytes"}
+_BYTE_KEYS = {"max_body_bytes", "ram_max_bytes", "max_bytes", "min_free_bytes", "prefetch_max_bytes"}
 
 
 def _coerce(section: str, key: str, value: Any, expected: type) -> Any:
@@ -303,6 +308,9 @@ def validate(config: Config) -> Config:
     _check(d.durability in ("best_effort", "persistent"), "ssd.durability", "must be best_effort or persistent")
     _check(d.persistent_max_retries >= 0, "ssd.persistent_max_retries", "must be >= 0")
     _check(d.writer_queue_size >= 1, "ssd.writer_queue_size", "must be >= 1")
+    when_full = ("shed", "write_inline")
+    _check(d.writer_when_full in when_full, "ssd.writer_when_full", f"must be one of {', '.join(when_full)}")
+    _check(d.prefetch_max_bytes >= 0, "ssd.prefetch_max_bytes", "must be >= 0 (0 = the RAM budget)")
     _check(d.flush_interval_s >= 0, "ssd.flush_interval_s", "must be >= 0")
     _check(d.write_hold_s >= 0, "ssd.write_hold_s", "must be >= 0 (0 = never hold writes)")
     _check(d.drain_timeout_s >= 0, "ssd.drain_timeout_s", "must be >= 0")

@@ -37,6 +37,7 @@ from .cache_admin import CacheAdmin
 from .constrain import grammars_for
 from .distributed import BroadcastAdmin, DistributedWorker, World
 from .generate import Generator
+from .prefetch import Prefetcher
 from .prefix_cache import PrefixCache
 from .request import Failed, GenerationRequest, SamplingParams
 from .turns import turn_start_token
@@ -106,11 +107,14 @@ def build_ssd_tier(config: Config, namespace: bytes, pins: PinRegistry, layout: 
     )
     holder: list[SSDTier] = []
     writer = SSDWriterThread(
-        lambda *job: holder[0].save_job(*job),
+        save_batch=lambda jobs: holder[0].save_jobs(jobs),
         queue_size=ssd.writer_queue_size,
         durability=ssd.durability,
         max_retries=ssd.persistent_max_retries,
         after_job=lambda: holder[0].after_write() if holder else None,
+        when_full=ssd.writer_when_full,
+        value=lambda job: holder[0].job_value(job),
+        on_shed=lambda job: holder[0].forget_job(job),
     )
     tier = SSDTier(
         store,
@@ -225,6 +229,7 @@ class Engine:
             self.prefix_cache.agree = world.all_lengths
             self.worker = DistributedWorker(self.generator, config.server.max_queue, world, self._execute)
         self.started_at = time.time()
+        self.prefetcher: Prefetcher | None = None  # set by start() with [ssd] prefetch_on_start
 
     def _execute(self, name: str, args: tuple) -> Any:
         """A cache command on this rank (distributed: run on every rank by the worker)."""
@@ -255,6 +260,15 @@ class Engine:
         return self.loaded.context_length
 
     def start(self) -> None:
+        """Start the worker; with [ssd] prefetch_on_start, it reads the hottest chains from the SSD
+        into RAM while no request runs (engine/prefetch.py)."""
+        manager, tier = self.prefix_cache.manager, self.prefix_cache.ssd_tier
+        if self.config.ssd.prefetch_on_start and manager is not None and tier is not None:
+            if self.world is None:
+                self.prefetcher = Prefetcher(manager, tier, self.config.ssd.prefetch_max_bytes)
+                self.worker.start(self.prefetcher.step)
+                return
+            log.warning("[ssd] prefetch_on_start is not supported with --distributed; the ranks start cold")
         self.worker.start()
 
     def stop(self, timeout: float | None = None) -> None:
@@ -382,6 +396,8 @@ class Engine:
             out.update(tier.stats())
             out["ssd_startup_validation"] = tier.validation
             out.update(tier.last_shutdown)
+            if self.prefetcher is not None:
+                out.update({f"ssd_{k}": v for k, v in self.prefetcher.stats().items()})
         out["damaged_files"] = [damaged.as_json() for damaged in self.damaged_files()]
         return out
 

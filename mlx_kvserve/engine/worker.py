@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Callable
 
 from ..errors import OverloadedError, ShuttingDownError
 from .generate import Generator
@@ -31,9 +32,13 @@ class InferenceWorker:
         self._lock = threading.Lock()  # guards _closing and _running
         self._closing = False
         self._running: dict[int, GenerationRequest] = {}  # admitted, not finished, by id()
+        self._idle_task: Callable[[], bool] | None = None  # read and cleared on the worker thread only
         self._thread = threading.Thread(target=self._loop, name="mlx-worker", daemon=False)
 
-    def start(self) -> None:
+    def start(self, idle_task: Callable[[], bool] | None = None) -> None:
+        """Start the thread. `idle_task` (e.g. the SSD prefetch) runs on it in small steps while no
+        request runs or waits; it returns False once it has nothing more to do."""
+        self._idle_task = idle_task
         self._thread.start()
 
     @property
@@ -93,8 +98,8 @@ class InferenceWorker:
         while True:
             busy = self.scheduler.num_running > 0
             while not stopping and not self.scheduler.is_full:
-                try:  # block only when nothing runs
-                    item = self._queue.get() if not busy else self._queue.get_nowait()
+                try:  # block only when nothing runs and no idle work is left
+                    item = self._queue.get_nowait() if busy or self._idle_task else self._queue.get()
                 except queue.Empty:
                     break
                 if item is _STOP:
@@ -107,6 +112,18 @@ class InferenceWorker:
                 return
             if busy:
                 self._step()
+            elif self._idle_task is not None and not stopping:
+                self._idle_step()
+
+    def _idle_step(self) -> None:
+        """One step of the idle task; it ends when it says so or fails (logged, never fatal)."""
+        try:
+            more = self._idle_task()
+        except Exception:
+            log.exception("idle task failed; stopped")
+            more = False
+        if not more:
+            self._idle_task = None
 
     def _admit(self, req: GenerationRequest) -> None:
         on_done = req.on_done

@@ -353,6 +353,16 @@ class KVManager:
                 self.next_tier.on_evicted(evicted)
         return True
 
+    def add_prefetched(self, block: Block) -> bool:
+        """Put a block read ahead from the next tier into RAM, unreferenced, if it fits the RAM
+        budget as it is: nothing is evicted for it. False when it is there already or does not fit."""
+        with self._lock:
+            if block.block_hash in self._ram or self._ram.used_bytes + block.nbytes > self._ram.max_bytes:
+                return False
+            self._ram.insert(block, self._next_tick())
+            self.events.stored(block.block_hash)
+        return True
+
     def write_deferred(self, blocks: Sequence[Block]) -> None:
         """Hand blocks registered with `write=False` to the next tier now, as `cache_block` would
         have (also those RAM evicted meanwhile: a write-through tier must still get them)."""

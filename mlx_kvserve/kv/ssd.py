@@ -28,6 +28,7 @@ from typing import NamedTuple, Protocol
 import mlx.core as mx
 
 from ..checked_json import DamagedFile, load_json
+from . import ssd_index
 from .fsmode import private_mkdir
 from .ssd_index import (
     INDEX_NAME,
@@ -59,6 +60,16 @@ class SaveResult(str, Enum):
     COLLISION = "collision"  # the hash is stored with other tokens, or isolated after such a clash
     ERROR = "error"  # an I/O failure; nothing was left behind
     SKIPPED = "skipped"  # refused: free space below the floor, or no room within the disk budget
+
+
+class BlockToSave(NamedTuple):
+    """What save_blocks takes per block (the writer's WriteJob has the same first fields). The
+    arrays must already be evaluated (mx.eval)."""
+
+    block_hash: bytes
+    parent_hash: bytes
+    token_ids: Sequence[int]
+    arrays: Mapping[str, mx.array]
 
 
 class LoadedBlock(NamedTuple):
@@ -158,33 +169,70 @@ class SSDStore:
         self, block_hash: bytes, parent_hash: bytes, token_ids: Sequence[int], arrays: Mapping[str, mx.array]
     ) -> SaveResult:
         """Persist one block unless it is there already. Never raises."""
-        ids = tuple(token_ids)
+        return self.save_blocks([BlockToSave(block_hash, parent_hash, token_ids, arrays)])[0]
+
+    def save_blocks(self, blocks: Sequence[BlockToSave]) -> list[SaveResult]:
+        """Persist several blocks (those not there already) with one durability step for all: each
+        new block's temp file is written and its writeback started, then the files are fsync'd back
+        to back, renamed into place and indexed, and each folder is fsync'd once. A block enters the
+        index only after its file is durable; a crash before leaves temp files, which validate_index
+        deletes. One result per block, in order. Never raises."""
+        results: list[SaveResult] = []
+        written: list[tuple[int, Path, IndexEntry]] = []  # (position, temp file, entry) awaiting fsync
+        for block in blocks:
+            verdict, tmp, entry = self._write_unsynced(block)
+            if tmp is not None:
+                written.append((len(results), tmp, entry))
+            results.append(verdict)
+        durable = []
+        for position, tmp, entry in written:
+            try:
+                ssd_index.fsync_path(tmp)
+                durable.append((position, tmp, entry))
+            except Exception as exc:  # the OS reports a failed flush (a full disk) here
+                results[position] = self._write_failed(blocks[position].block_hash, exc, tmp)
+        folders = set()
+        with self._lock:
+            for position, tmp, entry in durable:
+                block_hash = blocks[position].block_hash
+                verdict = self._admit(block_hash, entry.num_tokens, entry.tokens_digest)  # another thread may have won
+                results[position] = verdict if verdict is not None else self._install(block_hash, entry, tmp)
+        for position, tmp, _ in durable:
+            if results[position] is SaveResult.SAVED:
+                folders.add(tmp.parent)
+            else:
+                tmp.unlink(missing_ok=True)
+        for folder in folders:
+            fsync_dir(folder)
+        return results
+
+    def _write_unsynced(self, block: BlockToSave) -> tuple[SaveResult, Path | None, IndexEntry | None]:
+        """Write one block's temp file without waiting for the disk: (SAVED, temp file, its entry),
+        or (the verdict, None, None) when it is not to be written or the write failed."""
+        ids = tuple(block.token_ids)
         digest = tokens_digest(ids)
         with self._lock:
-            verdict = self._admit(block_hash, len(ids), digest)
+            verdict = self._admit(block.block_hash, len(ids), digest)
         if verdict is not None:
-            return verdict
+            return verdict, None, None
         try:
-            if not self.has_free_space(sum(a.nbytes for a in arrays.values())):
+            if not self.has_free_space(sum(a.nbytes for a in block.arrays.values())):
                 with self._lock:
                     self._stats["skipped_low_space"] += 1
-                return SaveResult.SKIPPED
-            tmp, size = self._write_temp(BlockHeader(block_hash, parent_hash, ids, ""), arrays)
+                return SaveResult.SKIPPED, None, None
+            header = BlockHeader(block.block_hash, block.parent_hash, ids, "")
+            tmp, size = self._write_temp(header, block.arrays, sync=False)
         except Exception as exc:  # mlx reports I/O failures as RuntimeError, the OS as OSError
-            log.warning("SSD write of block %s failed: %s", block_hash.hex()[:16], exc)
-            with self._lock:
-                self._stats["errors"] += 1
-            return SaveResult.ERROR
-        entry = IndexEntry(len(ids), digest, self._clock(), size)
-        with self._lock:
-            verdict = self._admit(block_hash, len(ids), digest)  # another thread may have won meanwhile
-            if verdict is None:
-                verdict = self._install(block_hash, entry, tmp)
-        if verdict is SaveResult.SAVED:
-            fsync_dir(tmp.parent)
-        else:
+            return self._write_failed(block.block_hash, exc), None, None
+        return SaveResult.SAVED, tmp, IndexEntry(len(ids), digest, self._clock(), size)
+
+    def _write_failed(self, block_hash: bytes, exc: Exception, tmp: Path | None = None) -> SaveResult:
+        log.warning("SSD write of block %s failed: %s", block_hash.hex()[:16], exc)
+        if tmp is not None:
             tmp.unlink(missing_ok=True)
-        return verdict
+        with self._lock:
+            self._stats["errors"] += 1
+        return SaveResult.ERROR
 
     def has_free_space(self, num_bytes: int) -> bool:
         """Whether writing `num_bytes` more keeps the disk's free space above min_free_bytes."""
@@ -245,12 +293,13 @@ class SSDStore:
         self._stats["collisions"] += 1
         log.warning("SSD block hash collision on %s: non-cacheable for an hour", block_hash.hex()[:16])
 
-    def _write_temp(self, header: BlockHeader, arrays: Mapping[str, mx.array]) -> tuple[Path, int]:
-        """Write and fsync a temp file next to the final path: (path, size). Raises on I/O failure."""
+    def _write_temp(self, header: BlockHeader, arrays: Mapping[str, mx.array], sync: bool = True) -> tuple[Path, int]:
+        """Write a temp file next to the final path, fsync'd unless not `sync`: (path, size). Raises
+        on I/O failure."""
         final = self._path(header.block_hash)
         private_mkdir(final.parent)  # the namespace folder too, if someone removed it meanwhile
         tmp = final.with_name(f"{header.block_hash.hex()}.{os.getpid()}-{next(self._temp_ids)}{TEMP_SUFFIX}")
-        return tmp, write_block_file(tmp, self.namespace, header, arrays)
+        return tmp, write_block_file(tmp, self.namespace, header, arrays, sync=sync)
 
     def _install(self, block_hash: bytes, entry: IndexEntry, tmp: Path) -> SaveResult:
         """Make room within the budget, rename the temp file into place, index it. Caller holds _lock."""
@@ -309,6 +358,14 @@ class SSDStore:
             log.warning("SSD could not delete block %s: %s", block_hash.hex()[:16], exc)
 
     # --- load ----------------------------------------------------------------------------------
+
+    def is_pinned(self, block_hash: bytes) -> bool:
+        return self._is_pinned(block_hash)
+
+    def recent_hashes(self) -> list[bytes]:
+        """Every stored hash, most recently used first (a snapshot)."""
+        with self._lock:
+            return [h for h, _ in self._index.items()][::-1]
 
     def contains(self, block_hash: bytes) -> bool:
         """Whether the index lists this hash (the file is verified only by load_block)."""

@@ -29,6 +29,7 @@ from xxhash import xxh3_128
 from ..checked_json import Const, Float, Hex, Int, MapOf, Obj, parse_json, read_json
 from .fsmode import create_private, open_private
 from .hashing import HASH_BYTES, framed
+from .writeback import start_writeback
 
 log = logging.getLogger(__name__)
 
@@ -220,14 +221,20 @@ def read_metadata(path: Path) -> dict[str, str]:
     return meta
 
 
-def write_block_file(path: Path, namespace: bytes, header: BlockHeader, arrays: Mapping[str, mx.array]) -> int:
+def write_block_file(
+    path: Path, namespace: bytes, header: BlockHeader, arrays: Mapping[str, mx.array], sync: bool = True
+) -> int:
     """Write a block file (header.checksum is computed here) and fsync it; returns its size.
+    `sync=False`: only start its writeback; the caller fsyncs it (with others) before using it.
     Raises on I/O failure, leaving no file behind."""
     try:
         header = header._replace(checksum=block_checksum(namespace, header, arrays))
         create_private(path)  # mlx creates files 0644 but keeps the mode of one it overwrites
         mx.save_safetensors(str(path), dict(arrays), metadata=block_metadata(namespace, header))
-        fsync_path(path)
+        if sync:
+            fsync_path(path)
+        else:
+            start_writeback(path)
         return path.stat().st_size
     except BaseException:
         path.unlink(missing_ok=True)

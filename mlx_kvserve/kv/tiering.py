@@ -17,8 +17,9 @@ from ..checked_json import Bool, DamagedFile, Obj, load_json, remove_leftover_te
 from .base import Block
 from .fsmode import open_private
 from .ssd import SaveResult, SSDStore
-from .ssd_index import block_relpath, read_header
+from .ssd_index import BlockHeader, block_relpath, read_header
 from .ssd_tails import SSDTailStore, tail_key
+from .write_queue import JobValue
 from .writer import SSDWriterThread, WriteJob
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,7 @@ SHUTDOWN_FILE = "shutdown.json"
 MAX_SHUTDOWN_RECORD_BYTES = 64 * 1024
 SHUTDOWN_SCHEMA = Obj({"shutdown_clean": Bool(), "shutdown_partial_flush": Bool()})  # "at" is not used
 PRUNE_INTERVAL_S = 3600.0
+TAIL_DEPTH = 2**31  # a tail ranks below every block of its chain when the writer sheds
 
 
 class SSDTier:
@@ -67,11 +69,12 @@ class SSDTier:
         self._tail_keys: set[bytes] = set()  # writer jobs that are tails, not blocks
 
     def _write(self, block: Block) -> None:
-        job = WriteJob(block.block_hash, block.parent_hash, block.token_ids, self._to_arrays(block.payload))
+        arrays = self._to_arrays(block.payload)
+        job = WriteJob(block.block_hash, block.parent_hash, block.token_ids, arrays, block.depth)
         if self.async_writes:
             self.writer.enqueue(job)
         else:
-            self.store.save_block(*job)
+            self.store.save_blocks([job])
 
     def hold_writes(self) -> None:
         """A request is prefilling: background writes wait until `resume_writes`, at most
@@ -139,6 +142,35 @@ class SSDTier:
             return self._save_tail(parent_hash, token_ids, arrays)
         return self.store.save_block(block_hash, parent_hash, token_ids, arrays)
 
+    def save_jobs(self, jobs: Sequence[WriteJob]) -> list[SaveResult]:
+        """The writer's batch save function: tails one by one, blocks in one store batch (one
+        durability step for all). Results in the order of `jobs`."""
+        with self._tail_lock:
+            is_tail = [job.block_hash in self._tail_keys for job in jobs]
+            self._tail_keys.difference_update(job.block_hash for job in jobs)
+        results: list[SaveResult | None] = [
+            self._save_tail(job.parent_hash, job.token_ids, job.arrays) if tail else None
+            for job, tail in zip(jobs, is_tail, strict=True)
+        ]
+        positions = [i for i, result in enumerate(results) if result is None]
+        for i, result in zip(positions, self.store.save_blocks([jobs[i] for i in positions]), strict=True):
+            results[i] = result
+        return results
+
+    def job_value(self, job: WriteJob) -> JobValue:
+        """How much a queued write is worth keeping when the writer sheds: pinned blocks (and tails
+        of pinned chains) always; tails are the deepest part of their chain."""
+        with self._tail_lock:
+            is_tail = job.block_hash in self._tail_keys
+        if is_tail:
+            return JobValue(self.store.is_pinned(job.parent_hash), TAIL_DEPTH)
+        return JobValue(self.store.is_pinned(job.block_hash), job.depth)
+
+    def forget_job(self, job: WriteJob) -> None:
+        """The writer shed `job`: it will not reach save_jobs."""
+        with self._tail_lock:
+            self._tail_keys.discard(job.block_hash)
+
     def _save_tail(self, parent_hash: bytes, token_ids: Sequence[int], arrays: dict) -> SaveResult:
         """A tail within the same free-space floor and byte budget as blocks (LRU across both)."""
         # The file's size: its arrays plus a safetensors header (identity, token ids, one entry per array).
@@ -165,10 +197,16 @@ class SSDTier:
 
     def parent_of(self, block_hash: bytes) -> bytes | None:
         """The parent hash recorded in the block's file header, or None when it is not stored."""
+        header = self.header_of(block_hash)
+        return header.parent_hash if header is not None else None
+
+    def header_of(self, block_hash: bytes) -> BlockHeader | None:
+        """The block file's header (parent hash, token ids; its checksum is verified only by a
+        load), or None when it is not stored or unreadable."""
         if not self.store.contains(block_hash):
             return None
         try:
-            return read_header(self.store.cache_dir / block_relpath(block_hash), self.store.namespace).parent_hash
+            return read_header(self.store.cache_dir / block_relpath(block_hash), self.store.namespace)
         except (OSError, ValueError):
             return None
 
