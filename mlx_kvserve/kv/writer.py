@@ -249,6 +249,9 @@ class SSDWriterThread:
         (it is non-daemon, so the process waits for it); nothing is dropped. Safe to call twice."""
         start = time.monotonic()
         deadline = start + drain_timeout
+        if self._thread.is_alive():
+            self._log_drain(drain_timeout)
+        self._queue.sort_by_value()  # before the thread takes its next batch
         self.resume()  # a held writer drains at once
         with self._life_lock:
             self._closing = True
@@ -261,10 +264,8 @@ class SSDWriterThread:
                     )
                     return False
                 self._no_inflight.wait(remaining)
-            self._queue.sort_by_value()
+            self._queue.sort_by_value()  # again, with what in-flight enqueues added
             self._queue.close()
-        if self._thread.is_alive():
-            self._log_drain(deadline - time.monotonic())
         self._thread.join(max(0.0, deadline - time.monotonic()))
         if self._thread.is_alive():
             log.error("SSD writer did not drain within %.1fs; ~%d blocks still queued", drain_timeout, self._depth())
