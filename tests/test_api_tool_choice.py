@@ -124,8 +124,8 @@ def test_auto_with_a_response_format_is_an_answer_or_calls(matcher):
 
 
 def test_a_format_without_a_grammar_is_refused_by_name():
-    tokenizer = SimpleNamespace(tool_parser=SimpleNamespace(__module__="mlx_lm.tool_parsers.qwen3_coder"))
-    with pytest.raises(tg.UnsupportedCallFormat, match="qwen3_coder"):
+    tokenizer = SimpleNamespace(tool_parser=SimpleNamespace(__module__="mlx_lm.tool_parsers.glm47"))
+    with pytest.raises(tg.UnsupportedCallFormat, match="glm47"):
         tg.build(tokenizer, [], tg.CallGrammar((TIME,), forced=True))
     with pytest.raises(tg.UnsupportedCallFormat, match="none"):
         tg.check_format(SimpleNamespace(tool_parser=None))
@@ -221,3 +221,94 @@ def test_anthropic_any_and_tool_choices_give_valid_tool_use_blocks(tool_client):
         uses = [b for b in reply.content if b.type == "tool_use"]
         assert reply.stop_reason == "tool_use" and len(uses) == 1
         check_calls([{"name": u.name, "arguments": json.dumps(u.input)} for u in uses], names=names)
+
+
+# --- the qwen3_coder format (Qwen3-Coder, Qwen3.5): parameters as XML, raw string values ----------------------
+
+
+@pytest.fixture(scope="module")
+def xml_loaded(tmp_path_factory):
+    from test_api_tools import _loaded
+    from toolmodel import XML_TOOL_TEMPLATE, build_tool_model
+
+    folder = build_tool_model(tmp_path_factory.mktemp("xmltools") / "xml-tiny", template=XML_TOOL_TEMPLATE)
+    return _loaded(folder, "xml-tiny")
+
+
+def xml_call(name: str, arguments: dict) -> str:
+    params = "".join(
+        f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n" for k, v in arguments.items()
+    )
+    return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
+
+
+def test_the_xml_format_grammar_takes_what_its_parser_reads(xml_loaded):
+    tokenizer = xml_loaded.tokenizer
+    assert tg.format_name(tokenizer) == "qwen3_coder"
+    ll = llguidance.hf.from_tokenizer(tokenizer._tokenizer)
+    note = {
+        "type": "function",
+        "function": {
+            "name": "note",
+            "parameters": {
+                "type": "object",
+                "properties": {"text": {"type": "string"}, "n": {"type": "integer", "maximum": 9}},
+                "required": ["text"],
+            },
+        },
+    }
+    spec = tg.CallGrammar((TIME, note), forced=True)
+
+    def accepts(text: str) -> bool:
+        grammar = llguidance.LLMatcher.grammar_from_lark(tg.build(tokenizer, [], spec))
+        m = llguidance.LLMatcher(ll, grammar)
+        return all(m.consume_token(t) for t in tokenizer.encode(text, add_special_tokens=False)) and m.is_accepting()
+
+    good = [
+        ("get_time", {"tz": "CET", "hours": 5}),
+        ("note", {"text": "two\nlines <b>"}),
+        ("note", {"text": "x", "n": 3}),
+    ]
+    for name, args in good:
+        assert accepts(xml_call(name, args)), (name, args)
+        (parsed,) = [
+            tokenizer.tool_parser(xml_call(name, args)[len("<tool_call>") : -len("</tool_call>")], [TIME, note])
+        ]
+        assert parsed == {"name": name, "arguments": args}  # what the grammar lets through reads back exactly
+    assert not accepts(xml_call("get_time", {"tz": "MSK", "hours": 5}))
+    assert not accepts(xml_call("get_time", {"hours": 5}))
+    assert not accepts(xml_call("note", {"text": "x", "n": 12}))
+    with pytest.raises(tg.UnsupportedCallFormat, match="pattern"):
+        bad = {
+            "type": "function",
+            "function": {"name": "f", "parameters": {"properties": {"s": {"type": "string", "pattern": "^a$"}}}},
+        }
+        tg.build(tokenizer, [], tg.CallGrammar((bad,), forced=True))
+
+
+def test_required_on_the_xml_format_gives_valid_calls_from_a_random_model(xml_loaded, tmp_path):
+    from starlette.testclient import TestClient
+    from test_hardening_wire import make_engine
+
+    from mlx_kvserve.config import ApiKeys
+    from mlx_kvserve.server.app import create_app
+
+    engine = make_engine(xml_loaded, tmp_path)
+    with TestClient(create_app(engine, ApiKeys("", ""))) as client:
+        for seed in range(3):
+            reply = sdk(client).chat.completions.create(
+                model="xml-tiny",
+                messages=USER,
+                tools=BOUNDED,
+                tool_choice="required",
+                parallel_tool_calls=False,
+                max_tokens=200,
+                temperature=1.0,
+                seed=seed,
+            )
+            choice = reply.choices[0]
+            assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+            check_calls(
+                [{"name": c.function.name, "arguments": c.function.arguments} for c in choice.message.tool_calls]
+            )
+    engine.stop(0)

@@ -7,8 +7,9 @@
 
 A thinking model may reason first: a reasoning block the prompt leaves open (or one the model
 opens) is free text until its end marker. The call format is mlx-lm's, found from the chat
-template: the formats whose calls are JSON between two markers (json_tools: Qwen, Hermes and the
-like) are served; for the others a forced choice is refused with the format's name, never faked.
+template: json_tools (JSON between markers: Qwen2.5/Qwen3, Hermes and the like) and qwen3_coder
+(XML-style parameters: Qwen3-Coder, Qwen3.5) are served; for the others a forced choice is refused
+with the format's name, never faked.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-JSON_CALL_FORMATS = ("json_tools",)  # mlx-lm parsers that read {"name", "arguments"} between markers
 COMPACT = {"x-guidance": {"whitespace_flexible": False}}  # no blank padding from weak models
 
 
@@ -49,10 +49,10 @@ def format_name(tokenizer: Any) -> str:
 def check_format(tokenizer: Any) -> None:
     """UnsupportedCallFormat unless calls of this model can be constrained."""
     name = format_name(tokenizer)
-    if name not in JSON_CALL_FORMATS:
+    if name not in CALL_BODIES:
         raise UnsupportedCallFormat(
             f"this model's tool-call format ({name or 'none'}) cannot be constrained here; "
-            f"supported: {', '.join(JSON_CALL_FORMATS)}"
+            f"supported: {', '.join(CALL_BODIES)}"
         )
 
 
@@ -67,6 +67,9 @@ def reasoning_state(tokenizer: Any, prompt: Sequence[int]) -> str:
         return "open"
     if closed >= 0 and not tokenizer.decode(list(prompt[closed + 1 :])).strip():
         return "closed"
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str) and tokenizer.think_start not in template:
+        return "none"  # markers in the vocabulary, but a template that never reasons (Qwen3-Coder)
     return "free"
 
 
@@ -86,6 +89,18 @@ def _literal(tokenizer: Any, text: str) -> str:
     return f"<[{token}]>" if token is not None else json.dumps(text)
 
 
+def _functions(spec: CallGrammar) -> list[dict[str, Any]]:
+    functions = [t["function"] for t in spec.tools if spec.name is None or t["function"]["name"] == spec.name]
+    if not functions:
+        raise UnsupportedCallFormat(f"no tool named {spec.name!r}")
+    return functions
+
+
+def _held(spec: CallGrammar, fn: dict[str, Any]) -> bool:
+    """Whether `fn`'s arguments must follow its schema (else: any object)."""
+    return spec.forced or fn["name"] in spec.strict_names
+
+
 def call_schema(fn: dict[str, Any], strict: bool) -> dict[str, Any]:
     """The JSON of one call of `fn`: its name, and arguments valid against its schema (any object
     when not strict)."""
@@ -98,34 +113,78 @@ def call_schema(fn: dict[str, Any], strict: bool) -> dict[str, Any]:
     }
 
 
-def _calls_schema(spec: CallGrammar) -> dict[str, Any]:
-    functions = [t["function"] for t in spec.tools if spec.name is None or t["function"]["name"] == spec.name]
-    if not functions:
-        raise UnsupportedCallFormat(f"no tool named {spec.name!r}")
-    options = [call_schema(fn, spec.forced or fn["name"] in spec.strict_names) for fn in functions]
-    return {**(options[0] if len(options) == 1 else {"anyOf": options}), **COMPACT}
+def _json_call_body(spec: CallGrammar) -> list[str]:
+    """json_tools: `\n{"name": ..., "arguments": {...}}\n` between the markers."""
+    options = [call_schema(fn, _held(spec, fn)) for fn in _functions(spec)]
+    schema = {**(options[0] if len(options) == 1 else {"anyOf": options}), **COMPACT}
+    return [f'body: "\\n" %json {json.dumps(schema)} "\\n"']
+
+
+# qwen3_coder parameter values: strings are raw text, everything else JSON text (the template's tojson).
+_RAW_STRING_KEYS = {"type", "enum", "const", "description", "title", "default", "examples"}
+
+
+def _xml_value(name: str, schema: dict[str, Any], rule: str) -> list[str]:
+    """Rules for one parameter's value, ending with its closing tag."""
+    end = '"\\n</parameter>\\n"'
+    if schema.get("type") == "string":
+        extra = sorted(set(schema) - _RAW_STRING_KEYS)
+        if extra:
+            raise UnsupportedCallFormat(
+                f"parameter {name!r}: {', '.join(extra)} cannot be enforced on raw-text values (qwen3_coder format)"
+            )
+        values = schema.get("enum", [schema["const"]] if "const" in schema else None)
+        if values is not None:
+            return [f"{rule}: ({' | '.join(json.dumps(str(v)) for v in values)}) {end}"]
+        return [f"{rule}[lazy]: /(.|\\n)*/ {end}"]  # ends at the first closing tag, as the parser reads it
+    if isinstance(schema.get("type"), list):
+        raise UnsupportedCallFormat(f"parameter {name!r}: a list of types cannot be told apart in raw text")
+    return [f"{rule}: %json {json.dumps({**schema, **COMPACT})} {end}"]
+
+
+def _xml_call_body(spec: CallGrammar) -> list[str]:
+    """qwen3_coder: `\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n...</function>\n`;
+    a held call has its schema's properties in order, the required ones always."""
+    rules, options = [], []
+    for i, fn in enumerate(_functions(spec)):
+        params = fn.get("parameters") or {}
+        parts = []
+        if _held(spec, fn):
+            required = set(params.get("required", []))
+            for j, (key, schema) in enumerate((params.get("properties") or {}).items()):
+                rule = f"v{i}_{j}"
+                rules += _xml_value(key, schema if isinstance(schema, dict) else {}, rule)
+                item = f'"<parameter={key}>\\n" {rule}'
+                parts.append(item if key in required else f"({item})?")
+        else:
+            rules.append('any_param[lazy]: "<parameter=" /[^>\\n]+/ ">\\n" /(.|\\n)*/ "\\n</parameter>\\n"')
+            parts.append("any_param*")
+        rules.append(f'f{i}: "{fn["name"]}>\\n" {" ".join(parts)}')
+        options.append(f"f{i}")
+    return [f'body: "\\n<function=" ({" | ".join(options)}) "</function>\\n"', *rules]
+
+
+CALL_BODIES = {"json_tools": _json_call_body, "qwen3_coder": _xml_call_body}
 
 
 def build(tokenizer: Any, prompt: Sequence[int], spec: CallGrammar) -> str:
     """The Lark grammar of a reply under `spec` (UnsupportedCallFormat when the model's format has none)."""
     check_format(tokenizer)
     start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
-    body = f'"\\n" %json {json.dumps(_calls_schema(spec))} "\\n" {_literal(tokenizer, end)}'
-    rules = ["%llguidance {}"] + _reasoning_rules(tokenizer, prompt)
+    rules = ["%llguidance {}", *_reasoning_rules(tokenizer, prompt), *CALL_BODIES[format_name(tokenizer)](spec)]
+    more = " (/\\n?/ call)*" if spec.parallel else ""
+    marked = f"{_literal(tokenizer, start)} body {_literal(tokenizer, end)}"
     if spec.forced:
-        rules.append("start: reasoning call" + (" (/\\n?/ call)*" if spec.parallel else ""))
-        rules.append(f"call: {_literal(tokenizer, start)} {body}")
+        rules += [f"start: reasoning call{more}", f"call: {marked}"]
     elif spec.answer_schema is not None:  # a JSON answer, or calls
-        rules.append("start: reasoning (answer | call" + (" (/\\n?/ call)*)" if spec.parallel else ")"))
+        rules += [f"start: reasoning (answer | call{more})", f"call: {marked}"]
         rules.append(f"answer: %json {json.dumps({**spec.answer_schema, **COMPACT})}")
-        rules.append(f"call: {_literal(tokenizer, start)} {body}")
     else:  # free text; a call is held to its schema from its start marker on
-        rules.append("start: reasoning " + ("call* " if spec.parallel else "call? ") + "TAIL")
-        rules.append("TAIL: /(.|\\n)*/")
+        rules += ["start: reasoning " + ("call* " if spec.parallel else "call? ") + "TAIL", "TAIL: /(.|\\n)*/"]
         if _special(tokenizer, start) is not None:  # a special marker never occurs inside text
-            rules.append(f"call: /(.|\\n)*/ {_literal(tokenizer, start)} {body}")
+            rules.append(f"call: /(.|\\n)*/ {marked}")
         else:  # text up to the first marker, then the call
-            rules.append(f"call: head {body}")
+            rules.append(f"call: head body {_literal(tokenizer, end)}")
             rules.append(f"head[lazy]: /(.|\\n)*/ {_literal(tokenizer, start)}")
     return "\n".join(rules) + "\n"
 
