@@ -113,17 +113,42 @@ def report_lines(result: dict, names: list[str]) -> list[str]:
     return lines
 
 
+def ssd_off_server(ours: Server) -> Server:
+    """A second instance of our server, on its own port and home, with the SSD tier off."""
+    import tempfile
+
+    from bench import chat_ttft, free_port
+
+    config = Path(tempfile.mkdtemp(prefix="kvserve-ssd-off-")) / "config.toml"
+    config.write_text("[ssd]\nenabled = false\n")
+    port = free_port()
+    cmd = [a if a != str(ours.port) else str(port) for a in ours.cmd] + ["--config", str(config)]
+    env = dict(ours.env, MLX_KVSERVE_HOME=str(config.parent))
+    server = Server(f"{ours.name} (SSD off)", cmd, port, env, ours.ready_path)
+    server.wait(server.ready_path)
+    chat_ttft(server, [{"role": "user", "content": "warm up"}], 4)  # first-use kernel compilation
+    return server
+
+
 def main() -> None:
     from bench import start_servers, stop_servers
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="shorter prompts and replies, 2 turns")
     parser.add_argument("--out", default=str(ROOT / "results" / "concurrent"))
+    parser.add_argument("--clients", help="comma-separated client counts (default 1,4,8)")
+    parser.add_argument("--words", type=int, help="system prompt words (default 300 quick / 1400)")
+    parser.add_argument("--turns", type=int, help="turns per client (default 2 quick / 3)")
+    parser.add_argument("--ssd-off-too", action="store_true", help="also run our server with [ssd] enabled = false")
     args = parser.parse_args()
     turns, max_tokens, words = (2, 16, 300) if args.quick else (3, 32, 1400)
+    turns, words = args.turns or turns, args.words or words
+    clients = [int(c) for c in args.clients.split(",")] if args.clients else [1, 4, 8]
     servers = start_servers()
+    if args.ssd_off_too:
+        servers.insert(1, ssd_off_server(servers[0]))
     try:
-        result = scenario_concurrent(servers, [1, 4, 8], turns, max_tokens, words)
+        result = scenario_concurrent(servers, clients, turns, max_tokens, words)
     finally:
         stop_servers(servers)
     write_report(result, Path(args.out), report_lines(result, [s.name for s in servers]))
