@@ -4,7 +4,8 @@ Blocks have the Llama-3-8B shape (32 layers x 8 KV heads x 128 dims, float16, 64
 One run, one folder, the same total size for every row:
 - raw: one file written sequentially in block-size chunks and fsync'd, then read back from the page
   cache and cold (dropped with posix_fadvise(DONTNEED) after an fsync);
-- store: SSDStore.save_block for every block, then load_block from the page cache and cold;
+- store: SSDStore.save_block for every block and save_blocks in the writer's batches, then load_block
+  for each block and load_blocks for the whole chain (files read together), page cache and cold;
 - stages: where a block load (file read, header parse, array creation, checksum) and a block save
   (checksum, serialize + write, fsync, rename) spend their time;
 - checksum: the block checksum next to other designs, on the same block.
@@ -45,10 +46,12 @@ from mlx_kvserve.kv.ssd_index import (
     fsync_path,
     parse_metadata,
 )
+from mlx_kvserve.kv.writer import WriteJob
 
 GIB = 1024**3
 NS = b"\x01" * 32
 PARENT = b"\x00" * 32
+WRITER_BATCH_BYTES = 64 * 2**20  # the SSD writer's default max_batch_bytes
 CAN_DROP = hasattr(os, "posix_fadvise")  # Linux; macOS has no posix_fadvise
 
 
@@ -142,6 +145,21 @@ def save_pass(store: SSDStore, hashes: list[bytes], tokens: tuple, payloads: lis
     return timed(save_all)
 
 
+def batched_save_pass(
+    store: SSDStore, hashes: list[bytes], tokens: tuple, payloads: list[dict[str, mx.array]], batch_bytes: int
+) -> float:
+    """Seconds to save every hash with save_blocks in batches of `batch_bytes` (as the SSD writer does)."""
+    jobs = [WriteJob(h, PARENT, tokens, payloads[i % len(payloads)]) for i, h in enumerate(hashes)]
+    per_batch = max(1, batch_bytes // sum(a.nbytes for a in payloads[0].values()))
+
+    def save_all() -> None:
+        for start in range(0, len(jobs), per_batch):
+            results = store.save_blocks(jobs[start : start + per_batch])
+            assert all(r is SaveResult.SAVED for r in results), results
+
+    return timed(save_all)
+
+
 def io_bandwidth(folder: Path, shape: Shape, num_blocks: int, reps: int) -> tuple[dict, SSDStore, list, list]:
     """Raw and store bandwidth (GiB/s, medians of `reps`) on the same folder and total; raw and store
     passes alternate, so that the machine's other work falls on both. Also returns the store of the
@@ -153,7 +171,8 @@ def io_bandwidth(folder: Path, shape: Shape, num_blocks: int, reps: int) -> tupl
     raw_path, hashes = folder / "raw.bin", [os.urandom(32) for _ in range(num_blocks)]
     store = SSDStore(folder / "store", NS)
     modes = ["page_cache", "cold"] if CAN_DROP else ["page_cache"]
-    kinds = ["raw_write", "store_save"] + [f"{kind}_{mode}" for kind in ("raw_read", "store_load") for mode in modes]
+    loads = ("raw_read", "store_load", "store_load_chain")
+    kinds = ["raw_write", "store_save", "store_save_batched"] + [f"{k}_{mode}" for k in loads for mode in modes]
     times: dict[str, list[float]] = {kind: [] for kind in kinds}
     for rep in range(reps):  # later reps save into a throwaway store: a saved block is not written again
         times["raw_write"].append(raw_write(raw_path, num_blocks, chunk))
@@ -161,6 +180,9 @@ def io_bandwidth(folder: Path, shape: Shape, num_blocks: int, reps: int) -> tupl
         times["store_save"].append(save_pass(target, hashes, tokens, payloads))
         if target is not store:
             shutil.rmtree(target.cache_dir)
+        batched = SSDStore(folder / f"batched{rep}", NS)
+        times["store_save_batched"].append(batched_save_pass(batched, hashes, tokens, payloads, WRITER_BATCH_BYTES))
+        shutil.rmtree(batched.cache_dir)
     paths = [store.cache_dir / block_relpath(h) for h in hashes]
     by_path = dict(zip(paths, hashes, strict=True))
     buf = memoryview(bytearray(shape.block_bytes))
@@ -169,16 +191,26 @@ def io_bandwidth(folder: Path, shape: Shape, num_blocks: int, reps: int) -> tupl
         if store.load_block(by_path[path], tokens) is None:
             raise RuntimeError(f"load_block missed {path.name}")
 
+    def load_chain(_: Path) -> None:  # one call for every block, as a lookup of one long prefix does
+        if len(store.load_blocks([(h, tokens) for h in hashes])) != len(hashes):
+            raise RuntimeError("load_blocks missed")
+
     for _ in range(reps):
         for mode in modes:
             times[f"raw_read_{mode}"].append(read_pass([raw_path], mode == "cold", lambda p: read_file(p, buf)))
             times[f"store_load_{mode}"].append(read_pass(paths, mode == "cold", load))
+            if mode == "cold":
+                for path in paths:
+                    drop_cache(path)
+            times[f"store_load_chain_{mode}"].append(timed(lambda: load_chain(paths[0])))
     raw_path.unlink()
     result = {"total_gib": total / GIB, "num_blocks": num_blocks, "reps": reps}
     result.update({name: total / median(ts) / GIB for name, ts in times.items()})
     result["save_vs_raw"] = result["store_save"] / result["raw_write"]
+    result["save_batched_vs_raw"] = result["store_save_batched"] / result["raw_write"]
     for mode in modes:
         result[f"load_vs_raw_{mode}"] = result[f"store_load_{mode}"] / result[f"raw_read_{mode}"]
+        result[f"load_chain_vs_raw_{mode}"] = result[f"store_load_chain_{mode}"] / result[f"raw_read_{mode}"]
     return result, store, list(zip(hashes, paths, strict=True)), payloads
 
 
@@ -350,12 +382,18 @@ def report_lines(r: dict) -> list[str]:
         "| GiB/s | raw file I/O | SSDStore | store / raw |",
         "|---|---|---|---|",
         f"| write (+fsync) / save_block | {bw['raw_write']:.2f} | {bw['store_save']:.2f} | {bw['save_vs_raw']:.2f}x |",
+        f"| write (+fsync) / save_blocks, batches of {WRITER_BATCH_BYTES // 2**20} MiB | {bw['raw_write']:.2f} "
+        f"| {bw['store_save_batched']:.2f} | {bw['save_batched_vs_raw']:.2f}x |",
     ]
     for mode in ("page_cache", "cold"):
         if f"raw_read_{mode}" in bw:
             lines.append(
                 f"| read / load_block, {mode.replace('_', ' ')} | {bw[f'raw_read_{mode}']:.2f} "
                 f"| {bw[f'store_load_{mode}']:.2f} | {bw[f'load_vs_raw_{mode}']:.2f}x |"
+            )
+            lines.append(
+                f"| read / load_blocks (a chain), {mode.replace('_', ' ')} | {bw[f'raw_read_{mode}']:.2f} "
+                f"| {bw[f'store_load_chain_{mode}']:.2f} | {bw[f'load_chain_vs_raw_{mode}']:.2f}x |"
             )
     for name, steps in r["stages"].items():
         lines += ["", f"| {name.removesuffix('_ms').replace('_', ' ')}: step | ms per block |", "|---|---|"]

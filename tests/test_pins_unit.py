@@ -33,6 +33,15 @@ class FakeTier:
         block = self.blocks.get(block_hash)
         return (block.payload, block.nbytes) if block is not None and block.token_ids == tuple(token_ids) else None
 
+    def load_many(self, wanted):
+        out = []
+        for block_hash, token_ids in wanted:
+            got = self.load(block_hash, token_ids)
+            if got is None:
+                break
+            out.append(got)
+        return out
+
     def contains(self, block_hash):
         return block_hash in self.blocks
 

@@ -31,6 +31,7 @@ class NextTier(Protocol):
     def on_new_block(self, block: Block) -> None: ...
     def on_evicted(self, blocks: list[Block]) -> None: ...
     def load(self, block_hash: bytes, token_ids: Sequence[int]) -> tuple[Any, int] | None: ...
+    def load_many(self, wanted: Sequence[tuple[bytes, Sequence[int]]]) -> list[tuple[Any, int]]: ...
     def contains(self, block_hash: bytes) -> bool: ...
     def persist(self, blocks: list[Block]) -> int: ...
     def parent_of(self, block_hash: bytes) -> bytes | None: ...
@@ -284,15 +285,14 @@ class KVManager:
 
     def _load_next_tier(self, tokens: Sequence[int], hashes: list[bytes], start: int) -> list[Block]:
         """Blocks start.. of the chain read from the next tier, until its first miss. No lock held."""
-        bs, loaded = self.block_size, []
-        for i in range(start, len(hashes)):
-            ids = tuple(tokens[i * bs : (i + 1) * bs])
-            got = self.next_tier.load(hashes[i], ids)
-            if got is None:
-                break
-            payload, nbytes = got
+        bs = self.block_size
+        wanted = [(hashes[i], tuple(tokens[i * bs : (i + 1) * bs])) for i in range(start, len(hashes))]
+        loaded = []
+        for i, ((block_hash, ids), (payload, nbytes)) in enumerate(
+            zip(wanted, self.next_tier.load_many(wanted), strict=False), start
+        ):
             parent = hashes[i - 1] if i else self.hasher.namespace
-            loaded.append(Block(hashes[i], parent, ids, payload, nbytes))
+            loaded.append(Block(block_hash, parent, ids, payload, nbytes))
         return loaded
 
     def _promote(self, loaded: list[Block], found: list[Block]) -> None:

@@ -243,14 +243,26 @@ def write_block_file(
 
 def read_block_file(path: Path, namespace: bytes, block_hash: bytes) -> tuple[BlockHeader, dict[str, mx.array]]:
     """Load and verify a block file. Raises FormatError (or mlx's RuntimeError) unless it is intact."""
+    header, arrays = open_block_file(path, namespace, block_hash)
+    mx.eval(arrays)  # one read of the file; array by array, the checksum would load each on its own (~8x slower)
+    verify_block(namespace, header, arrays)
+    return header, arrays
+
+
+def open_block_file(path: Path, namespace: bytes, block_hash: bytes) -> tuple[BlockHeader, dict[str, mx.array]]:
+    """A block file's header (read and checked now) and its arrays, not yet read: evaluating the
+    arrays of several files together lets mlx read them in parallel. `verify_block` after the read."""
     arrays, meta = mx.load(str(path), return_metadata=True)
     header = parse_metadata(meta, namespace)
     if header.block_hash != block_hash:
         raise FormatError("file holds another block")
-    mx.eval(arrays)  # one read of the file; array by array, the checksum would load each on its own (~8x slower)
+    return header, arrays
+
+
+def verify_block(namespace: bytes, header: BlockHeader, arrays: Mapping[str, mx.array]) -> None:
+    """Raise FormatError unless the (evaluated) arrays match the header's checksum."""
     if block_checksum(namespace, header, arrays) != header.checksum:
         raise FormatError("checksum mismatch")
-    return header, arrays
 
 
 def fsync_path(path: Path) -> None:

@@ -120,6 +120,18 @@ class SSDTier:
             log.warning("SSD block %s has an unexpected layout (%s); ignored", block_hash.hex()[:16], exc)
             return None
 
+    def load_many(self, wanted: Sequence[tuple[bytes, Sequence[int]]]) -> list[tuple[Any, int]]:
+        """(payload, nbytes) of the verified blocks of `wanted` (hash, token ids), in order, up to
+        the first miss; their files are read together (SSDStore.load_blocks)."""
+        out = []
+        for (block_hash, _), loaded in zip(wanted, self.store.load_blocks(wanted), strict=False):
+            try:
+                out.append(self._from_arrays(loaded.arrays))
+            except (KeyError, ValueError) as exc:
+                log.warning("SSD block %s has an unexpected layout (%s); ignored", block_hash.hex()[:16], exc)
+                break
+        return out
+
     def save_tail(self, parent_hash: bytes, token_ids: Sequence[int], payload: Any) -> None:
         """Persist a tail, through the writer thread like blocks (off the request path)."""
         arrays = self._to_arrays(payload)
