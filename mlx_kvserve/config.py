@@ -142,6 +142,9 @@ class SSDConfig:
     min_free_bytes: int = 2 * 1024**3  # stop writing when the disk has less free space than this
     prefetch_on_start: bool = False  # after startup, read the hottest chains into RAM while the server is idle
     prefetch_max_bytes: int = 0  # at most this much; 0 = the RAM budget for blocks
+    # An SSD hit's first blocks are prefilled while the rest are read, split by the measured speeds
+    # (plain-attention models); false: every stored block is read.
+    compute_while_loading: bool = True
 
 
 ROUTER_POLICIES = ("lmetric", "load_only", "sticky", "unified", "round_robin")  # router.policies.Policy

@@ -36,10 +36,12 @@ from . import tool_grammar
 from .cache_admin import CacheAdmin
 from .constrain import grammars_for
 from .distributed import BroadcastAdmin, DistributedWorker, World
+from .front_prefill import FrontPrefill
 from .generate import Generator
 from .prefetch import Prefetcher
 from .prefix_cache import PrefixCache
 from .request import Failed, GenerationRequest, SamplingParams
+from .scheduler import SchedulerStats
 from .turns import turn_start_token
 from .worker import InferenceWorker
 
@@ -202,6 +204,22 @@ def _leases(config: Config, ram_budget: int, folder_lock: FolderLock | None) -> 
     return PinLeases(folder_lock.folder / LEASES_FILE if folder_lock else None, int(share * min(budgets)))
 
 
+def _front_prefill(prefix_cache: PrefixCache, config: Config, stats: SchedulerStats) -> FrontPrefill | None:
+    """Compute an SSD hit's first blocks while the rest are read ([ssd] compute_while_loading),
+    for plain-KV layouts; the split follows the measured read and prefill speeds."""
+    tier = prefix_cache.ssd_tier
+    if tier is None or prefix_cache.layout.needs_checkpoints or not config.ssd.compute_while_loading:
+        return None
+    return FrontPrefill(
+        prefix_cache.model,
+        prefix_cache.layout,
+        config.cache.block_size,
+        config.generation.prefill_step_size,
+        tier.block_reads.bytes_per_s,
+        lambda: stats.prefill_tokens / stats.prefill_s if stats.prefill_s else None,
+    )
+
+
 class Engine:
     """The model, its block cache and the worker that runs the batch. Distributed (`world`), one
     per rank: rank 0's serves HTTP; the others run `serve_follower` (engine/distributed.py)."""
@@ -223,6 +241,7 @@ class Engine:
             config.generation.prefill_step_size,
             config.server.batch_limit(),
         )
+        self.prefix_cache.front = _front_prefill(self.prefix_cache, config, self.generator.scheduler.stats)
         if world is None:
             self.worker = InferenceWorker(self.generator, config.server.max_queue)
         else:

@@ -15,6 +15,7 @@ from typing import Any
 from ..kv import blocks
 from ..kv.base import Block, MatchResult
 from ..kv.manager import KVManager
+from .front_prefill import FrontPrefill
 from .turns import message_starts
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,9 @@ class PrefixCache:
         # Set, the ranks agree on the shortest before prefill.
         self.agree: Any = None
         self.reason = reason
+        # An SSD hit's first blocks computed while the rest are read (engine/front_prefill.py);
+        # set by the engine for plain-KV layouts with an SSD tier.
+        self.front: FrontPrefill | None = None
         self.ssd_tier = ssd_tier  # kv.tiering.SSDTier or None; the engine closes it at shutdown
         self._hold_lock = threading.Lock()  # guards _num_holding
         self._num_holding = 0  # requests between lookup and first token: writes resume when none is left
@@ -81,7 +85,8 @@ class PrefixCache:
             self.ssd_tier.hold_writes()
         if self.manager is None:
             return Prepared(self.layout.assemble([]), MatchResult([], 0))
-        match = self.manager.lookup(prompt, max_tokens=len(prompt) - 1)
+        front = self.front if self.agree is None else None  # ranks must read the same blocks in step
+        match = self.manager.lookup(prompt, max_tokens=len(prompt) - 1, front=front)
         if self.agree is not None:
             match = self._agree(prompt, match)
         try:

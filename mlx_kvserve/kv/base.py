@@ -44,3 +44,18 @@ class PrefixRules(Protocol):
     exact_tails: bool  # a tail is usable only whole (it carries a checkpoint at its end)
 
     def usable(self, payloads: Sequence[Any], tail: Any, tail_used: int, tail_len: int) -> bool: ...
+
+
+class FrontCompute(Protocol):
+    """Computes the front of a prefix the next tier holds while the back is being read (the
+    engine's side; see KVManager.lookup). Blocks are numbered from the prompt's first."""
+
+    def blocks_to_compute(self, start: int, stored: int) -> int:
+        """Of the `stored` blocks from block `start` on that the next tier holds, how many to
+        compute from the front instead of reading (0: read them all)."""
+        ...
+
+    def compute(self, tokens: Sequence[int], before: Sequence[Any], start: int, count: int) -> list[tuple[Any, int]]:
+        """(payload, nbytes) of blocks start..start+count-1 of `tokens`, computed on top of the
+        payloads of the blocks before them."""
+        ...

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from .base import Block, MatchResult, PrefixRules
+from .base import Block, FrontCompute, MatchResult, PrefixRules
 from .events import BlockEventLog
 from .hashing import BlockHasher
 from .pins import PinRegistry
@@ -32,6 +32,9 @@ class NextTier(Protocol):
     def on_evicted(self, blocks: list[Block]) -> None: ...
     def load(self, block_hash: bytes, token_ids: Sequence[int]) -> tuple[Any, int] | None: ...
     def load_many(self, wanted: Sequence[tuple[bytes, Sequence[int]]]) -> list[tuple[Any, int]]: ...
+    def begin_load(self, wanted: Sequence[tuple[bytes, Sequence[int]]]) -> Any: ...
+    def end_load(self, pending: Any) -> list[tuple[Any, int]]: ...
+    def stored_run(self, hashes: Sequence[bytes]) -> int: ...
     def contains(self, block_hash: bytes) -> bool: ...
     def persist(self, blocks: list[Block]) -> int: ...
     def parent_of(self, block_hash: bytes) -> bytes | None: ...
@@ -78,6 +81,8 @@ class KVManager:
                 "pinned_dropped",
                 "tail_hits",
                 "tail_hit_tokens",
+                "split_loads",
+                "split_computed_blocks",
             ),
             0,
         )
@@ -86,11 +91,15 @@ class KVManager:
         self._tick += 1
         return self._tick
 
-    def lookup(self, tokens: Sequence[int], max_tokens: int | None = None) -> MatchResult:
+    def lookup(
+        self, tokens: Sequence[int], max_tokens: int | None = None, front: FrontCompute | None = None
+    ) -> MatchResult:
         """Longest verified cached prefix of `tokens`, at most `max_tokens` long: full blocks from
         RAM, then from the next tier (loaded outside the lock and promoted into RAM), then a tail.
         With `rules`, the longest such prefix the rules accept: shorter chains (and the tails
-        after them) are tried until one is usable (the empty prefix always is)."""
+        after them) are tried until one is usable (the empty prefix always is).
+        With `front`, the next tier's blocks are read from the back while `front` computes the
+        first of them (as many as it asks for): the computed blocks join RAM like loaded ones."""
         limit = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
         bs = self.block_size
         hashes = self.hasher.hash_blocks(tokens, limit // bs)
@@ -98,7 +107,7 @@ class KVManager:
             self._stats["lookups"] += 1
             found, missed = self._walk_ram(tokens, hashes)
         if missed and self.next_tier is not None:
-            loaded = self._load_next_tier(tokens, hashes, len(found))
+            loaded = self._load_next_tier(tokens, hashes, len(found), found, front)
             if loaded:
                 self._promote(loaded, found)
         num_blocks, tail = self._choose_end(tokens, found, limit)
@@ -283,17 +292,50 @@ class KVManager:
         with self._lock:
             return block_hash in self._ram
 
-    def _load_next_tier(self, tokens: Sequence[int], hashes: list[bytes], start: int) -> list[Block]:
-        """Blocks start.. of the chain read from the next tier, until its first miss. No lock held."""
+    def _load_next_tier(
+        self,
+        tokens: Sequence[int],
+        hashes: list[bytes],
+        start: int,
+        found: Sequence[Block] = (),
+        front: FrontCompute | None = None,
+    ) -> list[Block]:
+        """Blocks start.. of the chain from the next tier, until its first miss (with `front`,
+        the first ones computed while the rest are read). No lock held."""
         bs = self.block_size
         wanted = [(hashes[i], tuple(tokens[i * bs : (i + 1) * bs])) for i in range(start, len(hashes))]
+        stored = self.next_tier.stored_run(hashes[start:]) if front is not None else 0
+        computed = front.blocks_to_compute(start, stored) if stored > 1 else 0
+        if 0 < computed < stored:
+            payloads = self._compute_and_load(tokens, wanted[:stored], found, start, computed, front)
+        else:
+            payloads = self.next_tier.load_many(wanted)
         loaded = []
-        for i, ((block_hash, ids), (payload, nbytes)) in enumerate(
-            zip(wanted, self.next_tier.load_many(wanted), strict=False), start
-        ):
+        for i, ((block_hash, ids), (payload, nbytes)) in enumerate(zip(wanted, payloads, strict=False), start):
             parent = hashes[i - 1] if i else self.hasher.namespace
             loaded.append(Block(block_hash, parent, ids, payload, nbytes))
         return loaded
+
+    def _compute_and_load(
+        self,
+        tokens: Sequence[int],
+        wanted: list[tuple[bytes, tuple[int, ...]]],
+        found: Sequence[Block],
+        start: int,
+        computed: int,
+        front: FrontCompute,
+    ) -> list[tuple[Any, int]]:
+        """The payloads of `wanted`: the first `computed` blocks by `front` while the next tier
+        reads the rest (up to its first miss)."""
+        pending = self.next_tier.begin_load(wanted[computed:])
+        try:
+            front_payloads = front.compute(tokens, [b.payload for b in found], start, computed)
+        finally:
+            back = self.next_tier.end_load(pending)  # collected even if the compute failed
+        with self._lock:
+            self._stats["split_loads"] += 1
+            self._stats["split_computed_blocks"] += computed
+        return list(front_payloads) + back
 
     def _promote(self, loaded: list[Block], found: list[Block]) -> None:
         """Put blocks read from the next tier into RAM, referenced, after `found`."""

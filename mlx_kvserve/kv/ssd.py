@@ -60,6 +60,14 @@ DEFAULT_TTL_S = 7 * 86400.0
 LOAD_WINDOW = 8
 
 
+class PendingLoad(NamedTuple):
+    """Block files being read (SSDStore.begin_load): their expected token ids and, for each,
+    (hash, index entry, header, arrays not yet read)."""
+
+    expected: tuple[tuple[int, ...], ...]
+    opened: list[tuple]
+
+
 class SaveResult(str, Enum):
     SAVED = "saved"
     DEDUP = "dedup"  # already on disk with the same tokens; its last_accessed was refreshed
@@ -391,19 +399,35 @@ class SSDStore:
         out: list[LoadedBlock] = []
         for start in range(0, len(wanted), LOAD_WINDOW):
             window = wanted[start : start + LOAD_WINDOW]
-            opened = self._open_window(window)
-            if opened:
-                try:
-                    mx.eval([arrays for _, _, _, arrays in opened])
-                except Exception:  # one damaged file fails the whole read: read them one by one
-                    opened = self._read_one_by_one(opened)
-            for block_hash, entry, header, arrays in opened:
-                loaded = self._accept(block_hash, entry, header, arrays, tuple(wanted[len(out)][1]))
-                if loaded is None:
-                    return out
-                out.append(loaded)
-            if len(opened) < len(window):
-                return out
+            got = self.end_load(self.begin_load(window))
+            out += got
+            if len(got) < len(window):
+                break
+        return out
+
+    def begin_load(self, wanted: Sequence[tuple[bytes, Sequence[int]]]) -> PendingLoad:
+        """Start reading the files of `wanted` (hash, expected tokens) up to the first that is not
+        indexed or whose header does not check, and return at once: mlx reads them on its own
+        threads while the caller computes. `end_load` waits, verifies and returns them."""
+        opened = self._open_window(wanted)
+        if opened:
+            mx.async_eval([arrays for _, _, _, arrays in opened])
+        return PendingLoad(tuple(tuple(ids) for _, ids in wanted[: len(opened)]), opened)
+
+    def end_load(self, pending: PendingLoad) -> list[LoadedBlock]:
+        """The blocks of a `begin_load`, in order, up to the first that fails verification."""
+        opened = pending.opened
+        if opened:
+            try:
+                mx.eval([arrays for _, _, _, arrays in opened])
+            except Exception:  # one damaged file fails the whole read: read them one by one
+                opened = self._read_one_by_one(opened)
+        out: list[LoadedBlock] = []
+        for (block_hash, entry, header, arrays), expected in zip(opened, pending.expected, strict=False):
+            loaded = self._accept(block_hash, entry, header, arrays, expected)
+            if loaded is None:
+                break
+            out.append(loaded)
         return out
 
     def _read_one_by_one(self, opened: list[tuple]) -> list[tuple]:

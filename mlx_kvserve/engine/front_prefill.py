@@ -1,0 +1,68 @@
+"""Compute the front of an SSD hit while its back is read (issue 14, item 3).
+
+A prompt whose cached prefix is on the SSD (after a restart, or evicted from RAM) has two ways to
+get it: read the blocks, or prefill them again. Doing both at once is faster than either: the
+model prefills the first blocks (computing from the front) while the SSD tier reads the rest
+(loading from the back), and the two meet where their times are equal. KVManager.lookup drives
+it; this is the engine's half: how many blocks to compute (from the measured read and prefill
+speeds) and the prefill itself. The computed blocks are the same hashes as the stored ones, so
+they join RAM like loaded blocks, and the output is the cold run's whatever the split.
+
+Only for caches that are plain per-position KV: a recurrent state or a sliding window cannot be
+computed for a stretch of the prompt without everything before it being its own checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from ..kv.blocks import CacheLayout
+
+
+class FrontPrefill:
+    """`blocks_read_per_s()` and `prefill_tokens_per_s()` report the speeds measured so far (None
+    before any); without both, nothing is computed (every block is read). `forced_share`, when
+    set, computes that share of the stored blocks whatever the speeds (tests, benchmarks)."""
+
+    def __init__(
+        self,
+        model: Any,
+        layout: CacheLayout,
+        block_size: int,
+        step_size: int,
+        blocks_read_per_s: Callable[[], float | None],
+        prefill_tokens_per_s: Callable[[], float | None],
+    ):
+        self.model = model
+        self.layout = layout
+        self.block_size = block_size
+        self.step_size = max(1, step_size)
+        self.blocks_read_per_s = blocks_read_per_s
+        self.prefill_tokens_per_s = prefill_tokens_per_s
+        self.forced_share: float | None = None
+
+    def blocks_to_compute(self, start: int, stored: int) -> int:
+        """Balance the two: computing k blocks takes k * block_size / prefill speed, reading the
+        other stored - k takes (stored - k) / read speed; the time to the prefix is the larger,
+        least where they are equal. Rounded down: reading is the cheaper side to overshoot."""
+        if self.forced_share is not None:
+            return min(stored, int(stored * self.forced_share))
+        read, prefill = self.blocks_read_per_s(), self.prefill_tokens_per_s()
+        if not read or not prefill:
+            return 0
+        compute_s, read_s = self.block_size / prefill, 1.0 / read
+        return int(stored * read_s / (compute_s + read_s) + 1e-9)
+
+    def compute(self, tokens: Sequence[int], before: Sequence[Any], start: int, count: int) -> list[tuple[Any, int]]:
+        """Prefill blocks start..start+count-1 on top of `before` (the payloads of the blocks
+        before them) in `step_size` chunks, and cut them out of the cache as block payloads."""
+        bs = self.block_size
+        cache = self.layout.assemble(list(before), room=count * bs)
+        ids = list(tokens[start * bs : (start + count) * bs])
+        for lo in range(0, len(ids), self.step_size):
+            self.model(mx.array(ids[lo : lo + self.step_size])[None], cache=cache)  # logits unused: never evaluated
+            mx.eval([c.state for c in cache])
+        return self.layout.slice_blocks(cache, start, start + count, bs)

@@ -1,0 +1,125 @@
+"""Issue 14 item 3: on an SSD hit, the first blocks are prefilled while the rest are read. Through
+the real Engine on the tiny model, after a restart: greedy output equals the cold run's for every
+split point, the computed blocks join RAM like read ones, damage in the read part only shortens
+the hit, and the split follows the measured speeds."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from kvharness import greedy
+from mlx_lm.utils import load
+
+from mlx_kvserve.config import load_config
+from mlx_kvserve.engine.engine import Engine
+from mlx_kvserve.engine.front_prefill import FrontPrefill
+from mlx_kvserve.kv.ssd_index import block_relpath
+from mlx_kvserve.models.loader import LoadedModel
+
+BS = 16
+NUM_BLOCKS = 6
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    model, tokenizer = load(str(tiny_model_dir))
+    return LoadedModel("tiny", tiny_model_dir, model, tokenizer, {}, 2048)
+
+
+@pytest.fixture(autouse=True)
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLX_KVSERVE_HOME", str(tmp_path / "home"))
+
+
+def _engine(tiny, root, **ssd) -> Engine:
+    config = load_config(
+        overrides={
+            "cache": {"block_size": BS},
+            "ssd": {"cache_dir": str(root), **ssd},
+            "generation": {"prefill_step_size": 24},  # chunks that do not line up with blocks
+        }
+    )
+    return Engine(tiny, config)
+
+
+@pytest.fixture(scope="module")
+def stored(tiny, tmp_path_factory):
+    """A cache folder holding one prompt's blocks (and tail), and the prompt's cold output."""
+    root = tmp_path_factory.mktemp("kv")
+    text = " ".join(f"Step {i}: move disk {i % 3} from peg {i % 2} to peg {(i + 1) % 3}." for i in range(40))
+    prompt = tiny.tokenizer.encode(text)[: NUM_BLOCKS * BS + 5]
+    engine = _engine(tiny, root)
+    cold = greedy(engine.generator, prompt, MAX_TOKENS)
+    assert cold[2] == 0
+    engine.stop()
+    return root, prompt, cold[0]
+
+
+def _restarted(tiny, root, share: float | None) -> Engine:
+    engine = _engine(tiny, root)
+    assert engine.local_cache_stats()["kv_ram_blocks"] == 0
+    engine.prefix_cache.front.forced_share = share
+    return engine
+
+
+@pytest.mark.parametrize("computed", range(NUM_BLOCKS + 1))
+def test_every_split_point_gives_the_cold_output(tiny, stored, computed):
+    root, prompt, cold = stored
+    engine = _restarted(tiny, root, (computed + 0.5) / NUM_BLOCKS if computed < NUM_BLOCKS else 1.0)
+    ids, _, cached = greedy(engine.generator, prompt, MAX_TOKENS)
+    assert ids == cold
+    assert cached == len(prompt) - 1  # every block (computed or read) and the tail
+    stats = engine.local_cache_stats()
+    split = 0 < computed < NUM_BLOCKS  # all or nothing computed is a plain read
+    assert stats["kv_split_loads"] == int(split)
+    assert stats["kv_split_computed_blocks"] == (computed if split else 0)
+    assert stats["ssd_hits"] == NUM_BLOCKS - (computed if split else 0)
+    manager = engine.prefix_cache.manager
+    assert all(manager.in_ram(h) for h in manager.hasher.hash_blocks(prompt))  # the computed ones too
+    manager.check_integrity()
+    again = greedy(engine.generator, prompt, MAX_TOKENS)
+    assert again[0] == cold and engine.local_cache_stats()["ssd_hits"] == stats["ssd_hits"]  # all from RAM
+    engine.stop()
+
+
+def test_damage_in_the_read_part_only_shortens_the_hit(tiny, stored, tmp_path):
+    root, prompt, cold = stored
+    copy = tmp_path / "kv"
+    shutil.copytree(root, copy)
+    victim = 4  # blocks 0-1 computed, 2-3 read, 4 damaged, 5 unreachable
+    engine = _restarted(tiny, copy, 2.5 / NUM_BLOCKS)
+    hashes = engine.prefix_cache.manager.hasher.hash_blocks(prompt)
+    engine.stop()
+    path = next(copy.rglob(Path(block_relpath(hashes[victim])).name))
+    data = bytearray(path.read_bytes())
+    data[-40] ^= 0x55
+    path.write_bytes(bytes(data))
+    engine = _restarted(tiny, copy, 2.5 / NUM_BLOCKS)
+    ids, _, cached = greedy(engine.generator, prompt, MAX_TOKENS)
+    assert ids == cold and cached == victim * BS
+    stats = engine.local_cache_stats()
+    assert stats["kv_split_computed_blocks"] == 2 and stats["ssd_hits"] == 2 and stats["ssd_corrupt"] == 1
+    engine.stop()
+
+
+def test_the_split_follows_the_measured_speeds():
+    speeds = {"read": None, "prefill": None}
+    front = FrontPrefill(None, None, BS, 512, lambda: speeds["read"], lambda: speeds["prefill"])
+    assert front.blocks_to_compute(0, 100) == 0  # nothing measured yet: read everything
+    speeds.update(read=100.0, prefill=1600.0)  # a block: 10 ms to read, 10 ms to compute
+    assert front.blocks_to_compute(0, 100) == 50
+    speeds.update(read=900.0)  # reading is 9x faster: compute a tenth
+    assert front.blocks_to_compute(3, 100) == 10
+    speeds.update(read=10.0)  # a slow disk: compute most of it
+    assert front.blocks_to_compute(0, 100) == 90
+    front.forced_share = 0.25
+    assert front.blocks_to_compute(0, 8) == 2
+
+
+def test_it_is_off_for_models_with_checkpoints_and_by_configuration(tiny, tmp_path):
+    engine = _engine(tiny, tmp_path / "kv", compute_while_loading=False)
+    assert engine.prefix_cache.front is None
+    engine.stop()
