@@ -5,6 +5,7 @@ the hit, and the split follows the measured speeds."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from mlx_lm.utils import load
 
 from mlx_kvserve.config import load_config
 from mlx_kvserve.engine.engine import Engine
-from mlx_kvserve.engine.front_prefill import FrontPrefill
+from mlx_kvserve.engine.front_prefill import SPEEDS_FILE, FrontPrefill
 from mlx_kvserve.kv.ssd_index import block_relpath
 from mlx_kvserve.models.loader import LoadedModel
 
@@ -122,4 +123,39 @@ def test_the_split_follows_the_measured_speeds():
 def test_it_is_off_for_models_with_checkpoints_and_by_configuration(tiny, tmp_path):
     engine = _engine(tiny, tmp_path / "kv", compute_while_loading=False)
     assert engine.prefix_cache.front is None
+    engine.stop()
+
+
+def test_the_first_hit_after_a_restart_splits_by_the_last_runs_speeds(tiny, stored, tmp_path):
+    root, prompt, cold = stored
+    copy = tmp_path / "kv"
+    shutil.copytree(root, copy)
+    engine = _engine(tiny, copy)
+    greedy(engine.generator, list(reversed(prompt)), 2)  # measures a prefill
+    engine.prefix_cache.ssd_tier.block_reads.add(100, 1.0)  # as if 100 blocks were read in 1 s
+    read, prefill = engine.prefix_cache.front.speeds()
+    engine.stop()
+    saved = json.loads(next(copy.rglob(SPEEDS_FILE)).read_text())
+    assert saved == {"blocks_read_per_s": read, "prefill_tokens_per_s": prefill} and read == 100.0 and prefill > 0
+
+    engine = _engine(tiny, copy)  # nothing measured in this run yet: the last run's speeds decide
+    front = engine.prefix_cache.front
+    assert front.speeds() == (read, prefill)
+    expected = front.blocks_to_compute(0, NUM_BLOCKS)
+    ids, _, cached = greedy(engine.generator, prompt, MAX_TOKENS)
+    assert ids == cold and cached == len(prompt) - 1
+    stats = engine.local_cache_stats()
+    assert stats["kv_split_computed_blocks"] == (expected if 0 < expected < NUM_BLOCKS else 0)
+    engine.stop()
+
+
+def test_a_damaged_speeds_file_is_set_aside(tiny, tmp_path):
+    root = tmp_path / "kv"
+    engine = _engine(tiny, root)
+    folder = engine.prefix_cache.ssd_tier.store.cache_dir
+    engine.stop()
+    (folder / SPEEDS_FILE).write_text('{"blocks_read_per_s": "fast"}')
+    engine = _engine(tiny, root)
+    assert engine.prefix_cache.front.speeds() == (None, None)
+    assert not (folder / SPEEDS_FILE).exists()
     engine.stop()

@@ -36,7 +36,7 @@ from . import tool_grammar
 from .cache_admin import CacheAdmin
 from .constrain import grammars_for
 from .distributed import BroadcastAdmin, DistributedWorker, World
-from .front_prefill import FrontPrefill
+from .front_prefill import SPEEDS_FILE, FrontPrefill
 from .generate import Generator
 from .prefetch import Prefetcher
 from .prefix_cache import PrefixCache
@@ -210,7 +210,7 @@ def _front_prefill(prefix_cache: PrefixCache, config: Config, stats: SchedulerSt
     tier = prefix_cache.ssd_tier
     if tier is None or prefix_cache.layout.needs_checkpoints or not config.ssd.compute_while_loading:
         return None
-    return FrontPrefill(
+    front = FrontPrefill(
         prefix_cache.model,
         prefix_cache.layout,
         config.cache.block_size,
@@ -218,6 +218,8 @@ def _front_prefill(prefix_cache: PrefixCache, config: Config, stats: SchedulerSt
         tier.block_reads.bytes_per_s,
         lambda: stats.prefill_tokens / stats.prefill_s if stats.prefill_s else None,
     )
+    front.remember(tier.store.cache_dir / SPEEDS_FILE)
+    return front
 
 
 class Engine:
@@ -301,6 +303,8 @@ class Engine:
                 queued = tier.persist_resident(manager.resident_blocks())
                 if queued:
                     log.info("evict_only: writing %d blocks still in RAM before exit", queued)
+            if self.prefix_cache.front is not None:
+                self.prefix_cache.front.save(tier.store.cache_dir / SPEEDS_FILE)
             tier.close(self.config.ssd.drain_timeout_s)
         if self.folder_lock is not None:
             self.folder_lock.release()

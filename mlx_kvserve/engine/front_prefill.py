@@ -14,18 +14,31 @@ computed for a stretch of the prompt without everything before it being its own 
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 
+from ..checked_json import Float, Obj, load_json
 from ..kv.blocks import CacheLayout
+from ..kv.ssd_index import atomic_write
+
+log = logging.getLogger(__name__)
+
+# The speeds measured by the last run, kept in the cache folder: the first SSD hit after a restart
+# (the case this is for) comes before this run has measured anything.
+SPEEDS_FILE = "speeds.json"
+SPEEDS_SCHEMA = Obj({"blocks_read_per_s": Float(lo=0.0), "prefill_tokens_per_s": Float(lo=0.0)})
 
 
 class FrontPrefill:
     """`blocks_read_per_s()` and `prefill_tokens_per_s()` report the speeds measured so far (None
-    before any); without both, nothing is computed (every block is read). `forced_share`, when
-    set, computes that share of the stored blocks whatever the speeds (tests, benchmarks)."""
+    before any), else those the last run measured (`remember`); without both, nothing is computed
+    (every block is read). `forced_share`, when set, computes that share of the stored blocks
+    whatever the speeds (tests, benchmarks)."""
 
     def __init__(
         self,
@@ -43,6 +56,28 @@ class FrontPrefill:
         self.blocks_read_per_s = blocks_read_per_s
         self.prefill_tokens_per_s = prefill_tokens_per_s
         self.forced_share: float | None = None
+        self._remembered: dict[str, float] = {}
+
+    def speeds(self) -> tuple[float | None, float | None]:
+        """(blocks read per second, prefill tokens per second): this run's, else the last run's."""
+        read = self.blocks_read_per_s() or self._remembered.get("blocks_read_per_s")
+        prefill = self.prefill_tokens_per_s() or self._remembered.get("prefill_tokens_per_s")
+        return read, prefill
+
+    def remember(self, path: Path) -> None:
+        """Take the speeds the last run saved at `path` (a damaged file is set aside and ignored)."""
+        loaded = load_json(path, SPEEDS_SCHEMA, 4096, "measured speeds")
+        self._remembered = loaded.value or {}
+
+    def save(self, path: Path) -> None:
+        """Keep the speeds for the next run (nothing when nothing was measured)."""
+        read, prefill = self.speeds()
+        if not read or not prefill:
+            return
+        try:
+            atomic_write(path, json.dumps({"blocks_read_per_s": read, "prefill_tokens_per_s": prefill}).encode())
+        except OSError as exc:
+            log.warning("cannot keep the measured speeds in %s: %s", path, exc)
 
     def blocks_to_compute(self, start: int, stored: int) -> int:
         """Balance the two: computing k blocks takes k * block_size / prefill speed, reading the
@@ -50,7 +85,7 @@ class FrontPrefill:
         least where they are equal. Rounded down: reading is the cheaper side to overshoot."""
         if self.forced_share is not None:
             return min(stored, int(stored * self.forced_share))
-        read, prefill = self.blocks_read_per_s(), self.prefill_tokens_per_s()
+        read, prefill = self.speeds()
         if not read or not prefill:
             return 0
         compute_s, read_s = self.block_size / prefill, 1.0 / read
