@@ -1,0 +1,177 @@
+"""The first request after a restart, in one process, next to its physical floor (issue 14).
+
+SmolLM2-135M (float32) on a ~6k-token prompt: the cold time to first token, then, after each
+restart of the engine on the same cache folder (RAM empty), the same prompt served from the SSD:
+- read: every block read from the SSD ([ssd] compute_while_loading = false);
+- split: the first blocks prefilled while the rest are read, split by the speeds the previous
+  run measured (the default);
+each with the block files in the page cache and dropped from it (posix_fadvise(DONTNEED)). The
+floor is the prompt's KV bytes at the raw read bandwidth of the same files measured in the same
+run, plus the RAM-hit time (the same prompt again, all blocks in RAM). A request of one token
+measures the time to first token (prefill + one step). Engines run in-process: no HTTP.
+
+Usage: .venv/bin/python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_restart_hit.py
+       [--words 4400] [--reps 2] [--quick] [--out results/restart_hit]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import default_model_dir, median, system_prompt, write_report  # noqa: E402
+
+CAN_DROP = hasattr(os, "posix_fadvise")
+
+
+def block_files(folder: Path) -> list[Path]:
+    return [p for p in folder.rglob("*.safetensors") if p.is_file()]
+
+
+def drop_cache(paths: list[Path]) -> None:
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def raw_read_s(paths: list[Path], cold: bool) -> float:
+    """Seconds to read `paths` with plain sequential reads (the disk's floor for these bytes)."""
+    if cold:
+        drop_cache(paths)
+    buf = memoryview(bytearray(8 << 20))
+    start = time.perf_counter()
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+    return time.perf_counter() - start
+
+
+def ttft(engine, prompt: list[int]) -> tuple[float, int]:
+    """(seconds to the first token, cached tokens) of a one-token greedy request."""
+    from mlx_kvserve.engine.request import Finished, GenerationRequest, SamplingParams
+
+    events: list = []
+    req = GenerationRequest("bench", list(prompt), SamplingParams(max_tokens=1, temperature=0.0), events.append)
+    start = time.perf_counter()
+    engine.generator.run(req)
+    elapsed = time.perf_counter() - start
+    done = events[-1]
+    assert isinstance(done, Finished), events
+    return elapsed, done.usage.cached_tokens
+
+
+def make_engine(loaded, folder: Path, block_size: int, split: bool):
+    from mlx_kvserve.config import load_config
+    from mlx_kvserve.engine.engine import Engine
+
+    overrides = {
+        "cache": {"block_size": block_size},
+        "ssd": {"cache_dir": str(folder), "compute_while_loading": split, "write_hold_s": 0.0},
+    }
+    return Engine(loaded, load_config(overrides=overrides))
+
+
+def run(words: int, reps: int, block_size: int, folder: Path) -> dict:
+    from mlx_lm.utils import load
+
+    from mlx_kvserve.models.loader import LoadedModel
+
+    model_dir = default_model_dir()
+    model, tokenizer = load(str(model_dir))
+    loaded = LoadedModel("smollm2", model_dir, model, tokenizer, {}, 8192)
+    prompt = tokenizer.encode(system_prompt(nonce=f"restart-{time.time()}", target_words=words))
+    warm = tokenizer.encode(system_prompt(nonce="warm-up", target_words=40))  # kernels, not the prompt
+
+    engine = make_engine(loaded, folder, block_size, split=True)
+    ttft(engine, warm)
+    cold, cached = ttft(engine, prompt)
+    assert cached == 0
+    engine.stop()  # drains the writer: every block is on disk; keeps the measured speeds
+    files = block_files(folder)
+    kv_bytes = sum(p.stat().st_size for p in files)
+    modes = [("page_cache", False)] + ([("cold", True)] if CAN_DROP else [])
+    times: dict[str, list[float]] = {}
+    cached_by_kind: dict[str, int] = {}
+    computed: dict[str, int] = {}
+    for _ in range(reps):
+        for mode, drop in modes:
+            times.setdefault(f"raw_read_{mode}", []).append(raw_read_s(files, drop))
+            for kind, split in (("read", False), ("split", True)):
+                engine = make_engine(loaded, folder, block_size, split)
+                ttft(engine, warm)
+                if drop:
+                    drop_cache(files)
+                elapsed, cached_by_kind[kind] = ttft(engine, prompt)
+                computed[kind] = engine.local_cache_stats()["kv_split_computed_blocks"]
+                times.setdefault(f"{kind}_{mode}", []).append(elapsed)
+                times.setdefault("ram_hit", []).append(ttft(engine, prompt)[0])  # every block in RAM now
+                engine.stop()
+    out = {
+        "prompt_tokens": len(prompt),
+        "block_size": block_size,
+        "kv_mib": kv_bytes / 2**20,
+        "cold_s": cold,
+        "cached_tokens": cached_by_kind,
+        "split_computed_blocks": computed,
+        "reps": reps,
+    }
+    out.update({name: median(ts) for name, ts in times.items()})
+    out["ram_hit_s"] = out.pop("ram_hit")
+    for mode, _ in modes:
+        out[f"floor_{mode}"] = out[f"raw_read_{mode}"] + out["ram_hit_s"]
+    return out
+
+
+def report_lines(r: dict) -> list[str]:
+    lines = [
+        f"# First request after a restart: SmolLM2-135M f32, {r['prompt_tokens']} prompt tokens, "
+        f"{r['kv_mib']:.0f} MiB of KV on disk, median of {r['reps']}",
+        "",
+        f"Cold TTFT {r['cold_s']:.2f} s; RAM hit {r['ram_hit_s']:.3f} s. "
+        f"Cached tokens after restart: {r['cached_tokens']}; blocks computed by the split: "
+        f"{r['split_computed_blocks']}.",
+        "",
+        "| after restart | TTFT s | cold / TTFT | floor s (raw read + RAM hit) | TTFT / floor |",
+        "|---|---|---|---|---|",
+    ]
+    for mode in ("page_cache", "cold"):
+        if f"read_{mode}" not in r:
+            continue
+        floor = r[f"floor_{mode}"]
+        for kind in ("read", "split"):
+            t = r[f"{kind}_{mode}"]
+            lines.append(
+                f"| {kind}, files {mode.replace('_', ' ')} | {t:.3f} | {r['cold_s'] / t:.1f}x | {floor:.3f} | "
+                f"{t / floor:.2f}x |"
+            )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--words", type=int, default=4400, help="system prompt words (4400: ~6k tokens)")
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: ~600 tokens, one rep")
+    parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()), help="disk for the cache folder")
+    parser.add_argument("--out", type=Path, default=Path("results/restart_hit"))
+    args = parser.parse_args(argv)
+    words, reps = (440, 1) if args.quick else (args.words, args.reps)
+    with tempfile.TemporaryDirectory(prefix="kvserve-restart-", dir=args.dir) as tmp:
+        results = run(words, reps, args.block_size, Path(tmp) / "kv")
+    write_report(results, args.out, report_lines(results))
+    return results
+
+
+if __name__ == "__main__":
+    main()
