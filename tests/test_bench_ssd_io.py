@@ -23,9 +23,9 @@ def test_report_has_raw_and_store_bandwidth_stages_and_checksums(tmp_path):
     bw = results["gib_s"]
     assert bw["num_blocks"] == 2 and bw["total_gib"] == 16 / 1024
     modes = ["page_cache", "cold"] if bench_ssd_io.CAN_DROP else ["page_cache"]
-    reads = [f"{kind}_{mode}" for kind in ("raw_read", "store_load") for mode in modes]
-    ratios = ["save_vs_raw"] + [f"load_vs_raw_{mode}" for mode in modes]
-    for key in ["raw_write", "store_save", *reads, *ratios]:
+    reads = [f"{kind}_{mode}" for kind in ("raw_read", "store_load", "store_load_chain") for mode in modes]
+    ratios = ["save_vs_raw", "save_batched_vs_raw"] + [f"load{c}_vs_raw_{m}" for c in ("", "_chain") for m in modes]
+    for key in ["raw_write", "store_save", "store_save_batched", *reads, *ratios]:
         assert bw[key] > 0, key
     stages = results["stages"]
     assert set(stages) == {f"load_{mode}_ms" for mode in modes} | {"save_ms"}
