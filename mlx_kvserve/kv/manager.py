@@ -306,14 +306,17 @@ class KVManager:
         wanted = [(hashes[i], tuple(tokens[i * bs : (i + 1) * bs])) for i in range(start, len(hashes))]
         stored = self.next_tier.stored_run(hashes[start:]) if front is not None else 0
         computed = front.blocks_to_compute(start, stored) if stored > 1 else 0
-        if 0 < computed < stored:
+        if not 0 < computed < stored:  # all or nothing computed: read them
+            computed = 0
+        if computed:
             payloads = self._compute_and_load(tokens, wanted[:stored], found, start, computed, front)
         else:
             payloads = self.next_tier.load_many(wanted)
         loaded = []
         for i, ((block_hash, ids), (payload, nbytes)) in enumerate(zip(wanted, payloads, strict=False), start):
             parent = hashes[i - 1] if i else self.hasher.namespace
-            loaded.append(Block(block_hash, parent, ids, payload, nbytes))
+            meta = {"computed": True} if i < start + computed else {}  # by the split: not read (kv_promotions)
+            loaded.append(Block(block_hash, parent, ids, payload, nbytes, meta=meta))
         return loaded
 
     def _compute_and_load(
@@ -347,7 +350,8 @@ class KVManager:
                 else:
                     self._ram.insert(block, self._next_tick())
                     self.events.stored(block.block_hash)
-                    self._stats["promotions"] += 1
+                    if not block.meta.pop("computed", False):
+                        self._stats["promotions"] += 1
                 block.ref_count += 1
                 found.append(block)
             evicted = self._evict()
