@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from mlx_lm.utils import load
 from mlx_kvserve.config import load_config
 from mlx_kvserve.engine.engine import Engine
 from mlx_kvserve.engine.front_prefill import SPEEDS_FILE, FrontPrefill
+from mlx_kvserve.engine.request import Finished, GenerationRequest, SamplingParams
 from mlx_kvserve.kv.ssd_index import block_relpath
 from mlx_kvserve.models.loader import LoadedModel
 
@@ -159,3 +161,40 @@ def test_a_damaged_speeds_file_is_set_aside(tiny, tmp_path):
     assert engine.prefix_cache.front.speeds() == (None, None)
     assert not (folder / SPEEDS_FILE).exists()
     engine.stop()
+
+
+def _submit_all(engine: Engine, prompts: list[list[int]], max_tokens: list[int]) -> list[tuple]:
+    """Submit every prompt to the worker at once; (token ids, cached tokens) of each, in order."""
+    results: dict[int, list] = {i: [] for i in range(len(prompts))}
+    done = [threading.Event() for _ in prompts]
+    for i, (prompt, n) in enumerate(zip(prompts, max_tokens, strict=True)):
+        params = SamplingParams(max_tokens=n, temperature=0.0)
+        engine.submit(GenerationRequest(f"r{i}", list(prompt), params, results[i].append, on_done=done[i].set))
+    assert all(d.wait(120) for d in done)
+    out = []
+    for i in range(len(prompts)):
+        finished = results[i][-1]
+        assert isinstance(finished, Finished), results[i]
+        out.append((finished.token_ids, finished.usage.cached_tokens))
+    return out
+
+
+@pytest.mark.parametrize("share", [None, 0.4])  # every block read; the first ones computed
+def test_ssd_hits_load_while_other_requests_run(tiny, stored, tmp_path, share):
+    root, prompt, cold = stored
+    copy = tmp_path / "kv"
+    shutil.copytree(root, copy)
+    other, shorter = list(reversed(prompt)), prompt[: 4 * BS + 3]  # a cold request; a shorter hit
+    solo = _engine(tiny, tmp_path / "solo")  # the references, before any worker thread runs
+    other_alone = greedy(solo.generator, other, 24)[0]
+    shorter_alone = greedy(solo.generator, shorter, MAX_TOKENS)[0]
+    solo.stop()
+    engine = _restarted(tiny, copy, share)
+    engine.start()
+    got = _submit_all(engine, [other, prompt, shorter], [24, MAX_TOKENS, MAX_TOKENS])
+    engine.stop()
+    assert got[0] == (other_alone, 0)
+    assert got[1] == (cold, len(prompt) - 1)
+    assert got[2][0] == shorter_alone and got[2][1] >= 4 * BS
+    assert engine.local_cache_stats()["kv_split_loads"] == (0 if share is None else 1)
+    engine.prefix_cache.manager.check_integrity()
