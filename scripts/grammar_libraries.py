@@ -23,16 +23,15 @@ def gpt2_byte_decoder() -> dict[str, int]:
     byte_values = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     codes = list(byte_values)
     for b in range(256):
-        if b not in byte_values:
+        if b not in byte_values:  # bytes without a printable character get 256, 257, ... in order
+            codes.append(256 + len(byte_values) - 188)
             byte_values.append(b)
-            codes.append(256 + len(codes) - 188)
     return {chr(c): b for b, c in zip(byte_values, codes, strict=True)}
 
 
 @dataclass(frozen=True)
 class Library:
-    """One grammar library behind the few calls the comparison makes. The bitmask is the layout all three
-    share: int32 words of shape (1, ceil(vocab / 32)), bit i of word w set when token 32 w + i is allowed."""
+    """One grammar library behind the few calls the comparison makes (the bitmask: see the module's doc)."""
 
     name: str
     dist: str  # the PyPI distribution
