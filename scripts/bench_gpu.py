@@ -7,7 +7,12 @@ product's own Engine (worker thread, block cache, SSD tier and its writer). For 
 - cold: a prompt no tier holds (prefill of every token);
 - RAM hit: the same long prefix with a new question (the prefix from RAM, the question prefilled);
 - SSD hit: after a restart (the engine stopped, its writer drained, a new engine on the same
-  cache folder with an empty RAM tier), the prefix with a third question, read from the SSD;
+  cache folder with an empty RAM tier), the prefix with a third question: once with every block
+  read from the SSD (`ssd.compute_while_loading` off), once with the first blocks prefilled while
+  the rest are read (on: split by the speeds the previous engine measured and kept; a warm-up
+  restart measures them first);
+- floor: the prefix's KV bytes at the raw read bandwidth of the cache folder's files (plain
+  sequential reads, measured right after) plus the RAM-hit time (issue 14's target: within 1.5x);
 - plain mlx-lm: `stream_generate` on the cold prompt, the reference the cold run should match.
 
 TTFT is the engine's first-token time (lookup, SSD reads, assembly, prefill, first sample) and
@@ -23,6 +28,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import importlib.metadata
 import os
@@ -38,6 +44,7 @@ import numpy as np
 from bench_common import median, write_report
 
 QUESTION_TOKENS = 32
+KV_DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -56,29 +63,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 class Bench:
     """An Engine over one loaded model, restartable on the same SSD folder."""
 
-    def __init__(self, loaded, work: Path, block_size: int):
+    def __init__(self, loaded, work: Path, block_size: int, kv_dtype_bytes: int):
         from mlx_kvserve.config import load_config
 
         cache = {"ram_max_bytes": "64GiB" if loaded.config["hidden_size"] >= 1024 else "1GiB"}
         if block_size:
             cache["block_size"] = block_size
         self.config = load_config(overrides={"cache": cache, "ssd": {"cache_dir": str(work / "kv")}})
+        self.kv_dir = work / "kv"
+        self.kv_dtype_bytes = kv_dtype_bytes
         self.loaded = loaded
         self.engine = None
 
-    def start(self) -> None:
+    def start(self, split: bool = True) -> None:
         from mlx_kvserve.engine.engine import Engine
 
-        self.engine = Engine(self.loaded, self.config)
+        ssd = dataclasses.replace(self.config.ssd, compute_while_loading=split)
+        self.engine = Engine(self.loaded, dataclasses.replace(self.config, ssd=ssd))
         self.engine.start()
 
-    def restart(self) -> None:
+    def restart(self, split: bool = True) -> None:
         import mlx.core as mx
 
         self.stop()
         gc.collect()
         mx.clear_cache()
-        self.start()
+        self.start(split)
+
+    def split_blocks(self) -> int:
+        return self.engine.local_cache_stats().get("kv_split_computed_blocks", 0)
 
     def stop(self) -> None:
         if self.engine is not None:
@@ -137,6 +150,19 @@ def build_model(args: argparse.Namespace, folder: Path):
     return LoadedModel(f"random-{args.shape}", folder, model, tokenizer, config, context_length(config))
 
 
+def raw_read_bps(folder: Path) -> float:
+    """Bytes per second of plain sequential reads of every file under `folder` (as they are: the
+    restart hits just read them, so mostly from the page cache, like the hits themselves)."""
+    buf, total = memoryview(bytearray(8 << 20)), 0
+    start = time.perf_counter()
+    for path in folder.rglob("*.safetensors"):
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                total += n
+    elapsed = time.perf_counter() - start
+    return total / elapsed if elapsed > 0 and total else 0.0
+
+
 def kv_bytes_per_token(config: dict, dtype_bytes: int) -> int:
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * dtype_bytes
@@ -151,37 +177,43 @@ def measure_length(bench: Bench, loaded, length: int, reps: int, rng: np.random.
     warm = ids(length)
     bench.ttft(warm + ids(QUESTION_TOKENS))  # kernels for these shapes, cold and hit paths
     bench.ttft(warm + ids(QUESTION_TOKENS))
+    bench.restart(split=False)
+    bench.ttft(warm + ids(QUESTION_TOKENS))  # an SSD hit: the read speed the split needs is measured (and kept)
     reference_ttft(loaded, ids(length + QUESTION_TOKENS))
+    prefix_bytes = kv_bytes_per_token(loaded.config, bench.kv_dtype_bytes) * length
     rows = []
     for rep in range(reps):
         prefix = ids(length)
         cold, cold_cached = bench.ttft(prefix + ids(QUESTION_TOKENS))
         ram, ram_cached = bench.ttft(prefix + ids(QUESTION_TOKENS))
-        bench.restart()
+        bench.restart(split=False)
         ssd, ssd_cached = bench.ttft(prefix + ids(QUESTION_TOKENS))
+        bench.restart(split=True)
+        split, split_cached = bench.ttft(prefix + ids(QUESTION_TOKENS))
+        computed = bench.split_blocks()
+        raw = raw_read_bps(bench.kv_dir)
         ref = reference_ttft(loaded, ids(length + QUESTION_TOKENS))
         row = {
             "cold_s": cold,
             "ram_hit_s": ram,
             "ssd_hit_s": ssd,
+            "ssd_split_s": split,
+            "split_computed_blocks": computed,
+            "floor_s": prefix_bytes / raw + ram if raw else float("nan"),
+            "raw_read_gib_s": raw / 2**30,
             "mlx_lm_cold_s": ref,
-            "cached_tokens": {"cold": cold_cached, "ram": ram_cached, "ssd": ssd_cached},
+            "cached_tokens": {"cold": cold_cached, "ram": ram_cached, "ssd": ssd_cached, "split": split_cached},
         }
         print(f"{length} tokens, rep {rep + 1}: {row}", flush=True)
         rows.append(row)
-    cold = median([r["cold_s"] for r in rows])
-    ram = median([r["ram_hit_s"] for r in rows])
-    ssd = median([r["ssd_hit_s"] for r in rows])
-    return {
-        "prompt_tokens": length + QUESTION_TOKENS,
-        "reps": rows,
-        "cold_s": cold,
-        "ram_hit_s": ram,
-        "ssd_hit_s": ssd,
-        "mlx_lm_cold_s": median([r["mlx_lm_cold_s"] for r in rows]),
-        "cold_over_ram": cold / ram,
-        "cold_over_ssd": cold / ssd,
-    }
+    out = {"prompt_tokens": length + QUESTION_TOKENS, "reps": rows}
+    for key in ("cold_s", "ram_hit_s", "ssd_hit_s", "ssd_split_s", "floor_s", "raw_read_gib_s", "mlx_lm_cold_s"):
+        out[key] = median([r[key] for r in rows])
+    out["split_computed_blocks"] = median([r["split_computed_blocks"] for r in rows])
+    out["cold_over_ram"] = out["cold_s"] / out["ram_hit_s"]
+    out["cold_over_ssd"] = out["cold_s"] / out["ssd_hit_s"]
+    out["cold_over_split"] = out["cold_s"] / out["ssd_split_s"]
+    return out
 
 
 def machine(loaded, args: argparse.Namespace) -> dict:
@@ -210,7 +242,7 @@ def machine(loaded, args: argparse.Namespace) -> dict:
         "bits": args.bits,
         "dtype": args.dtype,
         "block_size": bench_block_size(args),
-        "kv_bytes_per_token": kv_bytes_per_token(loaded.config, 4 if args.dtype == "float32" else 2),
+        "kv_bytes_per_token": kv_bytes_per_token(loaded.config, KV_DTYPE_BYTES[args.dtype]),
     }
 
 
@@ -237,6 +269,20 @@ def report_lines(results: dict) -> list[str]:
             f"| {row['prompt_tokens']} | {row['cold_s']:.3f} | {row['ram_hit_s']:.3f} | {row['ssd_hit_s']:.3f} "
             f"| {row['cold_over_ram']:.1f}x | {row['cold_over_ssd']:.1f}x | {row['mlx_lm_cold_s']:.3f} |"
         )
+    lines += [
+        "",
+        "SSD hit after a restart: every block read vs the first blocks prefilled while the rest are read (split), "
+        "next to the floor (the prefix's KV bytes at the raw read bandwidth + the RAM hit).",
+        "",
+        "| prompt tokens | read s | split s | blocks computed | floor s | read / floor | split / floor | raw read GiB/s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in results["lengths"]:
+        lines.append(
+            f"| {row['prompt_tokens']} | {row['ssd_hit_s']:.3f} | {row['ssd_split_s']:.3f} "
+            f"| {row['split_computed_blocks']:g} | {row['floor_s']:.3f} | {row['ssd_hit_s'] / row['floor_s']:.2f}x "
+            f"| {row['ssd_split_s'] / row['floor_s']:.2f}x | {row['raw_read_gib_s']:.2f} |"
+        )
     return lines
 
 
@@ -246,7 +292,7 @@ def main(argv: list[str] | None = None) -> dict:
     os.environ.setdefault("MLX_KVSERVE_HOME", str(work / "home"))
     try:
         loaded = build_model(args, work / "model")
-        bench = Bench(loaded, work, args.block_size)
+        bench = Bench(loaded, work, args.block_size, KV_DTYPE_BYTES[args.dtype])
         results: dict = {"machine": machine(loaded, args), "lengths": []}
         rng = np.random.default_rng(0)
         for length in (int(n) for n in args.lengths.split(",")):

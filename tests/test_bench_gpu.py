@@ -42,8 +42,9 @@ def test_cold_ram_and_ssd_after_restart(tmp_path):
     for row, length in zip(results["lengths"], (128, 192), strict=True):
         (rep,) = row["reps"]
         # The prefix is served from RAM, then from the SSD after the restart; the question is not.
-        assert rep["cached_tokens"] == {"cold": 0, "ram": length, "ssd": length}
-        assert row["cold_s"] > 0 and row["ssd_hit_s"] > 0
+        assert rep["cached_tokens"] == {"cold": 0, "ram": length, "ssd": length, "split": length}
+        assert row["cold_s"] > 0 and row["ssd_hit_s"] > 0 and row["ssd_split_s"] > 0
+        assert row["floor_s"] > row["ram_hit_s"] and row["raw_read_gib_s"] > 0
     assert json.loads((out / "results.json").read_text())["machine"]["shape"] == "tiny"
     report = (out / "report.md").read_text()
-    assert "| 160 |" in report and "| 224 |" in report
+    assert "| 160 |" in report and "| 224 |" in report and "split / floor" in report
