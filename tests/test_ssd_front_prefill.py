@@ -198,3 +198,37 @@ def test_ssd_hits_load_while_other_requests_run(tiny, stored, tmp_path, share):
     assert got[2][0] == shorter_alone and got[2][1] >= 4 * BS
     assert engine.local_cache_stats()["kv_split_loads"] == (0 if share is None else 1)
     engine.prefix_cache.manager.check_integrity()
+
+
+class SlowDisk:
+    """A block-read meter that reads as one block per second once anything was measured."""
+
+    def __init__(self):
+        self.samples = 0
+
+    def add(self, blocks: int, seconds: float) -> None:
+        self.samples += 1
+
+    def bytes_per_s(self) -> float | None:
+        return 1.0 if self.samples else None
+
+
+def test_without_a_measured_read_one_block_is_read_first_and_the_rest_split(tiny, stored, tmp_path):
+    root, prompt, cold = stored
+    copy = tmp_path / "kv"
+    shutil.copytree(root, copy)
+    engine = _restarted(tiny, copy, None)
+    front = engine.prefix_cache.front
+    meter = SlowDisk()
+    engine.prefix_cache.ssd_tier.block_reads = meter
+    front.blocks_read_per_s = meter.bytes_per_s
+    greedy(engine.generator, list(reversed(prompt)), 2)  # this run measures a prefill, no read yet
+    assert front.wants_a_read_sample()
+    ids, _, cached = greedy(engine.generator, prompt, MAX_TOKENS)
+    assert ids == cold and cached == len(prompt) - 1
+    expected = front.blocks_to_compute(1, NUM_BLOCKS - 1)  # the rest, split by the sampled speed
+    assert 0 < expected < NUM_BLOCKS - 1
+    stats = engine.local_cache_stats()
+    assert meter.samples == 1 and stats["kv_split_computed_blocks"] == expected
+    assert stats["ssd_hits"] == 1 + (NUM_BLOCKS - 1 - expected)
+    engine.stop()

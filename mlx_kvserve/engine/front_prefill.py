@@ -79,6 +79,12 @@ class FrontPrefill:
         except OSError as exc:
             log.warning("cannot keep the measured speeds in %s: %s", path, exc)
 
+    def wants_a_read_sample(self) -> bool:
+        """True when the prefill speed is known but no read was ever measured (the first SSD hit
+        after the first restart): reading one block then gives the speed to split the rest by."""
+        read, prefill = self.speeds()
+        return self.forced_share is None and not read and bool(prefill)
+
     def blocks_to_compute(self, start: int, stored: int) -> int:
         """Balance the two: computing k blocks takes k * block_size / prefill speed, reading the
         other stored - k takes (stored - k) / read speed; the time to the prefix is the larger,

@@ -55,6 +55,10 @@ class FrontCompute(Protocol):
         compute from the front instead of reading (0: read them all)."""
         ...
 
+    def wants_a_read_sample(self) -> bool:
+        """Whether it needs a read measured before it can split (one block is then read first)."""
+        ...
+
     def compute(self, tokens: Sequence[int], before: Sequence[Any], start: int, count: int) -> list[tuple[Any, int]]:
         """(payload, nbytes) of blocks start..start+count-1 of `tokens`, computed on top of the
         payloads of the blocks before them."""

@@ -305,6 +305,11 @@ class KVManager:
         bs = self.block_size
         wanted = [(hashes[i], tuple(tokens[i * bs : (i + 1) * bs])) for i in range(start, len(hashes))]
         stored = self.next_tier.stored_run(hashes[start:]) if front is not None else 0
+        if stored > 2 and front.wants_a_read_sample():  # no read measured yet: read one block, then split the rest
+            first = self._blocks(hashes, wanted, start, self.next_tier.load_many(wanted[:1]), 0)
+            if not first:
+                return []
+            return first + self._load_next_tier(tokens, hashes, start + 1, [*found, *first], front)
         computed = front.blocks_to_compute(start, stored) if stored > 1 else 0
         if not 0 < computed < stored:  # all or nothing computed: read them
             computed = 0
@@ -312,6 +317,17 @@ class KVManager:
             payloads = self._compute_and_load(tokens, wanted[:stored], found, start, computed, front)
         else:
             payloads = self.next_tier.load_many(wanted)
+        return self._blocks(hashes, wanted, start, payloads, computed)
+
+    def _blocks(
+        self,
+        hashes: list[bytes],
+        wanted: list[tuple[bytes, tuple[int, ...]]],
+        start: int,
+        payloads: list[tuple[Any, int]],
+        computed: int,
+    ) -> list[Block]:
+        """Blocks start.. built from their payloads; the first `computed` were prefilled, not read."""
         loaded = []
         for i, ((block_hash, ids), (payload, nbytes)) in enumerate(zip(wanted, payloads, strict=False), start):
             parent = hashes[i - 1] if i else self.hasher.namespace
