@@ -165,6 +165,12 @@ def test_tool_calls_stream_as_tool_use_blocks(tool_client, scripted):  # noqa: F
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "'image'"),
         ({"system": [{"type": "text", "text": "x", "cache_control": {"type": "forever"}}]}, "cache_control"),
         ({"tools": [TOOL]}, "tool calling"),  # the plain model has no tool support
+        ({"output_config": {"effort": "high"}}, "'output_config.effort'"),
+        ({"output_config": {"format": {"type": "json_object"}}}, "json_schema"),
+        (
+            {"output_config": {"format": {"type": "json_schema", "schema": {"type": "nope"}}}},
+            "nope",
+        ),
     ],
 )
 def test_bad_requests_are_400s_in_anthropics_shape(plain_client, fields, words):
@@ -281,3 +287,32 @@ def test_a_prompt_with_tools_is_cached_across_the_two_apis(tool_client, tool_eng
     prompt = first.usage.prompt_tokens
     assert second.usage.input_tokens + second.usage.cache_read_input_tokens == prompt  # the same rendering
     assert second.usage.cache_read_input_tokens >= prompt // 16 * 16 - 16 > 0
+
+
+BALL = {
+    "type": "object",
+    "properties": {"color": {"type": "string", "enum": ["red", "blue"]}, "size": {"type": "integer", "minimum": 1}},
+    "required": ["color", "size"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_output_config_holds_the_reply_to_the_schema(plain_client, stream):
+    import jsonschema
+
+    body = {
+        "model": "tiny",
+        "max_tokens": 60,
+        "messages": USER,
+        "output_config": {"format": {"type": "json_schema", "schema": BALL}},
+        "extra_body": GREEDY,
+    }
+    if stream:
+        with sdk(plain_client).messages.stream(**body) as events:
+            reply = events.get_final_message()
+    else:
+        reply = sdk(plain_client).messages.create(**body)
+    (block,) = reply.content  # the random model's reply, held to the schema
+    assert block.type == "text" and reply.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(block.text), BALL)

@@ -35,7 +35,14 @@ if TYPE_CHECKING:
     from .app import CompletionHandler
 
 FIELDS = {"model", "max_tokens", "messages", "system", "stop_sequences", "stream", "temperature", "top_p", "top_k"}
-FIELDS |= {"metadata", "tools", "tool_choice", "cache_control", "thinking"}  # metadata only names the caller
+FIELDS |= {
+    "metadata",
+    "tools",
+    "tool_choice",
+    "cache_control",
+    "thinking",
+    "output_config",
+}  # metadata only names the caller
 
 
 # --- request ------------------------------------------------------------------------------------------
@@ -180,7 +187,39 @@ def to_openai(body: Any, count_only: bool = False) -> dict[str, Any]:
     _check_cache_control(body, "request")  # automatic caching: the whole prompt
     _tools(body, out)
     _thinking(body.get("thinking"), out)
+    _output_config(body.get("output_config"), out)
     return out
+
+
+def _output_config(raw: Any, out: dict[str, Any]) -> None:
+    """`output_config.format` {type: json_schema, schema} is structured output: the reply's text
+    is held to the schema by the same constrained decoding as OpenAI's `response_format`.
+    `effort` names a hosted model's setting this server has no counterpart for: a 400 unless null."""
+    if raw is None:
+        return
+    if not isinstance(raw, dict):
+        raise ValidationError("'output_config' must be an object", param="output_config")
+    for key in raw:
+        if key not in ("format", "effort"):
+            raise InvalidRequestError(f"'output_config.{key}' is not supported by this server", param="output_config")
+    if raw.get("effort") is not None:
+        raise InvalidRequestError("'output_config.effort' is not supported by this server", param="output_config")
+    fmt = raw.get("format")
+    if fmt is None:
+        return
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise ValidationError(
+            "'output_config.format' must be {type: json_schema, schema: {...}}", param="output_config"
+        )
+    if set(fmt) - {"type", "schema"}:
+        raise InvalidRequestError(
+            f"'output_config.format.{sorted(set(fmt) - {'type', 'schema'})[0]}' is not supported by this server",
+            param="output_config",
+        )
+    out["response_format"] = {
+        "type": "json_schema",
+        "json_schema": {"name": "output", "schema": fmt["schema"], "strict": True},
+    }
 
 
 def _thinking(raw: Any, out: dict[str, Any]) -> None:
