@@ -232,3 +232,21 @@ def test_without_a_measured_read_one_block_is_read_first_and_the_rest_split(tiny
     assert meter.samples == 1 and stats["kv_split_computed_blocks"] == expected
     assert stats["ssd_hits"] == 1 + (NUM_BLOCKS - 1 - expected)
     engine.stop()
+
+
+def test_a_failed_front_compute_is_a_miss_and_holds_nothing(tiny, stored, tmp_path, monkeypatch):
+    root, prompt, cold = stored
+    copy = tmp_path / "kv"
+    shutil.copytree(root, copy)
+    engine = _restarted(tiny, copy, 0.5)
+
+    def fail(*_):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(engine.prefix_cache.front, "compute", fail)
+    ids, _, cached = greedy(engine.generator, prompt, MAX_TOKENS)
+    assert ids == cold and cached < BS  # prefilled instead (at most a tail under the namespace is reused)
+    stats = engine.local_cache_stats()
+    assert stats["kv_in_use_blocks"] == 0 and stats["kv_split_loads"] == 0
+    engine.prefix_cache.manager.check_integrity()
+    engine.stop()

@@ -345,12 +345,18 @@ class KVManager:
         front: FrontCompute,
     ) -> list[tuple[Any, int]]:
         """The payloads of `wanted`: the first `computed` blocks by `front` while the next tier
-        reads the rest (up to its first miss)."""
+        reads the rest (up to its first miss). A failed compute is a miss from `start` on (the
+        request prefills those tokens itself, where a real fault shows in the request's own path)."""
         pending = self.next_tier.begin_load(wanted[computed:])
         try:
             front_payloads = front.compute(tokens, [b.payload for b in found], start, computed)
+        except Exception as exc:
+            log.warning("computing the front of an SSD hit failed (%s); its blocks are prefilled instead", exc)
+            front_payloads = None
         finally:
             back = self.next_tier.end_load(pending)  # collected even if the compute failed
+        if front_payloads is None:
+            return []
         with self._lock:
             self._stats["split_loads"] += 1
             self._stats["split_computed_blocks"] += computed
