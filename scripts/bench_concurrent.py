@@ -130,6 +130,19 @@ def ssd_off_server(ours: Server) -> Server:
     return server
 
 
+def synthetic_model(shape: str, bits: int, folder: Path) -> Path:
+    """A random-weight llama of `shape` (mlx_kvserve.models.synthetic.SHAPES), `bits`-bit weights
+    (0: float16), written to `folder` so that both servers load the same model (the GPU run uses
+    the Llama-3-8B shape: no download needed)."""
+    import mlx.core as mx
+
+    from mlx_kvserve.models.synthetic import llama_config, random_llama, write_model_folder
+
+    overrides = {"quantization": {"group_size": 64, "bits": bits}} if bits else {}
+    config = llama_config(shape, **overrides)
+    return write_model_folder(folder, config, random_llama(config, dtype=mx.float16))
+
+
 def main() -> None:
     from bench import start_servers, stop_servers
 
@@ -140,11 +153,19 @@ def main() -> None:
     parser.add_argument("--words", type=int, help="system prompt words (default 300 quick / 1400)")
     parser.add_argument("--turns", type=int, help="turns per client (default 2 quick / 3)")
     parser.add_argument("--ssd-off-too", action="store_true", help="also run our server with [ssd] enabled = false")
+    parser.add_argument("--model", help="model folder for both servers (default: the default model)")
+    parser.add_argument("--synthetic", help="a random-weight llama of this shape instead, e.g. llama3-8b (GPU runs)")
+    parser.add_argument("--bits", type=int, default=4, help="weight bits of --synthetic (0: float16)")
     args = parser.parse_args()
     turns, max_tokens, words = (2, 16, 300) if args.quick else (3, 32, 1400)
     turns, words = args.turns or turns, args.words or words
     clients = [int(c) for c in args.clients.split(",")] if args.clients else [1, 4, 8]
-    servers = start_servers()
+    model_dir = Path(args.model) if args.model else None
+    if args.synthetic:
+        import tempfile
+
+        model_dir = synthetic_model(args.synthetic, args.bits, Path(tempfile.mkdtemp(prefix="kvserve-model-")) / "m")
+    servers = start_servers(model_dir)
     if args.ssd_off_too:
         servers.insert(1, ssd_off_server(servers[0]))
     try:
