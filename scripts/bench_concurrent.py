@@ -140,6 +140,7 @@ def synthetic_model(shape: str, bits: int, folder: Path) -> Path:
 
     overrides = {"quantization": {"group_size": 64, "bits": bits}} if bits else {}
     config = llama_config(shape, **overrides)
+    config["max_position_embeddings"] = max(config["max_position_embeddings"], 32768)  # 8k-16k-token prompts
     return write_model_folder(folder, config, random_llama(config, dtype=mx.float16))
 
 

@@ -112,11 +112,12 @@ def chat_ttft(server: Server, messages: list[dict], max_tokens: int = 8) -> tupl
     return reply.ttft_s, reply.text, reply.cached_tokens
 
 
-def scenario_system_prompt(servers: list[Server], reps: int) -> dict:
+def scenario_system_prompt(servers: list[Server], reps: int, words: int = 880) -> dict:
+    """Cold, exact repeat and a new question on a ~`words`-word system prompt (880: ~1.2k tokens)."""
     out = {s.name: {"cold": [], "repeat": [], "new_question": [], "cached": {}} for s in servers}
     for rep in range(reps):
         for server in servers:  # each server gets its own unique (cold) system prompt
-            system = system_prompt(nonce=f"{server.name}-{rep}-{time.time()}")
+            system = system_prompt(nonce=f"{server.name}-{rep}-{time.time()}", target_words=words)
 
             def ask(q: str, system: str = system) -> list[dict]:
                 return [{"role": "system", "content": system}, {"role": "user", "content": q}]
@@ -271,10 +272,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=str(ROOT / "results" / "prefix"))
     parser.add_argument("--scenarios", default="system,restart,conversation,decode,ssd", help="comma-separated subset")
+    parser.add_argument("--model", help="model folder (default: the default model)")
+    parser.add_argument(
+        "--system-words", type=int, default=880, help="system scenario prompt words (880: ~1.2k tokens)"
+    )
     args = parser.parse_args()
     wanted = set(args.scenarios.split(","))
     reps, turns = (1, 6) if args.quick else (3, 16)
-    model_dir = default_model_dir()
+    model_dir = Path(args.model) if args.model else default_model_dir()
     env = preload_env(dict(os.environ, PYTHONUNBUFFERED="1"))
     home = tempfile.mkdtemp(prefix="kvserve-bench-")
     ours_port, theirs_port = free_port(), free_port()
@@ -300,7 +305,7 @@ def main() -> None:
         chat_ttft(theirs, [{"role": "user", "content": "warm up"}], 4)
         results = {}
         if "system" in wanted:
-            results["system_prompt"] = scenario_system_prompt(servers, reps)
+            results["system_prompt"] = scenario_system_prompt(servers, reps, args.system_words)
         if "restart" in wanted:
             results["restart"] = scenario_restart(servers, reps)
         if "conversation" in wanted:
