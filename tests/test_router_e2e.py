@@ -92,7 +92,10 @@ def test_load_spreads_when_the_sessions_backend_is_overloaded(cluster):
 
 def test_backend_killed_mid_stream_gives_a_clear_error_and_the_rest_serve(cluster):
     router, backends = cluster
-    body = {"messages": [{"role": "user", "content": "Write forever."}], "max_tokens": 1500, "stream": True}
+    # Greedy, the tiny model writes ~780 tokens for this prompt before its end token (~0.6 s, far longer than
+    # reading 3 events); a sampled or shorter reply could end before the kill and make no error to see.
+    body = {"messages": [{"role": "user", "content": "Go on and on."}], "max_tokens": 1500, "stream": True}
+    body["temperature"] = 0
     events: list[str] = []
     with httpx.stream("POST", router.url + "/v1/chat/completions", json=body, timeout=60) as r:
         victim = next(b for b in backends if b.base_url == r.headers["x-kvserve-backend"])
