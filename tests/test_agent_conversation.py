@@ -1,7 +1,8 @@
 """A 10-turn agent conversation with tools over each API, through the official `openai` and
 `anthropic` clients against a real server process (issue 13): from turn 2 on, the cached tokens
-cover the previous turn's prompt up to the first position the chat template rewrites (in whole
-blocks at least), never more than the prompt.
+cover the previous turn's prompt up to the first position the chat template rewrites, to the
+token (blocks plus the tail kept where a prompt ended), and never more than an earlier request
+holds.
 
 Two templates: a plain tool template, which rewrites only the end of the previous prompt (its
 generation prompt, where the scripted reply replaces the model's own), and a thinking-style one
@@ -172,15 +173,38 @@ def agent_server(request, tmp_path_factory, start_module_server):
     return request.param, server, load_tokenizer(folder)
 
 
+def most_cached(prompts: list[list[int]], turn: int) -> int:
+    """The most a lookup of prompts[turn] can find in what this conversation cached before it: the
+    longest prefix it shares with an earlier prompt, plus that request's generated tokens (whose KV
+    is cached too, all but the last) where the earlier prompt is a whole prefix of this one; and at
+    most all but the prompt's last token, which is always prefilled."""
+    best = 0
+    for earlier in prompts[:turn]:
+        shared = common_prefix(earlier, prompts[turn])
+        best = max(best, shared + (MAX_TOKENS - 1 if shared == len(earlier) else 0))
+    return min(best, len(prompts[turn]) - 1)
+
+
 def check_turns(kind: str, api: str, prompts: list[list[int]], totals: list[int], cached: list[int]) -> list[int]:
-    """Assert the cache rule on every turn from the second; returns each turn's lost tokens."""
+    """Assert the cache rule on every turn from the second; returns each turn's lost tokens.
+
+    The server caches whole blocks plus tails kept where each prompt and each sequence ended, and
+    a lookup takes the blocks a prompt shares and then the longest shared prefix of a tail. The
+    first position a turn rewrites lies in the block where an earlier prompt of the conversation
+    ended (the previous prompt's generation prompt, or the one that produced the dropped
+    reasoning), so the cache reaches it exactly: cached >= the prefix shared with the previous
+    prompt, not just its whole blocks. And never more than an earlier request holds
+    (`most_cached`): where the turn rewrites inside the previous prompt that is the shared prefix
+    itself, so those turns are exact."""
     assert totals == [len(p) for p in prompts], "the server rendered another prompt than the template gives"
     lost = [0]
     for turn in range(1, len(prompts)):
         previous, prompt = prompts[turn - 1], prompts[turn]
         reused = common_prefix(previous, prompt)
         lost.append(len(previous) - reused)
-        assert reused // BS * BS <= cached[turn] < len(prompt), (kind, api, turn, reused, cached[turn])
+        assert reused <= cached[turn] <= most_cached(prompts, turn), (kind, api, turn, reused, cached[turn])
+        if lost[turn]:
+            assert cached[turn] == reused, (kind, api, turn, reused, cached[turn])
     print(f"\n{kind} template, {api}: prompt / cached / lost per turn:")
     for turn, (p, c, n) in enumerate(zip(prompts, cached, lost, strict=True), 1):
         print(f"  turn {turn:2d}: {len(p):5d} / {c:5d} / {n:4d}")
