@@ -30,7 +30,10 @@ def wait_written(server, timeout=30):
     deadline = time.time() + timeout
     while time.time() < deadline:
         cache = health(server)["cache"]
-        if cache["writer_written"] >= cache["kv_inserts"] > 0 and cache["writer_queue_depth"] == 0:
+        # Nothing queued or being saved (a batch in flight is out of the queue but still pending),
+        # and every inserted block on disk (writer_written also counts tails).
+        idle = cache["writer_queue_depth"] == 0 and cache["writer_pending"] == 0
+        if idle and cache["ssd_blocks"] >= cache["kv_inserts"] > 0:
             return cache
         time.sleep(0.1)
     raise AssertionError(f"writer did not catch up: {health(server)['cache']}")
