@@ -17,7 +17,6 @@ Usage: .venv/bin/python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 import time
@@ -25,8 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import default_model_dir, median, system_prompt, write_report  # noqa: E402
-
-CAN_DROP = hasattr(os, "posix_fadvise")
+from bench_ssd_io import CAN_DROP  # noqa: E402
+from bench_ssd_io import drop_cache as drop_file  # noqa: E402
 
 
 def block_files(folder: Path) -> list[Path]:
@@ -35,12 +34,7 @@ def block_files(folder: Path) -> list[Path]:
 
 def drop_cache(paths: list[Path]) -> None:
     for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        drop_file(path)
 
 
 def raw_read_s(paths: list[Path], cold: bool) -> float:

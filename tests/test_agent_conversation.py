@@ -27,6 +27,8 @@ import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from toolmodel import TOOL_TEMPLATE, build_tool_model
 
+from mlx_kvserve.server.cache_control import shared_prefix
+
 BS = 16
 TURNS = 10
 MAX_TOKENS = 4
@@ -154,15 +156,6 @@ def render(tokenizer, messages: list[dict]) -> list[int]:
     return list(tokenizer.apply_chat_template(shaped, tools=TOOLS, add_generation_prompt=True, tokenize=True))
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 @pytest.fixture(scope="module", params=["plain", "thinking"])
 def agent_server(request, tmp_path_factory, start_module_server):
     template = TOOL_TEMPLATE if request.param == "plain" else THINK_TEMPLATE
@@ -180,7 +173,7 @@ def most_cached(prompts: list[list[int]], turn: int) -> int:
     most all but the prompt's last token, which is always prefilled."""
     best = 0
     for earlier in prompts[:turn]:
-        shared = common_prefix(earlier, prompts[turn])
+        shared = shared_prefix(earlier, prompts[turn])
         best = max(best, shared + (MAX_TOKENS - 1 if shared == len(earlier) else 0))
     return min(best, len(prompts[turn]) - 1)
 
@@ -200,7 +193,7 @@ def check_turns(kind: str, api: str, prompts: list[list[int]], totals: list[int]
     lost = [0]
     for turn in range(1, len(prompts)):
         previous, prompt = prompts[turn - 1], prompts[turn]
-        reused = common_prefix(previous, prompt)
+        reused = shared_prefix(previous, prompt)
         lost.append(len(previous) - reused)
         assert reused <= cached[turn] <= most_cached(prompts, turn), (kind, api, turn, reused, cached[turn])
         if lost[turn]:

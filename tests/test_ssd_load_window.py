@@ -22,7 +22,9 @@ def chain(num_blocks: int = NUM_BLOCKS) -> list[tuple[bytes, bytes, list[int], d
     out = []
     for i, h in enumerate(hashes):
         arrays = {
-            f"{layer}.{kind}": mx.random.normal((1, 2, BS, 8), key=mx.random.key(i)) for layer in range(2) for kind in "kv"
+            f"{layer}.{kind}": mx.random.normal((1, 2, BS, 8), key=mx.random.key(i))
+            for layer in range(2)
+            for kind in "kv"
         }
         mx.eval(arrays)
         out.append((h, hashes[i - 1] if i else NS, tokens[i * BS : (i + 1) * BS], arrays))

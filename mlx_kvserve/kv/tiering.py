@@ -114,13 +114,8 @@ class SSDTier:
     def load(self, block_hash: bytes, token_ids: Sequence[int]) -> tuple[Any, int] | None:
         """(payload, nbytes) of a verified block on the SSD, or None."""
         loaded = self.store.load_block(block_hash, token_ids)
-        if loaded is None:
-            return None
-        try:
-            return self._from_arrays(loaded.arrays)
-        except (KeyError, ValueError) as exc:
-            log.warning("SSD block %s has an unexpected layout (%s); ignored", block_hash.hex()[:16], exc)
-            return None
+        got = self._payloads([(block_hash, token_ids)], [loaded] if loaded is not None else [])
+        return got[0] if got else None
 
     def load_many(self, wanted: Sequence[tuple[bytes, Sequence[int]]]) -> list[tuple[Any, int]]:
         """(payload, nbytes) of the verified blocks of `wanted` (hash, token ids), in order, up to
