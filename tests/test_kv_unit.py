@@ -230,3 +230,42 @@ def test_model_fingerprint_follows_weights_not_the_conversion_marker(tmp_path):
     assert model_fingerprint(tmp_path) != first
     memo = tmp_path.parent / f"{tmp_path.name}-memo.json"  # outside the model folder
     assert model_fingerprint(tmp_path, memo) == model_fingerprint(tmp_path, memo)
+
+
+def test_model_fingerprint_sees_weights_edited_in_place_with_the_mtime_restored(tmp_path):
+    """Same size, same mtime, new bytes: the memo must not hand back the old digest."""
+    import json
+    import os
+
+    from mlx_kvserve.kv.hashing import model_fingerprint
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"a": 1}')
+    weights = model / "model.safetensors"
+    weights.write_bytes(b"A" * 4096)
+    memo = tmp_path / "fingerprints.json"
+    first = model_fingerprint(model, memo)
+    before = weights.stat()
+    with open(weights, "r+b") as f:  # edit in place: same inode, same size
+        f.seek(100)
+        f.write(b"B" * 8)
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = weights.stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
+    edited = model_fingerprint(model, memo)
+    assert edited != first
+    assert edited == model_fingerprint(model)  # what a memo-less run computes from the bytes
+    assert len(json.loads(memo.read_text())) == 3  # config + both versions of the weights
+
+
+def test_model_fingerprint_memo_is_used_for_unchanged_files(tmp_path, monkeypatch):
+    from mlx_kvserve.kv import hashing
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"w" * 100)
+    memo = tmp_path.parent / f"{tmp_path.name}-memo.json"
+    first = hashing.model_fingerprint(tmp_path, memo)
+    calls = []
+    monkeypatch.setattr(hashing, "_file_digest", lambda p: calls.append(p) or "0" * 64)
+    assert hashing.model_fingerprint(tmp_path, memo) == first and calls == []

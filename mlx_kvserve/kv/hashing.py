@@ -27,7 +27,8 @@ LAYOUT_VERSION = 1
 HASH_BYTES = 32
 IGNORED_FILES = {"mlx_kvserve_conversion.json"}
 MAX_MEMO_BYTES = 16 * 1024 * 1024
-MEMO_SCHEMA = MapOf(Str(4096), Hex(HASH_BYTES), max_items=50_000)  # "path|size|mtime_ns" -> blake3 hex digest
+# "path|dev|inode|size|mtime_ns|ctime_ns" -> blake3 hex digest of the file's bytes
+MEMO_SCHEMA = MapOf(Str(4096), Hex(HASH_BYTES), max_items=50_000)
 
 
 def framed(*parts: bytes) -> bytes:
@@ -84,9 +85,13 @@ def _file_digest(path: Path) -> str:
 def model_fingerprint(model_dir: Path, memo_file: Path | None = None, damaged: list[DamagedFile] | None = None) -> str:
     """A hash of the model's config and weight files' contents, stable across restarts.
 
-    Hashing weights costs about a second per GB, so per-file digests are memoized in `memo_file`
-    keyed by (path, size, mtime): a restart with unchanged files reads only the memo. A damaged
-    memo is set aside (appended to `damaged`) and rebuilt; failing to write it is only logged.
+    Hashing weights costs a fraction of a second per GB (scripts/bench_fingerprint.py), so per-file
+    digests are memoized in `memo_file` keyed by the file's identity and change stamps: path,
+    device, inode, size, mtime and ctime. Any write to a file moves its ctime, which no user call
+    can set back (restoring the mtime with `touch -d` or `os.utime` moves it again), and a copy or
+    a replacement is a new inode: weights edited in place are hashed again, so their blocks never
+    meet the old model's. A restart with unchanged files reads only the memo. A damaged memo is
+    set aside (appended to `damaged`) and rebuilt; failing to write it is only logged.
     """
     memo: dict[str, str] = {}
     if memo_file is not None:
@@ -102,8 +107,7 @@ def model_fingerprint(model_dir: Path, memo_file: Path | None = None, damaged: l
     )
     parts, changed = [], False
     for path in files:
-        st = path.stat()
-        key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+        key = _memo_key(path)
         if key not in memo:
             memo[key] = _file_digest(path)
             changed = True
@@ -111,6 +115,11 @@ def model_fingerprint(model_dir: Path, memo_file: Path | None = None, damaged: l
     if memo_file is not None and changed:
         _write_memo(memo_file, memo)
     return blake3(b"".join(parts)).hexdigest()
+
+
+def _memo_key(path: Path) -> str:
+    st = path.stat()
+    return f"{path.resolve()}|{st.st_dev}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}"
 
 
 def _write_memo(memo_file: Path, memo: dict[str, str]) -> None:
