@@ -113,3 +113,53 @@ def test_top_k_one_is_greedy_at_any_temperature(client):
         sampled = client.post("/v1/completions", json={**body, "temperature": 1.5, "top_k": 1, "seed": seed}).json()
         assert sampled["choices"][0]["logprobs"]["tokens"] == greedy["choices"][0]["logprobs"]["tokens"]
     assert all(math.isfinite(v) for v in greedy["choices"][0]["logprobs"]["token_logprobs"])
+
+
+# --- masked tokens under constrained decoding (issue 23, bug 6) ----------------------------------------------
+
+FLAG = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+FLAG_FORMAT = {"type": "json_schema", "json_schema": {"name": "flag", "schema": FLAG}}
+
+
+def _refuse(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def strict_json(text: str):
+    """JSON as the spec has it: NaN and Infinity are refused (Python's json takes them)."""
+    return json.loads(text, parse_constant=_refuse)
+
+
+def payloads(reply) -> list[dict]:
+    """Each SSE event's JSON of a streamed reply, read strictly."""
+    lines = [line.removeprefix("data: ") for line in reply.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [strict_json(line) for line in lines[:-1]]
+
+
+@pytest.mark.parametrize("kind", ["chat", "text"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_constrained_logprobs_omit_masked_alternatives_and_stay_json(client, kind, stream):
+    body = {"model": "tiny", "max_tokens": 12, "temperature": 0, "response_format": FLAG_FORMAT, "stream": stream}
+    if kind == "chat":
+        path, body = "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": "ok?"}]}
+        body |= {"logprobs": True, "top_logprobs": 20}
+    else:
+        path, body = "/v1/completions", {**body, "prompt": PROMPT, "logprobs": 20}
+    reply = client.post(path, json=body)
+    assert reply.status_code == 200, reply.text
+    blocks = (
+        [c["choices"][0]["logprobs"] for c in payloads(reply)]
+        if stream
+        else [strict_json(reply.text)["choices"][0]["logprobs"]]
+    )
+    blocks = [b for b in blocks if b]
+    if kind == "chat":
+        chosen = [e["logprob"] for b in blocks for e in b["content"]]
+        tops = [[t["logprob"] for t in e["top_logprobs"]] for b in blocks for e in b["content"]]
+    else:
+        chosen = [lp for b in blocks for lp in b["token_logprobs"]]
+        tops = [list(top.values()) for b in blocks for top in b["top_logprobs"]]
+    assert chosen and all(math.isfinite(lp) for lp in chosen)
+    assert all(math.isfinite(lp) for top in tops for lp in top)
+    assert min(len(top) for top in tops) < 20  # after '{"ok":' few tokens are possible: the rest are left out

@@ -11,9 +11,13 @@ import anthropic
 import pytest
 from starlette.testclient import TestClient
 from test_api_anthropic import _loaded
+from test_api_tools import tool_loaded  # noqa: F401  (fixture)
 from test_hardening_wire import BS, make_engine
+from test_server_e2e import wait_until
 
 from mlx_kvserve.config import ApiKeys
+from mlx_kvserve.engine.cache_admin import CacheAdmin
+from mlx_kvserve.errors import KVServeError
 from mlx_kvserve.kv.leases import PinLeases
 from mlx_kvserve.kv.pins import PinRegistry
 from mlx_kvserve.server.app import create_app
@@ -195,3 +199,80 @@ def test_bad_markers_and_too_many_are_400s(served, marker, words):
         sdk(client).messages.create(
             model="tiny", max_tokens=2, system=five, messages=[{"role": "user", "content": "hi"}]
         )
+
+
+# --- a cut is not a request (issue 23, bug 3) ---------------------------------------------------------------
+
+ALPHA = {
+    "name": "alpha",
+    "description": "The first tool, long enough to fill blocks of its own. " * 3,
+    "input_schema": {"type": "object", "properties": {"x": {"type": "string"}}},
+    "cache_control": {"type": "ephemeral"},
+}
+BETA = {"name": "beta", "input_schema": {"type": "object", "properties": {"n": {"type": "integer"}}}}
+FORCED_BETA = {  # valid: the cut rendered at alpha's mark offers only alpha, and that is no request of its own
+    "model": "tool-tiny",
+    "max_tokens": 6,
+    "tools": [ALPHA, BETA],
+    "tool_choice": {"type": "tool", "name": "beta"},
+    "messages": [{"role": "user", "content": "go"}],
+}
+
+
+@pytest.fixture()
+def tool_served(tool_loaded, tmp_path):  # noqa: F811
+    engine = make_engine(tool_loaded, tmp_path)
+    submitted = []
+    submit = engine.submit
+    engine.submit = lambda req: (submitted.append(req), submit(req))[1]
+    with TestClient(create_app(engine, ApiKeys("", ""))) as client:
+        yield engine, client, submitted
+    engine.stop(0)
+
+
+def nothing_runs(engine) -> bool:
+    return engine.worker.num_running == 0 and engine.worker.queue_depth == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_tool_after_the_marked_one_is_served_and_pins_the_marked_tools(tool_served, stream):
+    engine, client, submitted = tool_served
+    reply = client.post("/v1/messages", json={**FORCED_BETA, "stream": stream})
+    assert reply.status_code == 200, reply.text
+    (lease,) = leases(client)
+    prompt = submitted[0].prompt_tokens
+    beta_at = engine.loaded.tokenizer.decode(prompt).index('"beta"')  # byte tokenizer: characters are tokens
+    assert 0 < lease["blocks"] * BS <= beta_at  # alpha's blocks, nothing of beta
+    assert wait_until(lambda: nothing_runs(engine), 10)
+
+
+def test_an_error_after_submission_cancels_the_generation(tool_served, monkeypatch):
+    engine, client, submitted = tool_served
+
+    def fail(*args):
+        raise KVServeError("the lease could not be taken")
+
+    monkeypatch.setattr(CacheAdmin, "lease", fail)  # the step that runs after the request was submitted
+    body = {**FORCED_BETA, "tool_choice": {"type": "auto"}, "max_tokens": 1000}
+    reply = client.post("/v1/messages", json=body)
+    assert reply.status_code == 500 and "could not be taken" in reply.text
+    (gen_req,) = submitted
+    assert gen_req.cancelled.is_set()
+    assert wait_until(lambda: nothing_runs(engine), 10)
+
+
+def test_a_cut_the_template_refuses_pins_nothing_and_the_request_is_served(served, monkeypatch):
+    engine, client, _ = served
+    render = engine.chat_tokens
+
+    def picky(messages, *args, **kwargs):  # a template that refuses the cut's placeholder turn
+        if messages[-1]["content"] == ".":
+            raise ValueError("conversation roles must alternate")
+        return render(messages, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "chat_tokens", picky)
+    system = [{"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}}]
+    reply = sdk(client).messages.create(
+        model="tiny", max_tokens=2, system=system, messages=[{"role": "user", "content": "hi"}]
+    )
+    assert reply.usage.cache_creation_input_tokens == 0 and leases(client) == []

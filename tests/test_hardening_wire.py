@@ -142,6 +142,27 @@ def test_numbers_in_cache_routes_are_a_422(client, path, body):
     assert post_raw(client, path, json.dumps(body)).status_code == 422
 
 
+# --- issue 23, bug 1: top_k beyond the vocabulary ----------------------------------------------------------
+
+
+def test_top_k_above_the_vocabulary_is_a_422_naming_the_bound(client, loaded):
+    vocab = loaded.config["vocab_size"]
+    user = [{"role": "user", "content": "hello there"}]
+    bodies = [
+        (TEXT, {"prompt": "hello there", "max_tokens": 3, "temperature": 0.8}),
+        (CHAT, {"messages": user, "max_tokens": 3, "temperature": 0.8}),
+        ("/v1/messages", {"model": "tiny", "messages": user, "max_tokens": 3, "temperature": 0.8}),
+    ]
+    for path, body in bodies:
+        reply = client.post(path, json=body | {"top_k": vocab + 1})
+        assert reply.status_code == (400 if path == "/v1/messages" else 422), reply.text  # Anthropic: all 400s
+        assert f"{vocab} (the model's vocabulary size)" in reply.json()["error"]["message"]
+    for top_k in (vocab, 0):  # the whole vocabulary keeps every token; sampling goes on working after it
+        for path, body in bodies:
+            reply = client.post(path, json=body | {"top_k": top_k})
+            assert reply.status_code == 200, reply.text
+
+
 # --- item 11: lone surrogates ---------------------------------------------------------------------------
 
 

@@ -1,17 +1,28 @@
 """Per-request samplers for the batch. A seeded request gets its own PRNG key, so its output
 depends only on its seed and its logits, never on what else runs in the batch (mlx-lm's server
-switches batching off for seeded requests instead)."""
+switches batching off for seeded requests instead); the others draw from MLX's global key.
+
+A request's failure is its own: `RequestFault` wraps its sampler and logits processors so that
+what they raise is kept for the scheduler, which fails that request after the step, instead of
+failing mlx-lm's step and with it every request in the batch.
+"""
 
 from __future__ import annotations
 
+import logging
+import secrets
 from collections.abc import Callable
+from typing import Any
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_sampler
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, categorical_sampling
 
 from .request import SamplingParams
 
+log = logging.getLogger(__name__)
+
 Sampler = Callable[[mx.array], mx.array]
+LogitsProcessor = Callable[[Any, mx.array], mx.array]
 
 
 def make_request_sampler(params: SamplingParams) -> Sampler | None:
@@ -19,17 +30,17 @@ def make_request_sampler(params: SamplingParams) -> Sampler | None:
     greedy requests)."""
     if params.temperature == 0:
         return None
-    if params.seed is None:
-        return make_sampler(params.temperature, top_p=params.top_p, min_p=params.min_p, top_k=params.top_k)
-    return _SeededSampler(params)
+    return _RequestSampler(params)
 
 
-class _SeededSampler:
-    """make_sampler's filters, then a categorical draw with this request's own key chain."""
+class _RequestSampler:
+    """make_sampler's filters in its order, then a categorical draw: with this request's own key
+    chain when it has a seed, else with MLX's global key. A top_k at or above the width of the
+    logits keeps every token (mlx-lm raises for it)."""
 
     def __init__(self, params: SamplingParams):
         self.params = params
-        self.key = mx.random.key(params.seed)
+        self.key = None if params.seed is None else mx.random.key(params.seed)
 
     def __call__(self, logprobs: mx.array) -> mx.array:
         p = self.params
@@ -37,8 +48,66 @@ class _SeededSampler:
             logprobs = apply_top_p(logprobs, p.top_p)
         if p.min_p != 0.0:
             logprobs = apply_min_p(logprobs, p.min_p)
-        if p.top_k > 0:
+        if 0 < p.top_k < logprobs.shape[-1]:
             logprobs = apply_top_k(logprobs, p.top_k)
+        if self.key is None:
+            return categorical_sampling(logprobs, p.temperature)
         keys = mx.random.split(self.key)
         self.key = keys[0]
         return mx.random.categorical(logprobs * (1.0 / p.temperature), key=keys[1])
+
+
+class RequestFault:
+    """The first exception one request's sampler or logits processors raised (`error`; None while
+    none has). Their wrapped versions never raise: after a failure they return a stand-in (the
+    argmax token, the logits unchanged) so the batch's step completes, and the scheduler then
+    takes the request out of the batch with its error."""
+
+    def __init__(self) -> None:
+        self.error: Exception | None = None
+
+    def sampler(self, inner: Sampler | None) -> Sampler | None:
+        """`inner`, contained; None stays None (greedy: the batch's shared argmax)."""
+        if inner is None:
+            return None
+
+        def sample(logprobs: mx.array) -> mx.array:
+            if self.error is None:
+                try:
+                    return inner(logprobs)
+                except Exception as exc:
+                    self._fail(exc)
+            return mx.argmax(logprobs, axis=-1)
+
+        return sample
+
+    def processor(self, inner: LogitsProcessor) -> LogitsProcessor:
+        """`inner`, contained."""
+
+        def process(tokens: Any, logits: mx.array) -> mx.array:
+            if self.error is None:
+                try:
+                    return inner(tokens, logits)
+                except Exception as exc:
+                    self._fail(exc)
+            return logits
+
+        return process
+
+    def _fail(self, exc: Exception) -> None:
+        self.error = exc
+        repair_random_state()
+
+
+def repair_random_state() -> bool:
+    """Re-seed MLX's global PRNG key if it cannot be evaluated; whether it had to. mlx-lm compiles
+    its sampling filters with that key as an input and output: one that raises while being traced
+    leaves a placeholder in its place, and every unseeded draw after it fails ("Attempting to eval
+    an array without a primitive"). On the thread that owns MLX only."""
+    try:
+        mx.eval(list(mx.random.state))
+        return False
+    except Exception:
+        mx.random.seed(secrets.randbits(63))  # fresh entropy: unseeded draws stay unpredictable
+        log.warning("MLX's global random key was left unusable by a failed sampler; re-seeded it")
+        return True

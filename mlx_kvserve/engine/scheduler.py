@@ -23,7 +23,7 @@ from .constrain import grammars_for
 from .prefill import cached_blocks, pick_leader
 from .prefix_cache import PrefixCache, Prepared
 from .request import Failed, Finished, GenerationRequest, TextDelta, TokenLogprob, Usage
-from .sampling import make_request_sampler
+from .sampling import RequestFault, make_request_sampler, repair_random_state
 from .stops import StopMatcher
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,7 @@ class Running:
     prompt_registered: bool = False
     block_hashes: list[bytes] = field(default_factory=list)  # of the prompt's blocks a lookup may use
     checkpoints: set[int] = field(default_factory=set)  # prompt positions to capture at (segment ends)
+    fault: RequestFault = field(default_factory=RequestFault)  # what its sampler or processors raised
 
 
 @dataclass(eq=False)
@@ -74,9 +75,10 @@ class Scheduler:
     """Runs any number of requests together, at most `max_batch` decoding at once.
 
     `admit` never raises: a request that cannot start gets a Failed event. `step` advances every
-    request by one token (or one prefill chunk); a request that fails alone (its emit, its block
-    registration) gets Failed and leaves; an error of the batch's forward pass fails every request
-    in the batch (none can be told apart) and the batch starts afresh.
+    request by one token (or one prefill chunk); a request that fails alone (its sampler, its
+    logits processors, its emit, its block registration) gets Failed and leaves while the others
+    go on; an error of the batch's forward pass fails every request in the batch (none can be told
+    apart) and the batch starts afresh.
     """
 
     def __init__(
@@ -164,15 +166,18 @@ class Scheduler:
             cached = prepared.match.num_tokens
             params = req.params
             points = self.prefix_cache.checkpoints(req.prompt_tokens, cached, req.checkpoint_at)
+            fault = RequestFault()
+            processors = None
+            if params.constrained:
+                grammar = grammars_for(self.tokenizer).processor(params.json_schema, params.grammar)
+                processors = [[fault.processor(grammar)]]
             (uid,) = self._generator().insert_segments(
                 [_segments(req.prompt_tokens, cached, points)],
                 max_tokens=[params.max_tokens],
                 caches=[prepared.prompt_cache],
                 all_tokens=[list(req.prompt_tokens[:cached])],
-                samplers=[make_request_sampler(params)],
-                logits_processors=[[grammars_for(self.tokenizer).processor(params.json_schema, params.grammar)]]
-                if params.constrained
-                else None,
+                samplers=[fault.sampler(make_request_sampler(params))],
+                logits_processors=processors,
                 stop_sequences=[self._eos],
             )
         except Exception as exc:
@@ -182,7 +187,15 @@ class Scheduler:
         detok = self.tokenizer.detokenizer
         detok.reset()
         self._running[uid] = Running(
-            uid, req, prepared, started, detok, StopMatcher(params.stop), block_hashes=hashes, checkpoints=set(points)
+            uid,
+            req,
+            prepared,
+            started,
+            detok,
+            StopMatcher(params.stop),
+            block_hashes=hashes,
+            checkpoints=set(points),
+            fault=fault,
         )
 
     def _start_waiting(self) -> None:
@@ -237,7 +250,10 @@ class Scheduler:
             if run is not None:
                 self._guard(run, self._on_token, run, r)
         for run in list(self._running.values()):
-            if run.req.cancelled.is_set():
+            if run.fault.error is not None:  # its sampler or processors failed in this step
+                log.error("request %s failed", run.req.request_id, exc_info=run.fault.error)
+                self._drop(run, run.fault.error)
+            elif run.req.cancelled.is_set():
                 self._guard(run, self._end, run, "cancelled")
             elif run.prefill_done and run.generated and not run.prompt_registered:
                 self._guard(run, self._register_prompt, run)
@@ -359,6 +375,7 @@ class Scheduler:
         if self._batch is not None:
             self._batch.close()
             self._batch = None
+        repair_random_state()  # the step may have failed inside a compiled sampler
         for run in running:
             self.prefix_cache.release(run.prepared)
             self._emit_end(run.req, Failed(exc))

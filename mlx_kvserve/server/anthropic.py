@@ -3,9 +3,9 @@ and the routes (the reply's shape is in anthropic_reply.py). A request is transl
 CompletionHandler path (same template, same engine, same block cache), so a long system prompt with
 tools hits the cache from either API.
 
-`cache_control` blocks are accepted and treated as a normal prefix: the block cache keeps every
-prompt's blocks anyway, so the marked prefix is cached like the rest; no pin is taken (pins have no
-TTL yet, and a pin per request would never expire).
+`cache_control` markers pin the marked prefix for their TTL (server/cache_control.py). Everything that
+can refuse a request is checked before its generation is submitted; a failure after that cancels the
+generation, so no reply runs on for a request that was answered with an error.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..errors import InvalidRequestError, KVServeError, ValidationError
-from . import cache_control
+from . import cache_control, prompts, sse
 from . import openai as oa
 from . import tools as tl
 from .anthropic_reply import (
@@ -30,6 +30,8 @@ from .anthropic_reply import (
     stop_reason,
     stream_events,
 )
+from .gate import note_error
+from .messages import parse_messages
 
 if TYPE_CHECKING:
     from .app import CompletionHandler
@@ -246,21 +248,34 @@ def anthropic_routes(handler: CompletionHandler, read_json: Callable) -> list[Ro
         body = await read_json(request, engine.config.server.max_body_bytes)
         return body, oa.parse_request(to_openai(body, count_only), "chat", handler.defaults)
 
-    async def tokens_of(body: dict[str, Any]) -> list[int]:
-        return await handler.tokens(oa.parse_request(to_openai(body, True), "chat", handler.defaults))
+    def failed(request: Request, exc: KVServeError) -> Response:
+        note_error(request.scope, exc)
+        return error_response(exc)
+
+    async def render_cut(cut: dict[str, Any]) -> list[int]:
+        """A cache_control cut's prompt tokens, rendered as the request's own prompt is; not parsed as a
+        request (its tool_choice may name a tool past the cut)."""
+        out = to_openai(cut, count_only=True)
+        messages, offered = parse_messages(out["messages"]), out.get("tools") or None
+        return await prompts.chat_tokens(engine, messages, True, offered, out.get("chat_template_kwargs", {}))
 
     async def messages(request: Request) -> Response:
+        gen_req = None
         try:
             body, req = await parse(request)
             found = cache_control.marks(body)
+            cuts = await cache_control.render_cuts(handler, found, render_cut)
             gen_req, track = await handler.submit(request, req)
-            leased = max(await cache_control.apply(handler, found, gen_req.prompt_tokens, tokens_of), default=0)
+            leased = max(await cache_control.apply(handler, found, cuts, gen_req.prompt_tokens), default=0)
             if req.stream:
-                events = stream_events(handler, req, gen_req, track, leased)
-                return StreamingResponse(events, media_type="text/event-stream")
+                return sse.GenerationStream(stream_events(handler, req, gen_req, track, leased), gen_req)
             done = await handler.collect(request, gen_req, track)
-        except KVServeError as exc:
-            return error_response(exc)
+        except BaseException as exc:
+            if gen_req is not None:
+                gen_req.cancel()  # failed after the submission: the generation must not run on for nobody
+            if isinstance(exc, KVServeError):
+                return failed(request, exc)
+            raise
         if isinstance(done, Response):  # the client left
             return done
         text, ev = done
@@ -279,7 +294,7 @@ def anthropic_routes(handler: CompletionHandler, read_json: Callable) -> list[Ro
             handler.check_model(req.model)
             return JSONResponse({"input_tokens": len(await handler.tokens(req))})
         except KVServeError as exc:
-            return error_response(exc)
+            return failed(request, exc)
 
     return [
         Route("/v1/messages", messages, methods=["POST"]),

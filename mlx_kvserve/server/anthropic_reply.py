@@ -13,6 +13,7 @@ from starlette.responses import JSONResponse
 from ..engine.request import Finished, TextDelta, Usage
 from ..errors import KVServeError, RequestTimeoutError, ValidationError
 from . import openai as oa
+from . import sse
 from .output import REASONING, TOOL, Segment
 
 if TYPE_CHECKING:
@@ -109,10 +110,6 @@ def error_response(exc: KVServeError) -> JSONResponse:
     return JSONResponse(body, status_code=status)
 
 
-def _event(kind: str, payload: dict[str, Any]) -> str:
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, **payload}, ensure_ascii=False)}\n\n"
-
-
 class BlockStream:
     """Anthropic's content-block events for a streamed reply: a block opens when the kind of text
     changes, each tool call is a block of its own."""
@@ -125,13 +122,13 @@ class BlockStream:
         events = self.close()
         self.index += 1
         self.open = block["type"]
-        return events + [_event("content_block_start", {"index": self.index, "content_block": block})]
+        return events + [sse.event("content_block_start", {"index": self.index, "content_block": block})]
 
     def close(self) -> list[str]:
         if self.open is None:
             return []
         self.open = None
-        return [_event("content_block_stop", {"index": self.index})]
+        return [sse.event("content_block_stop", {"index": self.index})]
 
     def events(self, seg: Segment) -> list[str]:
         out: list[str] = []
@@ -139,14 +136,14 @@ class BlockStream:
             for call in seg.calls:
                 out += self._start({"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
                 delta = {"type": "input_json_delta", "partial_json": call.arguments}
-                out.append(_event("content_block_delta", {"index": self.index, "delta": delta}))
+                out.append(sse.event("content_block_delta", {"index": self.index, "delta": delta}))
                 out += self.close()
             return out
         kind = "thinking" if seg.kind == REASONING else "text"
         if self.open != kind:
             out += self._start({"type": kind, kind: "", **({"signature": ""} if kind == "thinking" else {})})
         delta = {"type": f"{kind}_delta", kind: seg.text}
-        return out + [_event("content_block_delta", {"index": self.index, "delta": delta})]
+        return out + [sse.event("content_block_delta", {"index": self.index, "delta": delta})]
 
 
 def _kvserve_error(exc: Exception) -> KVServeError:
@@ -161,13 +158,13 @@ async def stream_events(
     engine, out, blocks, pieces = handler.engine, handler.output(req, gen_req), BlockStream(), []
     start = message_body(new_message_id(), engine.model_name, [], None, None, Usage(len(gen_req.prompt_tokens), 0))
     try:
-        yield _event("message_start", {"message": start})
-        yield _event("ping", {})
+        yield sse.event("message_start", {"message": start})
+        yield sse.event("ping", {})
         while True:
             try:
                 ev = await track.next()
             except RequestTimeoutError as exc:
-                yield _event("error", {"error": error_body(exc)[0]["error"]})
+                yield sse.event("error", {"error": error_body(exc)[0]["error"]})
                 return
             if ev is None:
                 continue
@@ -182,13 +179,13 @@ async def stream_events(
                     yield line
                 stop = matched_stop(engine.loaded.tokenizer, req, "".join(pieces), ev)
                 delta = {"stop_reason": stop_reason(ev.finish_reason, out.num_calls, stop), "stop_sequence": stop}
-                yield _event("message_delta", {"delta": delta, "usage": usage_body(ev.usage, leased)})
-                yield _event("message_stop", {})
+                yield sse.event("message_delta", {"delta": delta, "usage": usage_body(ev.usage, leased)})
+                yield sse.event("message_stop", {})
                 return
             else:
                 err = _kvserve_error(ev.error)
                 track.failed(err)
-                yield _event("error", {"error": error_body(err)[0]["error"]})
+                yield sse.event("error", {"error": error_body(err)[0]["error"]})
                 return
     finally:
         gen_req.cancel()

@@ -14,7 +14,7 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..config import ApiKeys, load_api_keys
@@ -30,11 +30,11 @@ from ..errors import (
 )
 from . import openai as oa
 from . import openai_reply as oar
-from . import prompts, tools
+from . import prompts, sse, tools
 from .anthropic import anthropic_routes
 from .cache_routes import cache_routes
 from .deadlines import Deadlines, EventTracker
-from .gate import CLIENT_CLOSED, RECORD_KEY, RequestGate, error_response
+from .gate import CLIENT_CLOSED, RECORD_KEY, RequestGate, error_response, note_error
 from .health import HealthMonitor
 from .logprobs import LogprobFormatter
 from .metrics import RequestRecord, ServerMetrics
@@ -111,7 +111,7 @@ class CompletionHandler:
         req = oa.parse_request(body, kind, self.defaults)
         gen_req, track = await self.submit(request, req)
         if req.stream:
-            return StreamingResponse(self._stream(req, gen_req, track), media_type="text/event-stream")
+            return sse.GenerationStream(self._stream(req, gen_req, track), gen_req)
         entries: list[TokenLogprob] = []
         done = await self.collect(request, gen_req, track, entries)
         if isinstance(done, Response):
@@ -144,6 +144,7 @@ class CompletionHandler:
         record = request.scope.get(RECORD_KEY) or RequestRecord("-", request.method, request.url.path, time.monotonic())
         record.stream = req.stream
         self.check_model(req.model)
+        oa.check_top_k(req, self.engine.vocab_size)
         calls = tools.call_grammar(req.tools, req.json_schema)
         if req.json_schema is not None and calls is None:
             await self.check_schema(req.json_schema)
@@ -238,12 +239,12 @@ class CompletionHandler:
         out = self.output(req, gen_req) if req.kind == "chat" else None
         formatter = self.logprob_formatter(req) if req.logprobs.enabled else None
         try:
-            yield _sse(oar.chunk_body(req, rid, model, "" if req.kind == "chat" else None, None, first=True))
+            yield sse.data(oar.chunk_body(req, rid, model, "" if req.kind == "chat" else None, None, first=True))
             while True:
                 try:
                     ev = await track.next()
                 except RequestTimeoutError as exc:  # the status is sent: end the stream with the error
-                    yield _sse(oar.error_body(exc.message, exc.error_type, exc.param, exc.code))
+                    yield sse.data(oar.error_body(exc.message, exc.error_type, exc.param, exc.code))
                     break
                 if ev is None:  # woke a hair before a deadline: wait again
                     continue
@@ -256,22 +257,22 @@ class CompletionHandler:
                         chunks = chunks or [oar.chunk_body(req, rid, model, None if out else "", None)]
                         chunks[0]["choices"][0]["logprobs"] = formatter.block(ev.logprobs)
                     for chunk in chunks:
-                        yield _sse(chunk)
+                        yield sse.data(chunk)
                 elif isinstance(ev, Finished):
                     track.finished(ev)
                     reason = ev.finish_reason
                     if out is not None:
                         for chunk in _segment_chunks(req, rid, model, out, out.finish()):
-                            yield _sse(chunk)
+                            yield sse.data(chunk)
                         reason = "tool_calls" if out.num_calls and reason == "stop" else reason
-                    yield _sse(self._with_extension(oar.chunk_body(req, rid, model, None, reason), req, gen_req))
+                    yield sse.data(self._with_extension(oar.chunk_body(req, rid, model, None, reason), req, gen_req))
                     if req.include_usage:
-                        yield _sse(oar.usage_chunk(req, rid, model, ev.usage))
+                        yield sse.data(oar.usage_chunk(req, rid, model, ev.usage))
                     break
                 else:
                     err = _as_kvserve_error(ev.error)
                     track.failed(err)
-                    yield _sse(oar.error_body(err.message, err.error_type, err.param, err.code))
+                    yield sse.data(oar.error_body(err.message, err.error_type, err.param, err.code))
                     break
             yield "data: [DONE]\n\n"
         finally:
@@ -291,10 +292,6 @@ def _segment_chunks(req, rid: str, model: str, out: ChatOutput, segments: list[S
         else:
             chunks.append(oar.chunk_body(req, rid, model, seg.text, None))
     return chunks
-
-
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
 def _as_kvserve_error(exc: Exception) -> KVServeError:
@@ -335,6 +332,7 @@ def create_app(engine: Engine, keys: ApiKeys | None = None) -> Starlette:
 
     async def on_kvserve_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, KVServeError)
+        note_error(request.scope, exc)
         return error_response(exc)
 
     async def on_http_error(request: Request, exc: Exception) -> Response:
@@ -342,6 +340,7 @@ def create_app(engine: Engine, keys: ApiKeys | None = None) -> Starlette:
         kinds = {404: NotFoundError, 405: InvalidRequestError}
         err = kinds.get(exc.status_code, InvalidRequestError)(f"{request.method} {request.url.path}: {exc.detail}")
         err.status_code = exc.status_code
+        note_error(request.scope, err)
         return error_response(err)
 
     async def on_client_gone(request: Request, exc: Exception) -> Response:
@@ -382,6 +381,9 @@ def create_app(engine: Engine, keys: ApiKeys | None = None) -> Starlette:
         Exception: on_unexpected,
     }
     app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
+    # A trailing slash is a 404, as documented: Starlette's redirect would build its Location from the
+    # Host header (an open redirect), and clients do not resend a POST body after a 307 anyway.
+    app.router.redirect_slashes = False
     keys = keys if keys is not None else load_api_keys(engine.config.server)
     server = engine.config.server
     app.add_middleware(

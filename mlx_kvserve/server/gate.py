@@ -31,7 +31,9 @@ from .metrics import RequestRecord, ServerMetrics
 
 RECORD_KEY = "mlx_kvserve.record"  # the scope key under which handlers find their RequestRecord
 OPEN_PATHS = frozenset({"/health"})  # answered without a key: service managers and probes hold none
-LIMITED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages"})
+# Paths that hold an in-flight slot: the completion routes, and count_tokens, whose chat template
+# rendering of a body of up to max_body_bytes costs as much CPU as a completion's.
+LIMITED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens"})
 ADMIN_PREFIX = "/v1/cache"
 QUIET_ENDPOINTS = frozenset({"/health", "/metrics"})  # polled often: their lines are logged at debug level
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})  # requests whose body the gate reads before the app runs
@@ -51,6 +53,14 @@ def error_response(exc: KVServeError) -> JSONResponse:
     message = exc.message.encode("utf-8", "backslashreplace").decode("utf-8")
     body = oar.error_body(message, exc.error_type, exc.param, exc.code)
     return JSONResponse(body, status_code=exc.status_code, headers=_HEADERS.get(exc.status_code))
+
+
+def note_error(scope: Scope, exc: KVServeError) -> None:
+    """Name `exc` on the request's log line and metrics: for the errors the app answers, as the gate
+    does for its own."""
+    record = scope.get(RECORD_KEY)
+    if record is not None:
+        record.error = exc.code or exc.error_type
 
 
 def is_admin_path(path: str) -> bool:
@@ -102,8 +112,8 @@ def replay(body: bytes, receive: Receive) -> Receive:
 class RequestGate:
     """ASGI middleware. Per HTTP request: check the API key its path needs (401), read the whole
     body of a POST (413 past `max_body_bytes`, 408 past `body_read_timeout_s`, 499 recorded when the
-    client leaves first), admit a completion request only while fewer than `in_flight_limit` are in
-    flight (429), then run the app with the body replayed and record the outcome. `in_flight` is
+    client leaves first), admit a request to LIMITED_PATHS only while fewer than `in_flight_limit` are
+    in flight (429), then run the app with the body replayed and record the outcome. `in_flight` is
     only touched on the event loop, so it needs no lock."""
 
     def __init__(
@@ -150,7 +160,7 @@ class RequestGate:
             )
 
     def admit(self, scope: Scope) -> bool:
-        """Take an in-flight slot for a completion request (True), or none for other paths (False)."""
+        """Take an in-flight slot for a POST to LIMITED_PATHS (True), or none for other paths (False)."""
         if scope["path"] not in LIMITED_PATHS or scope["method"] != "POST":
             return False
         if self.in_flight >= self.in_flight_limit:
@@ -206,7 +216,7 @@ class RequestGate:
                     receive = replay(await self.read_body(scope, receive), receive)
                 admitted = self.admit(scope)
             except KVServeError as exc:
-                record.error = exc.code or exc.error_type
+                note_error(scope, exc)
                 await error_response(exc)(scope, receive, send_recording)
                 return
             except ClientDisconnect:  # gone mid-upload: nothing to answer, nothing went wrong here
@@ -217,7 +227,9 @@ class RequestGate:
             # No response started: the client went away (cancelled) or the app raised; the
             # outer server-error middleware answers 500 to the latter.
             if not record.status:
-                record.status = 500 if isinstance(exc, Exception) else CLIENT_CLOSED
+                failed = isinstance(exc, Exception)
+                record.status = 500 if failed else CLIENT_CLOSED
+                record.error = record.error or ("server_error" if failed else "client_closed")
             raise
         finally:
             if admitted:

@@ -4,10 +4,16 @@ Chat: `logprobs: true` (+ `top_logprobs: 0..20`) gives `choice.logprobs = {"cont
 "logprob", "bytes", "top_logprobs": [...]}]}`. Completions (the legacy API): `logprobs: 0..20` is the
 number of alternatives and gives `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`.
 Streamed chunks carry the entries of the tokens behind them in the same shapes.
+
+Under constrained decoding (response_format, forced tool calls) the tokens the grammar masks out have a
+logprob of -inf, which is not a JSON number. As OpenAI does, impossible alternatives are left out of
+`top_logprobs` (a token may list fewer than asked), and a sampled token's own logprob, were it ever not
+finite, is reported as LOGPROB_FLOOR.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -15,6 +21,7 @@ from ..engine.request import TokenLogprob
 from ..errors import ValidationError
 
 MAX_TOP_LOGPROBS = 20
+LOGPROB_FLOOR = -9999.0  # what OpenAI reports for a token of (next to) no probability
 
 
 class LogprobRequest(NamedTuple):
@@ -45,6 +52,15 @@ def parse_logprobs(body: dict[str, Any], kind: str) -> LogprobRequest:
     return LogprobRequest(bool(enabled), num_top or 0)
 
 
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else LOGPROB_FLOOR
+
+
+def _possible(top: Sequence[tuple[int, float]]) -> list[tuple[int, float]]:
+    """The alternatives that could have been sampled: a masked token's -inf (or a NaN) is left out."""
+    return [(token, logprob) for token, logprob in top if math.isfinite(logprob)]
+
+
 class LogprobFormatter:
     """Turns TokenLogprob entries into OpenAI's logprob objects for one reply."""
 
@@ -58,7 +74,7 @@ class LogprobFormatter:
 
     def _chat_entry(self, token: int, logprob: float) -> dict[str, Any]:
         text = self._text(token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8", "replace"))}
 
     def block(self, entries: Sequence[TokenLogprob]) -> dict[str, Any] | None:
         """The `logprobs` object of a choice (whole reply or one chunk); None when there are none."""
@@ -68,7 +84,7 @@ class LogprobFormatter:
             content = []
             for e in entries:
                 item = self._chat_entry(e.token, e.logprob)
-                item["top_logprobs"] = [self._chat_entry(t, lp) for t, lp in e.top]
+                item["top_logprobs"] = [self._chat_entry(t, lp) for t, lp in _possible(e.top)]
                 content.append(item)
             return {"content": content}
         tokens, offsets = [], []
@@ -79,7 +95,7 @@ class LogprobFormatter:
             self._text_offset += len(text)
         return {
             "tokens": tokens,
-            "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{self._text(t): lp for t, lp in e.top} for e in entries],
+            "token_logprobs": [_finite(e.logprob) for e in entries],
+            "top_logprobs": [{self._text(t): lp for t, lp in _possible(e.top)} for e in entries],
             "text_offset": offsets,
         }

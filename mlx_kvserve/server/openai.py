@@ -250,6 +250,16 @@ def parse_request(body: Any, kind: str, defaults: Defaults) -> CompletionRequest
     return req
 
 
+def check_top_k(req: CompletionRequest, vocab_size: int) -> None:
+    """ValidationError (422) when top_k is above the model's vocabulary (0: unknown, not checked);
+    top_k equal to it keeps every token, as 0 does."""
+    if vocab_size and req.top_k > vocab_size:
+        raise ValidationError(
+            f"'top_k' must be between 0 (off) and {vocab_size} (the model's vocabulary size), got {req.top_k}",
+            param="top_k",
+        )
+
+
 def check_prompt_limit(req: CompletionRequest, num_prompt: int, limit: int) -> None:
     """Raise InvalidRequestError when the prompt has more than `limit` tokens (0 = no limit)."""
     if limit and num_prompt > limit:

@@ -1,0 +1,48 @@
+"""Server-sent events for both APIs: each payload written as strict JSON, and the streamed response that
+cancels its generation however the response ends.
+
+Strict: Python's json writes NaN and Infinity, which no JSON parser reads; here they raise instead, so a
+value that should never reach the wire (a masked token's -inf logprob) fails loudly in tests rather than
+breaking clients silently. Starlette's JSONResponse is strict the same way.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from ..engine.request import GenerationRequest
+
+
+def strict_json(payload: Any) -> str:
+    """`payload` as JSON text; ValueError for NaN or an infinity anywhere in it."""
+    return json.dumps(payload, ensure_ascii=False, allow_nan=False)
+
+
+def data(payload: dict[str, Any]) -> str:
+    """One `data:` event (OpenAI's streams)."""
+    return f"data: {strict_json(payload)}\n\n"
+
+
+def event(kind: str, payload: dict[str, Any]) -> str:
+    """One named event whose data is `{"type": kind, **payload}` (Anthropic's streams)."""
+    return f"event: {kind}\ndata: {strict_json({'type': kind, **payload})}\n\n"
+
+
+class GenerationStream(StreamingResponse):
+    """An event stream that cancels `gen_req` when the response ends, however it ends. The events'
+    own generator cancels too, but only once it has started: a client gone before the first event
+    (or a failed send) would otherwise leave the generation running for nobody."""
+
+    def __init__(self, events: Any, gen_req: GenerationRequest):
+        super().__init__(events, media_type="text/event-stream")
+        self.gen_req = gen_req
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.gen_req.cancel()  # a no-op once the generation has finished
