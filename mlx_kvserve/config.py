@@ -167,6 +167,9 @@ class RouterConfig:
     backend_api_key_file: str = ""
     health_interval_s: float = 2.0  # how often each backend's /health is polled (down ones come back this way)
     connect_timeout_s: float = 5.0
+    # A backend that takes a request and then says nothing: how long until the request goes to the next one.
+    first_byte_timeout_s: float = 30.0  # to a streamed reply's start (servers send it as they take the request)
+    read_timeout_s: float = 600.0  # to a whole reply (sent after its last token), and any silence in a reply
     max_body_bytes: int = 4 * 1024 * 1024
     log_level: str = "info"
 
@@ -331,6 +334,8 @@ def _validate_router(r: RouterConfig) -> None:
     _check(0 <= r.listen_port <= 65535, "router.listen_port", f"must be 0..65535, got {r.listen_port}")
     _check(r.health_interval_s > 0, "router.health_interval_s", "must be > 0")
     _check(r.connect_timeout_s > 0, "router.connect_timeout_s", "must be > 0")
+    _check(r.first_byte_timeout_s > 0, "router.first_byte_timeout_s", "must be > 0")
+    _check(r.read_timeout_s > 0, "router.read_timeout_s", "must be > 0")
     _check(r.max_body_bytes >= 1024, "router.max_body_bytes", "must be at least 1KiB")
     levels = ("critical", "error", "warning", "info", "debug")
     _check(r.log_level in levels, "router.log_level", f"must be one of {', '.join(levels)}")

@@ -71,8 +71,13 @@ class ServerThread:
 
 class FakeBackend:
     """A backend with a real block cache. `mode`: "ok", "slow" (a chunk every `delay_s`), "die" (one chunk
-    then the connection breaks; /health fails too), "busy" (503), "down" (/health fails). `seen` records (path, headers, body) of each request;
-    `closed` counts streams whose client went away before the end."""
+    then the connection breaks; /health fails too), "busy" (503), "down" (/health fails), "hang" (takes a
+    completion request and never answers; /health answers). `seen` records (path, headers, body) of each
+    request; `closed` counts streams whose client went away before the end.
+
+    What it reports to a router can be spoiled: `layout_body` (JSON-able, or raw bytes) replaces its
+    /v1/cache/layout answer while set; each string in `event_streams` is served, raw, as one whole
+    /v1/cache/events stream before the real ones resume."""
 
     def __init__(self, name: str, model_path: str = "", ns: bytes | None = None):
         self.name = name
@@ -82,19 +87,25 @@ class FakeBackend:
         self.seen: list[tuple[str, dict, dict]] = []
         self.closed = 0
         self.finished = 0
+        self.layout_body: object = None
+        self.event_streams: list[str] = []
+        self.num_layout_requests = 0
+        self.is_stopping = False
         self.hasher = BlockHasher(ns or namespace_hash("fake-model", "float32", BS), BS)
         self.manager = KVManager(self.hasher, RAMStore(10**9))
-        engine = SimpleNamespace(
+        self.engine = engine = SimpleNamespace(
             model_name="fake",
             loaded=SimpleNamespace(path=Path(model_path or "/nonexistent/fake")),
             prefix_cache=SimpleNamespace(manager=self.manager, reason=""),
         )
+        self.real_routes = {r.path: r.endpoint for r in router_routes(engine)}
         routes = [
             Route("/health", self.health, methods=["GET"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/messages", self.chat, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
-            *router_routes(engine),
+            Route("/v1/cache/layout", self.layout, methods=["GET"]),
+            Route("/v1/cache/events", self.events, methods=["GET"]),
         ]
         self.app = Starlette(routes=routes)
         self.server: ServerThread | None = None
@@ -108,7 +119,21 @@ class FakeBackend:
         return self
 
     def stop(self) -> None:
+        self.is_stopping = True
         self.server.stop()
+
+    def real_layout(self) -> dict:
+        """What the real /v1/cache/layout route answers (a start for a spoiled one)."""
+        events = self.manager.events
+        return {
+            "model": "fake",
+            "model_path": str(self.engine.loaded.path),
+            "enabled": True,
+            "namespace": self.hasher.namespace.hex(),
+            "block_size": BS,
+            "epoch": events.epoch,
+            "last_seq": events.last_seq,
+        }
 
     def store(self, tokens: list[int]) -> int:
         """Register the full blocks of `tokens` as cached; returns how many were new."""
@@ -122,6 +147,19 @@ class FakeBackend:
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"}, status_code=503 if self.mode in ("down", "die") else 200)
 
+    async def layout(self, request: Request) -> Response:
+        self.num_layout_requests += 1
+        if isinstance(self.layout_body, bytes):
+            return Response(self.layout_body, media_type="application/json")
+        if self.layout_body is not None:
+            return JSONResponse(self.layout_body)
+        return await self.real_routes["/v1/cache/layout"](request)
+
+    async def events(self, request: Request) -> Response:
+        if self.event_streams:
+            return Response(self.event_streams.pop(0), media_type="text/event-stream")
+        return await self.real_routes["/v1/cache/events"](request)
+
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": self.name}]})
 
@@ -133,6 +171,8 @@ class FakeBackend:
         self.seen.append((request.url.path, dict(request.headers), body))
         if self.mode == "busy":
             return JSONResponse({"error": {"message": "busy"}}, status_code=503)
+        while self.mode == "hang" and not self.is_stopping:
+            await asyncio.sleep(0.05)
         if not isinstance(body, dict):
             return JSONResponse({"error": {"message": "not JSON"}}, status_code=400)
         tokens = chat_tokens(body.get("messages", []))

@@ -32,7 +32,7 @@ from ..server.gate import error_response as openai_error
 from .backends import BackendState
 from .follower import BackendFollower
 from .prompts import CHAT_PATH, MESSAGES_PATH, TEXT_PATH, PromptInfo, PromptReader, load_tokenizer
-from .proxy import CLIENT_CLOSED, Router
+from .proxy import CLIENT_CLOSED, Router, UpstreamTimeouts
 
 log = logging.getLogger(__name__)
 OPEN_PATHS = frozenset({"/health"})
@@ -129,7 +129,8 @@ def create_router_app(
     slot = TokenizerSlot(reader, config.tokenizer, tokenizer_loader)
     timeout = httpx.Timeout(connect=config.connect_timeout_s, read=None, write=None, pool=None)
     client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
-    router = Router(backends, client, config.policy, config.overload_factor, backend_headers)
+    timeouts = UpstreamTimeouts(config.connect_timeout_s, config.first_byte_timeout_s, config.read_timeout_s)
+    router = Router(backends, client, config.policy, config.overload_factor, backend_headers, timeouts=timeouts)
     followers = [
         BackendFollower(
             b,
@@ -138,6 +139,7 @@ def create_router_app(
             config.health_interval_s,
             on_layout=slot.from_backend,
             on_resync=lambda url=b.url: router.metrics.resyncs.labels(url).inc(),
+            connect_timeout_s=config.connect_timeout_s,
         )
         for b in backends
     ]
@@ -201,7 +203,8 @@ def create_router_app(
 
 
 def health_report(router: Router, followers: list[BackendFollower], policy: str, slot: TokenizerSlot) -> dict:
-    """ok: every backend up; degraded: some; down: none (503)."""
+    """ok: every backend up; degraded: some; down: none (503). A backend is out of rotation while it is
+    unreachable or reports what the router cannot use; `error` says which."""
     rows = []
     for f in followers:
         b = f.state
@@ -209,7 +212,7 @@ def health_report(router: Router, followers: list[BackendFollower], policy: str,
             {
                 "url": b.url,
                 "up": b.is_up,
-                "error": b.last_error or None,
+                "error": b.error or None,
                 "requests": b.num_requests,
                 "pending_prefill_tokens": b.pending_prefill_tokens,
                 "decode_tokens": b.decode_tokens,

@@ -14,7 +14,11 @@ from .policies import BackendView
 
 
 class BackendState:
-    """One backend. All fields are guarded by `_lock`; the router and the event follower share it."""
+    """One backend. All fields are guarded by `_lock`; the router and the event follower share it.
+
+    It is in rotation (`is_up`) while it is reachable (its /health and the requests sent to it succeed) and
+    what it reports (layout, block events) is usable: the two are tracked apart, since a backend that answers
+    its health checks may still report a layout the router cannot hash with."""
 
     def __init__(self, url: str, block_size: int = 0):
         self.url = url
@@ -22,16 +26,31 @@ class BackendState:
         self.namespace: bytes | None = None  # the backend's hashing namespace, from its layout
         self._lock = threading.Lock()
         self._blocks: set[bytes] = set()
-        self.is_up = True
-        self.last_error = ""  # why it was last taken out ("" while up)
+        self.is_reachable = True
+        self.last_error = ""  # why it was last found unreachable ("" while reachable)
+        self.report_error = ""  # why its last report was unusable ("" while its reports are sound)
         self.num_requests = 0
         self.pending_prefill_tokens = 0
         self.decode_tokens = 0
 
     # --- layout and health --------------------------------------------------------------------------------
 
+    @property
+    def is_up(self) -> bool:
+        """In rotation: reachable, and reporting what the router can use."""
+        with self._lock:
+            return self.is_reachable and not self.report_error
+
+    @property
+    def error(self) -> str:
+        """Why it is out of rotation ("" while up)."""
+        with self._lock:
+            return self.last_error or self.report_error
+
     def set_layout(self, namespace: bytes | None, block_size: int) -> None:
-        """The backend's hashing; a changed namespace (another model, block size) forgets the old blocks."""
+        """The backend's hashing (checked by reports.parse_layout: a namespace comes with a block size >= 1);
+        a changed namespace (another model, block size) forgets the old blocks."""
+        assert (namespace is None) == (block_size == 0) and block_size >= 0, "an unchecked layout"
         with self._lock:
             if namespace != self.namespace or block_size != self.block_size:
                 self._blocks = set()
@@ -39,11 +58,21 @@ class BackendState:
 
     def mark_down(self, reason: str) -> None:
         with self._lock:
-            self.is_up, self.last_error = False, reason
+            self.is_reachable, self.last_error = False, reason
 
     def mark_up(self) -> None:
         with self._lock:
-            self.is_up, self.last_error = True, ""
+            self.is_reachable, self.last_error = True, ""
+
+    def mark_bad_report(self, reason: str) -> None:
+        """Out of rotation until `mark_sound_report`; the blocks it reported are forgotten (the follower
+        takes a fresh snapshot when the backend reports sound data again)."""
+        with self._lock:
+            self.report_error, self._blocks = reason, set()
+
+    def mark_sound_report(self) -> None:
+        with self._lock:
+            self.report_error = ""
 
     # --- blocks -------------------------------------------------------------------------------------------
 

@@ -3,10 +3,11 @@ it, and pass the reply back as it arrives.
 
 Load is counted here, as requests start and finish (never inside a picker): a request adds its expected new
 prefill to the chosen backend's pending prefill until its first token, one to its requests until its last
-byte, and each token event to its decode tokens. A backend that cannot be reached, or answers 429/503
-before any byte, is skipped for the next one the policy picks; a backend that dies mid-stream ends that
-client's stream with an error event in the stream's dialect, and is taken out until its /health answers.
-The client leaving closes the upstream request, and the backend cancels the generation.
+byte, and each token event to its decode tokens. A backend that cannot be reached, answers 429/503
+before any byte, or sends nothing within its timeout (UpstreamTimeouts) is skipped for the next one the
+policy picks; a backend that dies or falls silent mid-stream ends that client's stream with an error event in
+the stream's dialect. A backend that failed or timed out is taken out until its /health answers. The client
+leaving closes the upstream request, and the backend cancels the generation.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import anyio
 import httpx
@@ -50,8 +52,31 @@ class BackendFailedError(KVServeError):
     error_type = "server_error"
 
 
+class BackendTimeoutError(KVServeError):
+    """Every backend tried took the request and sent nothing in time (504)."""
+
+    status_code = 504
+    error_type = "server_error"
+
+
+class UpstreamTimeouts(NamedTuple):
+    """How long the router waits on a backend (router.connect_timeout_s, first_byte_timeout_s, read_timeout_s).
+
+    A server sends a streamed reply's headers as soon as it takes the request, but a whole reply's only after
+    its last token: so `first_byte_s` bounds the wait for a streamed reply (and for requests that generate
+    nothing), `read_s` the wait for a whole reply and every silence inside a reply."""
+
+    connect_s: float = 5.0
+    first_byte_s: float = 30.0
+    read_s: float = 600.0
+
+
 class _ClientGone(Exception):
     pass
+
+
+class _NoFirstByte(Exception):
+    """The backend took the request and sent nothing within `first_byte_s`."""
 
 
 @dataclass
@@ -106,6 +131,7 @@ class Router:
         overload_factor: float = DEFAULT_OVERLOAD_FACTOR,
         backend_headers: dict[str, str] | None = None,
         metrics: RouterMetrics | None = None,
+        timeouts: UpstreamTimeouts | None = None,
     ):
         self.backends = list(backends)
         self.client = client
@@ -113,6 +139,7 @@ class Router:
         self.overload_factor = overload_factor
         self.backend_headers = backend_headers or {}
         self.state = PolicyState()
+        self.timeouts = timeouts or UpstreamTimeouts()
         self.metrics = metrics or RouterMetrics(lambda: self.backends)
 
     # --- decisions ----------------------------------------------------------------------------------------
@@ -156,17 +183,25 @@ class Router:
             self.backend_headers.items()
         )
         url = backend.url + request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        return self.client.build_request(request.method, url, headers=headers, content=body, timeout=None)
+        timeout = httpx.Timeout(self.timeouts.read_s, connect=self.timeouts.connect_s)
+        return self.client.build_request(request.method, url, headers=headers, content=body, timeout=timeout)
 
-    async def _send(self, request: Request, upstream: httpx.Request) -> httpx.Response:
-        """The backend's response headers; raises _ClientGone (the upstream request cancelled) when the client
-        leaves first, as it may while a backend computes a whole reply."""
+    async def _send(self, request: Request, upstream: httpx.Request, first_byte_s: float | None) -> httpx.Response:
+        """The backend's response headers. Raises _ClientGone (the upstream request cancelled) when the client
+        leaves first, as it may while a backend computes a whole reply; _NoFirstByte past `first_byte_s`."""
+        loop = asyncio.get_running_loop()
+        deadline = None if first_byte_s is None else loop.time() + first_byte_s
         task = asyncio.ensure_future(self.client.send(upstream, stream=True))
         try:
             while True:
-                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                wait = (
+                    DISCONNECT_POLL_S if deadline is None else max(0.0, min(DISCONNECT_POLL_S, deadline - loop.time()))
+                )
+                done, _ = await asyncio.wait({task}, timeout=wait)
                 if done:
                     return task.result()
+                if deadline is not None and loop.time() >= deadline:
+                    raise _NoFirstByte()
                 if await request.is_disconnected():
                     raise _ClientGone()
         finally:
@@ -175,42 +210,60 @@ class Router:
                 with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
                     await task
 
-    async def _open(self, request: Request, backend: BackendState, body: bytes) -> httpx.Response:
+    async def _open(
+        self, request: Request, backend: BackendState, body: bytes, first_byte_s: float | None
+    ) -> httpx.Response:
         try:
-            return await self._send(request, self._upstream(request, backend, body))
+            return await self._send(request, self._upstream(request, backend, body), first_byte_s)
         except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
             # Most likely a pooled connection the backend closed as it went idle, before reading the request:
             # once more on a fresh connection before the backend is taken for down.
-            return await self._send(request, self._upstream(request, backend, body))
+            return await self._send(request, self._upstream(request, backend, body), first_byte_s)
+
+    def _describe(self, exc: Exception) -> str:
+        """Why a backend failed a request, naming the setting when it was a timeout."""
+        if isinstance(exc, _NoFirstByte):
+            return f"no answer within router.first_byte_timeout_s ({self.timeouts.first_byte_s:g}s)"
+        if isinstance(exc, httpx.ReadTimeout):
+            return f"nothing sent for router.read_timeout_s ({self.timeouts.read_s:g}s)"
+        return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
     async def forward(self, request: Request, body: bytes, info: PromptInfo, generates: bool = True) -> Response:
-        """Send the request to a backend the policy picks, and the next on failure; the reply streams back."""
+        """Send the request to a backend the policy picks, and the next on failure; the reply streams back.
+        Raises NoBackendError (503) when none is up, BackendTimeoutError (504) when every one tried timed out,
+        BackendFailedError (502) when they failed otherwise."""
         tried: set[str] = set()
         failures: list[str] = []
+        num_timeouts = 0
+        # a server sends a streamed reply's headers at once, a whole reply's after its last token
+        first_byte_s = self.timeouts.first_byte_s if info.stream or not generates else None
         while True:
             try:
                 route = self.pick(info, frozenset(tried)) if generates else Route(self.any_backend(), 0, 0)
             except NoBackendError:
                 if failures:
-                    raise BackendFailedError(f"no backend answered: {'; '.join(failures)}") from None
+                    raise _no_answer(failures, num_timeouts) from None
                 raise
             backend = route.backend
             tried.add(backend.url)
             if not generates:
                 backend.start_request(0)
             try:
-                resp = await self._open(request, backend, body)
+                resp = await self._open(request, backend, body, first_byte_s)
             except _ClientGone:
                 route.finish()
                 self.metrics.requests.labels(backend.url, str(CLIENT_CLOSED)).inc()
                 return Response(status_code=CLIENT_CLOSED)
-            except httpx.HTTPError as exc:
+            except (httpx.HTTPError, _NoFirstByte) as exc:
                 route.finish()
-                failures.append(f"{backend.url}: {type(exc).__name__}")
-                self._take_out(backend, "connect", f"request failed: {type(exc).__name__}: {exc}")
+                is_timeout = isinstance(exc, (_NoFirstByte, httpx.ReadTimeout, httpx.WriteTimeout))
+                num_timeouts += is_timeout
+                reason = self._describe(exc)
+                failures.append(f"{backend.url}: {reason}")
+                self._take_out(backend, "timeout" if is_timeout else "connect", f"request failed: {reason}")
                 self.metrics.retries.inc()
                 if not generates:
-                    raise BackendFailedError(f"no backend answered: {failures[-1]}") from None
+                    raise _no_answer(failures, num_timeouts) from None
                 continue
             if resp.status_code in RETRY_STATUSES and generates and self._others_up(tried):
                 await resp.aclose()
@@ -253,12 +306,11 @@ class Router:
             watcher.finish()
             self._observe_usage(route, watcher)
         except httpx.HTTPError as exc:  # the backend died mid-reply: the status is sent, end it clearly
-            status = "502"
-            self._take_out(backend, "mid_reply", f"reply cut short: {type(exc).__name__}")
+            status = "504" if isinstance(exc, httpx.ReadTimeout) else "502"
+            reason = self._describe(exc)
+            self._take_out(backend, "mid_reply", f"reply cut short: {reason}")
             if watcher.is_stream:
-                yield stream_error(
-                    path.startswith(MESSAGES_PATH), f"the backend failed mid-reply ({type(exc).__name__})"
-                )
+                yield stream_error(path.startswith(MESSAGES_PATH), f"the backend failed mid-reply ({reason})")
         except BaseException:  # cancelled: the client left; closing the response tells the backend
             status = str(CLIENT_CLOSED)
             raise
@@ -280,3 +332,9 @@ class Router:
         if watcher.prompt_tokens is not None:
             self.metrics.prompt_tokens.labels(url).inc(watcher.prompt_tokens)
             self.metrics.reported_cached.labels(url).inc(watcher.cached_tokens or 0)
+
+
+def _no_answer(failures: list[str], num_timeouts: int) -> KVServeError:
+    """504 when every backend tried timed out, else 502; the message names each failure."""
+    error = BackendTimeoutError if num_timeouts == len(failures) else BackendFailedError
+    return error(f"no backend answered: {'; '.join(failures)}")

@@ -3,7 +3,8 @@
 The router needs three things from a reply: when the first token came (the prefill is no longer pending),
 how many tokens were decoded (the backend's decode load), and the usage the backend reported (its cached
 prompt tokens, to set against the router's estimate). Both dialects are read: OpenAI chunks and Anthropic
-message events, streamed (server-sent events) or whole (JSON).
+message events, streamed (server-sent events) or whole (JSON). Either is read in time linear in its size
+and in bounded memory, however it is cut into chunks (sse.py).
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from .sse import EventSplitter, fields
+
 MAX_WHOLE_BYTES = 8 * 1024 * 1024  # a whole (non-streamed) reply is kept up to this size to read its usage
+MAX_EVENT_BYTES = 1024 * 1024  # a streamed event longer than this (no token event is near it) is skipped unread
 
 
 class ReplyWatcher:
@@ -19,7 +23,7 @@ class ReplyWatcher:
 
     def __init__(self, is_stream: bool):
         self.is_stream = is_stream
-        self._buffer = b""
+        self._events = EventSplitter(MAX_EVENT_BYTES)
         self._whole: list[bytes] = []
         self._whole_bytes = 0
         self.num_token_events = 0
@@ -37,11 +41,10 @@ class ReplyWatcher:
                 self._whole.append(chunk)
             self._whole_bytes += len(chunk)
             return 0
-        self._buffer += chunk.replace(b"\r\n", b"\n")
         before = self.num_token_events
-        while b"\n\n" in self._buffer:
-            event, self._buffer = self._buffer.split(b"\n\n", 1)
-            self._event(event)
+        for event in self._events.feed(chunk):
+            if event is not None:
+                self._event(event)
         return self.num_token_events - before
 
     def finish(self) -> None:
@@ -53,7 +56,7 @@ class ReplyWatcher:
             self._usage(payload.get("usage"))
 
     def _event(self, raw: bytes) -> None:
-        data = b"".join(line[5:].strip() for line in raw.split(b"\n") if line.startswith(b"data:"))
+        data = fields(raw)[1]
         if not data or data == b"[DONE]":
             return
         payload = _json(data)
