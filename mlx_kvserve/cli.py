@@ -93,6 +93,7 @@ def _overrides(model, dtype, host, port, api_key=None, api_key_file=None) -> dic
 def run(config_path, model, dtype, host, port, api_key, api_key_file, distributed) -> None:
     """Load the model and serve the OpenAI API."""
     blas.reexec_with_fast_blas()
+    launcher = os.getppid()  # distributed: mlx.launch (the ranks leave when it is gone: rank_exit.py)
     config = _load(config_path, _overrides(model, dtype, host, port, api_key, api_key_file))
     _setup_logging(config.server.log_level)
     try:
@@ -108,6 +109,12 @@ def run(config_path, model, dtype, host, port, api_key, api_key_file, distribute
 
     log.info("BLAS in use: %s", blas.blas_in_use())
     world = _world(distributed)
+    rank_exit = None
+    if world is not None:  # leave when the launcher is stopped (it forwards no signal), within a bound
+        from .rank_exit import guard_rank
+
+        stop_s = config.server.shutdown_timeout_s + config.ssd.drain_timeout_s
+        rank_exit = guard_rank(world.rank, stop_s, launcher)
     try:
         shard = (world.group, world.mode) if world is not None else None
         loaded = load_model(
@@ -127,23 +134,24 @@ def run(config_path, model, dtype, host, port, api_key, api_key_file, distribute
         raise click.ClickException(exc.message) from None
     if world is not None and world.rank != 0:
         log.info("rank %d of %d (%s parallel): following rank 0", world.rank, world.size, world.mode)
-        # A follower cannot stop alone (the ranks run in lockstep): it stops when rank 0 says so,
-        # or when rank 0 is gone (its next collective fails), and drains its SSD writer either way.
-        signal.signal(signal.SIGTERM, lambda *_: log.info("SIGTERM: this rank stops when rank 0 does"))
         engine.serve_follower()
         return
     app = create_app(engine, keys)
     # uvicorn re-raises the SIGTERM it handled once its graceful shutdown is done, which would end
     # the process as killed by the signal; for service managers that shutdown is a clean exit (0).
     signal.signal(signal.SIGTERM, _exit_cleanly)
-    uvicorn.run(
-        app,
-        host=config.server.host,
-        port=config.server.port,
-        log_level=config.server.log_level,
-        timeout_graceful_shutdown=config.server.shutdown_timeout_s,
-        access_log=False,  # the mlx_kvserve.requests logger writes one richer line per request
-    )
+    try:
+        uvicorn.run(
+            app,
+            host=config.server.host,
+            port=config.server.port,
+            log_level=config.server.log_level,
+            timeout_graceful_shutdown=config.server.shutdown_timeout_s,
+            access_log=False,  # the mlx_kvserve.requests logger writes one richer line per request
+        )
+    finally:
+        if rank_exit is not None:  # the worker thread may be stuck in a collective: bound the exit
+            rank_exit.deadline("shut down")
 
 
 def _world(mode: str | None):

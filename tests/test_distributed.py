@@ -1,8 +1,9 @@
-"""One model over two ranks (mx.distributed, ring backend on loopback, tensor parallel) with the
-block cache on each rank: greedy output equals the single-process run, cold, on a RAM hit and on
-an SSD hit after restarting both ranks; a block file lost on one rank gives a shorter hit with
-the same output; pins reach both ranks. The agreement on the cached length is also tested alone,
-with a fake group."""
+"""One model over two ranks (mx.distributed, ring backend on loopback; tensor parallel, pipeline
+parallel by mlx-lm's split and by ours) with the block cache on each rank: greedy output equals
+the single-process run, cold, on a RAM hit and on an SSD hit after restarting both ranks; a block
+file lost on one rank gives a shorter hit with the same output; pins reach both ranks. A layout
+whose heads do not divide is refused at startup. The agreement on the cached length is also
+tested alone, with a fake group."""
 
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ from pathlib import Path
 import pytest
 from kvharness import greedy, make_generator
 from mlx_lm.utils import load
+from tinymodel import build_mlx_model
 
 ROOT = Path(__file__).resolve().parents[1]
 BS = 16
 
 
-def _launch(model_dir: Path, home: Path, prompts: list[list[int]], *extra: str, mode: str = "tensor") -> dict:
+def _run_ranks(model_dir: Path, home: Path, prompts: list[list[int]], *extra: str, mode: str = "tensor"):
     launcher = Path(sys.executable).with_name("mlx.launch")
     prompts_file = home / "prompts.json"
     prompts_file.write_text(json.dumps(prompts))
@@ -29,7 +31,11 @@ def _launch(model_dir: Path, home: Path, prompts: list[list[int]], *extra: str, 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [str(launcher), "-n", "2", "--backend", "ring", "--", sys.executable, str(script)]
     cmd += [str(model_dir), str(home), mode, str(prompts_file), *extra]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=home)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=home)
+
+
+def _launch(model_dir: Path, home: Path, prompts: list[list[int]], *extra: str, mode: str = "tensor") -> dict:
+    out = _run_ranks(model_dir, home, prompts, *extra, mode=mode)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     assert out.returncode == 0 and lines, f"rc {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     return json.loads(lines[-1].removeprefix("RESULT "))
@@ -84,12 +90,25 @@ def _qwen2(folder: Path) -> Path:
     return write_model_folder(folder, config, random_model(config))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
-def test_two_ranks_equal_one_process_cold_hit_restart_and_lost_block(mode, tiny_model_dir, tmp_path):
+def _llama_3_heads(folder: Path) -> Path:
+    """A tiny llama that splits as SmolLM2 does: 3 heads (no split in two, as SmolLM2's 9), and
+    3 layers (mlx-lm's llama has no pipeline: our own split, 2 layers on rank 0)."""
+    shape = {"num_attention_heads": 3, "num_key_value_heads": 3, "hidden_size": 48, "num_hidden_layers": 3}
+    return build_mlx_model(folder, **shape)
+
+
+def _needs_launcher() -> None:
     if shutil.which("mlx.launch", path=str(Path(sys.executable).parent)) is None:
         pytest.skip("mlx.launch is not installed next to this Python")
-    model_dir = tiny_model_dir if mode == "tensor" else _qwen2(tmp_path / "qwen2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,model", [("tensor", "llama"), ("pipeline", "qwen2"), ("pipeline", "llama-3-heads")])
+def test_two_ranks_equal_one_process_cold_hit_restart_and_lost_block(mode, model, tiny_model_dir, tmp_path):
+    """tensor: mlx-lm's head split; pipeline: mlx-lm's own (qwen2) and ours (llama)."""
+    _needs_launcher()
+    builders = {"llama": lambda _: tiny_model_dir, "qwen2": _qwen2, "llama-3-heads": _llama_3_heads}
+    model_dir = builders[model](tmp_path / model)
     model, tokenizer = load(str(model_dir))
     prompt = tokenizer.encode("Harbour lights shine over the quiet water while the boats come home. " * 4)
     expected = list(greedy(make_generator(model, tokenizer, BS), prompt, 10)[0])
@@ -110,6 +129,22 @@ def test_two_ranks_equal_one_process_cold_hit_restart_and_lost_block(mode, tiny_
     victim.unlink()
     shorter = _launch(model_dir, tmp_path, [prompt], mode=mode)
     assert shorter["results"] == [{"tokens": expected, "cached": 2 * BS}]
+
+
+@pytest.mark.slow
+def test_tensor_parallel_refuses_heads_that_do_not_divide_at_startup(tmp_path):
+    """Before: both ranks loaded and served. Here 3 heads of 16 became one head of 24 per rank,
+    shapes that fit, so every reply was silently wrong; on SmolLM2 (9 heads, 3 KV heads) every
+    request failed in attention (query (1,4,n,72) vs keys (1,1,n,96))."""
+    _needs_launcher()
+    out = _run_ranks(_llama_3_heads(tmp_path / "llama"), tmp_path, [[1, 2, 3]], mode="tensor")
+    assert "RESULT " not in out.stdout
+    assert (
+        "--distributed tensor cannot split this model over 2 ranks: num_attention_heads=3, num_key_value_heads=3 "
+        "do not divide by 2" in out.stderr
+    )
+    assert "Use --distributed pipeline" in out.stderr
+    assert "exited with code 1" in out.stderr  # the launcher then stops the other rank
 
 
 def test_a_dead_rank_makes_health_a_503_with_the_reason():

@@ -1,6 +1,6 @@
 """One model across several processes over MLX's own `mx.distributed` (launched with `mlx.launch`).
 
-Every rank holds a shard of the model (mlx-lm's `sharded_load`: tensor or pipeline parallel) and
+Every rank holds a shard of the model (models/sharding.py: tensor or pipeline parallel) and
 runs the same batch in lockstep: the model's forward pass contains collectives, so every rank must
 admit, cancel and step the same requests in the same order. Rank 0 serves HTTP; at the top of each
 worker iteration it shares what changed — new requests, cancellations, cache commands — with the

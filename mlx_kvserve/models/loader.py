@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,10 +79,12 @@ def load_model(
     chat_template: str = "",
 ) -> LoadedModel:
     """The model and tokenizer. `distributed`: (mx.distributed group, "tensor" | "pipeline"): this
-    rank's shard, loaded with mlx-lm's sharded loading. `chat_template`: a Jinja template file, or
+    rank's shard (models/sharding.py). `chat_template`: a Jinja template file, or
     the template itself, used instead of the tokenizer's (mlx-lm then reads its tool-call and
     thinking markers from it). ModelLoadError when the file cannot be read."""
-    from mlx_lm.utils import load, sharded_load
+    from mlx_lm.utils import load
+
+    from .sharding import load_shard
 
     name, path = resolve_model_path(spec, models_dir, dtype)
     log.info("loading model %s from %s", name, path)
@@ -93,40 +93,11 @@ def load_model(
         if distributed is None:
             model, tokenizer = load(str(path), tokenizer_config=extra)
         else:
-            group, mode = distributed
-            groups = {"tensor_group": group} if mode == "tensor" else {"pipeline_group": group}
-            source = _with_weight_index(path, models_dir) if mode == "pipeline" else path
-            model, tokenizer = sharded_load(str(source), **groups, tokenizer_config=extra)
+            model, tokenizer = load_shard(path, models_dir, *distributed, extra)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot load model from {path}: {exc}") from exc
     config = json.loads((path / "config.json").read_text())
     return LoadedModel(served_name or name, path, model, tokenizer, config, context_length(config))
-
-
-def _with_weight_index(path: Path, models_dir: Path) -> Path:
-    """A folder mlx-lm's pipeline loading can read: it picks each rank's weight files from
-    model.safetensors.index.json, which a single-file model lacks. Then a sibling folder of links
-    to the model's files plus a generated index (the user's folder is left as it is)."""
-    if (path / "model.safetensors.index.json").exists():
-        return path
-    weights = sorted(path.glob("*.safetensors"))
-    digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
-    linked = models_dir / f"{path.name}-{digest}-indexed"
-    linked.mkdir(parents=True, exist_ok=True)
-    weight_map = {}
-    for f in weights:
-        with open(f, "rb") as fh:  # a safetensors header: u64 length, then JSON naming every tensor
-            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
-        weight_map.update({name: f.name for name in header if name != "__metadata__"})
-    for f in path.iterdir():
-        link = linked / f.name
-        if f.is_file() and not link.exists():
-            with contextlib.suppress(FileExistsError):  # every rank on one machine makes the same links
-                link.symlink_to(f.resolve())
-    tmp = linked / f".index.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps({"weight_map": weight_map}))
-    os.replace(tmp, linked / "model.safetensors.index.json")
-    return linked
 
 
 MAX_TEMPLATE_BYTES = 1024 * 1024
