@@ -244,6 +244,7 @@ def test_an_agent_conversation_over_the_anthropic_api(agent_server):
             messages=shaped,
             tools=anthropic_tools(),
             max_tokens=MAX_TOKENS,
+            thinking={"type": "enabled", "budget_tokens": 1024},  # off without it: the template's default here
         )
         usage = reply.usage
         prompts.append(render(tokenizer, messages))

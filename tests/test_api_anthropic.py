@@ -29,6 +29,7 @@ from mlx_kvserve.server.app import create_app
 SYSTEM = "You are a terse assistant. " * 8  # several 16-token blocks: the second turn reads them from the cache
 USER = [{"role": "user", "content": "Say hello to the world."}]
 GREEDY = {"temperature": 0}  # this SDK no longer names sampling fields; the API still takes them
+ON = {"type": "enabled", "budget_tokens": 1024}  # the tool model's template thinks unless told not to
 TOOL = {"name": "get_weather", "description": "Weather of a city", "input_schema": WEATHER["function"]["parameters"]}
 
 
@@ -110,7 +111,7 @@ def test_tool_use_and_tool_result_render_through_the_template(tool_client, tool_
         },
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny, 21C"}]},
     ]
-    counted = sdk(tool_client).messages.count_tokens(model="tool-tiny", messages=history, tools=[TOOL])
+    counted = sdk(tool_client).messages.count_tokens(model="tool-tiny", messages=history, tools=[TOOL], thinking=ON)
     same = [
         history[0],
         {
@@ -128,7 +129,7 @@ def test_tool_use_and_tool_result_render_through_the_template(tool_client, tool_
 
 def test_tool_calls_come_back_as_tool_use_blocks(tool_client, scripted):  # noqa: F811
     scripted += ["hmm</think>", "Checking. ", CALL[:11], CALL[11:]]
-    reply = sdk(tool_client).messages.create(model="tool-tiny", messages=USER, tools=[TOOL], max_tokens=50)
+    reply = sdk(tool_client).messages.create(model="tool-tiny", messages=USER, tools=[TOOL], max_tokens=50, thinking=ON)
     assert [b.type for b in reply.content] == ["thinking", "text", "tool_use"]
     assert reply.content[0].thinking == "hmm" and reply.content[1].text == "Checking. "
     assert (reply.content[2].name, reply.content[2].input) == ("get_weather", {"city": "Paris"})
@@ -138,7 +139,7 @@ def test_tool_calls_come_back_as_tool_use_blocks(tool_client, scripted):  # noqa
 def test_tool_calls_stream_as_tool_use_blocks(tool_client, scripted):  # noqa: F811
     scripted += ["hmm</think>", "Checking. ", CALL[:11], CALL[11:]]
     client = sdk(tool_client)
-    with client.messages.stream(model="tool-tiny", messages=USER, tools=[TOOL], max_tokens=50) as stream:
+    with client.messages.stream(model="tool-tiny", messages=USER, tools=[TOOL], max_tokens=50, thinking=ON) as stream:
         events = [ev for ev in stream]
         final = stream.get_final_message()
     starts = [ev.content_block.type for ev in events if ev.type == "content_block_start"]
@@ -161,11 +162,12 @@ def test_tool_calls_stream_as_tool_use_blocks(tool_client, scripted):  # noqa: F
         ({"tool_choice": {"type": "tool"}, "tools": [TOOL]}, "'name'"),
         ({"extra_body": {"top_k": -1}}, "'top_k'"),  # served now; a bad value is still named
         ({"tools": [TOOL | {"strict": True}]}, "tool calling"),
-        ({"extra_body": {"service_tier": "auto"}}, "'service_tier'"),
+        ({"extra_body": {"service_tier": 1}}, "'service_tier'"),  # accepted (no meaning here), but a string
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "'image'"),
         ({"system": [{"type": "text", "text": "x", "cache_control": {"type": "forever"}}]}, "cache_control"),
         ({"tools": [TOOL]}, "tool calling"),  # the plain model has no tool support
-        ({"output_config": {"effort": "high"}}, "'output_config.effort'"),
+        ({"output_config": {"effort": 3}}, "'output_config.effort'"),  # a level is a hint; not a number
+        ({"extra_body": {"context_management": {"edits": [{"type": "compact"}]}}}, "'compact'"),
         ({"output_config": {"format": {"type": "json_object"}}}, "json_schema"),
         (
             {"output_config": {"format": {"type": "json_schema", "schema": {"type": "nope"}}}},
@@ -202,9 +204,11 @@ def test_the_x_api_key_header_opens_the_api(tiny_model_dir, tmp_path):
 def test_thinking_and_top_level_cache_control_reach_the_template(tool_client, tool_engine):  # noqa: F811
     client = sdk(tool_client)
     on = client.messages.count_tokens(
-        model="tool-tiny", messages=USER, extra_body={"cache_control": {"type": "ephemeral"}}
+        model="tool-tiny", messages=USER, thinking=ON, extra_body={"cache_control": {"type": "ephemeral"}}
     )
     off = client.messages.count_tokens(model="tool-tiny", messages=USER, thinking={"type": "disabled"})
+    absent = client.messages.count_tokens(model="tool-tiny", messages=USER)  # Anthropic's default: off
+    assert absent.input_tokens == off.input_tokens
     assert on.input_tokens == len(tool_engine.chat_tokens(USER))
     assert off.input_tokens == len(tool_engine.chat_tokens(USER, template_kwargs={"enable_thinking": False}))
     assert off.input_tokens > on.input_tokens
@@ -282,7 +286,7 @@ def test_a_prompt_with_tools_is_cached_across_the_two_apis(tool_client, tool_eng
         model="tool-tiny", messages=[{"role": "system", "content": system}, *USER], tools=[WEATHER], max_tokens=1
     )
     second = sdk(tool_client).messages.create(
-        model="tool-tiny", system=system, messages=USER, tools=[TOOL], max_tokens=1
+        model="tool-tiny", system=system, messages=USER, tools=[TOOL], max_tokens=1, thinking=ON
     )
     prompt = first.usage.prompt_tokens
     assert second.usage.input_tokens + second.usage.cache_read_input_tokens == prompt  # the same rendering

@@ -21,6 +21,7 @@ from ..errors import InvalidRequestError, KVServeError, ValidationError
 from . import cache_control, prompts, sse
 from . import openai as oa
 from . import tools as tl
+from .anthropic_context import apply_context_management, strip_billing_line
 from .anthropic_reply import (
     content_blocks,
     error_response,
@@ -30,21 +31,18 @@ from .anthropic_reply import (
     stop_reason,
     stream_events,
 )
+from .effort import effort_kwargs, parse_effort
 from .gate import note_error
 from .messages import parse_messages
+from .output import REASONING
 
 if TYPE_CHECKING:
     from .app import CompletionHandler
 
 FIELDS = {"model", "max_tokens", "messages", "system", "stop_sequences", "stream", "temperature", "top_p", "top_k"}
-FIELDS |= {
-    "metadata",
-    "tools",
-    "tool_choice",
-    "cache_control",
-    "thinking",
-    "output_config",
-}  # metadata only names the caller
+FIELDS |= {"metadata", "tools", "tool_choice", "cache_control", "thinking", "output_config", "context_management"}
+# Accepted, with no meaning here: `metadata` names the caller, `service_tier` picks a hosted capacity pool.
+FIELDS |= {"service_tier"}
 
 
 # --- request ------------------------------------------------------------------------------------------
@@ -80,10 +78,14 @@ def _result_text(block: dict[str, Any], where: str) -> str:
 
 
 def _message(msg: Any, i: int) -> list[dict[str, Any]]:
-    """One Anthropic message as OpenAI messages: tool_result blocks become `tool` messages, in order."""
+    """One Anthropic message as OpenAI messages: tool_result blocks become `tool` messages, in order.
+    A `system` message (Claude Code sends them mid-conversation) stays a system turn; a template that
+    takes none there gets it merged into a user turn (messages.merge_system_turns)."""
     where = f"messages[{i}]"
-    if not isinstance(msg, dict) or msg.get("role") not in ("user", "assistant"):
-        raise ValidationError(f"{where} must be an object with role 'user' or 'assistant'", param="messages")
+    if not isinstance(msg, dict) or msg.get("role") not in ("user", "assistant", "system"):
+        raise ValidationError(f"{where} must be an object with role 'user', 'assistant' or 'system'", param="messages")
+    if msg["role"] == "system":
+        return _system(msg.get("content"), f"{where}.content")
     role, out, text, calls, thinking = msg["role"], [], [], [], []
     for j, block in enumerate(_blocks(msg.get("content"), f"{where}.content")):
         at, kind = f"{where}.content[{j}]", block.get("type")
@@ -118,13 +120,14 @@ def _message(msg: Any, i: int) -> list[dict[str, Any]]:
     return out + ([{"role": "user", "content": "".join(text)}] if text or not out else [])
 
 
-def _system(raw: Any) -> list[dict[str, Any]]:
+def _system(raw: Any, where: str = "system") -> list[dict[str, Any]]:
+    """The system prompt as a system message, without Claude Code's billing line (anthropic_context.py)."""
     if raw is None:
         return []
-    blocks = _blocks(raw, "system")
+    blocks = _blocks(raw, where)
     if any(b.get("type") != "text" for b in blocks):
-        raise ValidationError("'system' may hold text blocks only", param="system")
-    return [{"role": "system", "content": "".join(_text(b, "system") for b in blocks)}]
+        raise ValidationError(f"'{where}' may hold text blocks only", param=where)
+    return [{"role": "system", "content": "".join(_text(b, where) for b in strip_billing_line(blocks))}]
 
 
 def _tools(body: dict[str, Any], out: dict[str, Any]) -> None:
@@ -176,10 +179,13 @@ def to_openai(body: Any, count_only: bool = False) -> dict[str, Any]:
         raise ValidationError("'max_tokens' is required", param="max_tokens")
     if not isinstance(body.get("metadata", {}), dict):
         raise ValidationError("'metadata' must be an object", param="metadata")
+    if not isinstance(body.get("service_tier", ""), str):
+        raise ValidationError("'service_tier' must be a string", param="service_tier")
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise ValidationError("'messages' must be a non-empty array", param="messages")
     messages = _system(body.get("system")) + [m for i, msg in enumerate(raw) for m in _message(msg, i)]
+    messages = apply_context_management(body.get("context_management"), messages)
     out: dict[str, Any] = {"messages": messages, "max_tokens": None if count_only else body["max_tokens"]}
     for name in ("model", "stream", "temperature", "top_p", "top_k"):  # the same names and meanings
         if body.get(name) is not None:
@@ -188,27 +194,26 @@ def to_openai(body: Any, count_only: bool = False) -> dict[str, Any]:
         out["stop"] = body["stop_sequences"]
     _check_cache_control(body, "request")  # automatic caching: the whole prompt
     _tools(body, out)
-    _thinking(body.get("thinking"), out)
-    _output_config(body.get("output_config"), out)
+    effort = _output_config(body.get("output_config"), out)
+    out["chat_template_kwargs"] = effort_kwargs(effort, thinking_wanted(body))
     return out
 
 
-def _output_config(raw: Any, out: dict[str, Any]) -> None:
+def _output_config(raw: Any, out: dict[str, Any]) -> str | None:
     """`output_config.format` {type: json_schema, schema} is structured output: the reply's text
-    is held to the schema by the same constrained decoding as OpenAI's `response_format`.
-    `effort` names a hosted model's setting this server has no counterpart for: a 400 unless null."""
+    is held to the schema by the same constrained decoding as OpenAI's `response_format`. Returns
+    `effort` (a level for the template, server/effort.py; a hint where the template has none)."""
     if raw is None:
-        return
+        return None
     if not isinstance(raw, dict):
         raise ValidationError("'output_config' must be an object", param="output_config")
     for key in raw:
         if key not in ("format", "effort"):
             raise InvalidRequestError(f"'output_config.{key}' is not supported by this server", param="output_config")
-    if raw.get("effort") is not None:
-        raise InvalidRequestError("'output_config.effort' is not supported by this server", param="output_config")
+    effort = parse_effort(raw.get("effort"), "output_config.effort")
     fmt = raw.get("format")
     if fmt is None:
-        return
+        return effort
     if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
         raise ValidationError(
             "'output_config.format' must be {type: json_schema, schema: {...}}", param="output_config"
@@ -222,19 +227,23 @@ def _output_config(raw: Any, out: dict[str, Any]) -> None:
         "type": "json_schema",
         "json_schema": {"name": "output", "schema": fmt["schema"], "strict": True},
     }
+    return effort
 
 
-def _thinking(raw: Any, out: dict[str, Any]) -> None:
-    """`thinking` turns the template's enable_thinking on or off. `budget_tokens` is checked, not
+def thinking_wanted(body: dict[str, Any]) -> bool:
+    """Whether the request asks for thinking, with Anthropic's semantics: `enabled` or `adaptive` on,
+    `disabled` or no `thinking` field off. It sets the template's enable_thinking; with it off, a
+    reply's thinking is not returned even if the model writes some. `budget_tokens` is checked, not
     enforced apart: max_tokens bounds thinking and text together."""
+    raw = body.get("thinking")
     if raw is None:
-        return
+        return False
     if not isinstance(raw, dict) or raw.get("type") not in ("enabled", "disabled", "adaptive"):
         raise ValidationError("'thinking' must be {type: enabled | disabled | adaptive}", param="thinking")
     budget = raw.get("budget_tokens")
     if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
         raise ValidationError("'thinking.budget_tokens' must be a positive integer", param="thinking")
-    out["chat_template_kwargs"] = {"enable_thinking": raw["type"] != "disabled"}
+    return raw["type"] != "disabled"
 
 
 # --- routes -------------------------------------------------------------------------------------------
@@ -267,8 +276,10 @@ def anthropic_routes(handler: CompletionHandler, read_json: Callable) -> list[Ro
             cuts = await cache_control.render_cuts(handler, found, render_cut)
             gen_req, track = await handler.submit(request, req)
             leased = max(await cache_control.apply(handler, found, cuts, gen_req.prompt_tokens), default=0)
+            thinking = thinking_wanted(body)
             if req.stream:
-                return sse.GenerationStream(stream_events(handler, req, gen_req, track, leased), gen_req)
+                events = stream_events(handler, req, gen_req, track, leased, thinking)
+                return sse.GenerationStream(events, gen_req)
             done = await handler.collect(request, gen_req, track)
         except BaseException as exc:
             if gen_req is not None:
@@ -280,7 +291,7 @@ def anthropic_routes(handler: CompletionHandler, read_json: Callable) -> list[Ro
             return done
         text, ev = done
         out = handler.output(req, gen_req)
-        segments = out.feed(text) + out.finish()
+        segments = [seg for seg in out.feed(text) + out.finish() if thinking or seg.kind != REASONING]
         stop = matched_stop(engine.loaded.tokenizer, req, text, ev)
         reason = stop_reason(ev.finish_reason, out.num_calls, stop)
         body = message_body(

@@ -151,31 +151,36 @@ def _kvserve_error(exc: Exception) -> KVServeError:
 
 
 async def stream_events(
-    handler: CompletionHandler, req: oa.CompletionRequest, gen_req, track, leased: int = 0
+    handler: CompletionHandler, req: oa.CompletionRequest, gen_req, track, leased: int = 0, thinking: bool = True
 ) -> AsyncIterator[str]:
     """message_start, ping, content blocks as the reply is written, message_delta (stop reason and
-    final usage), message_stop; an `error` event ends a stream that fails after it started."""
+    final usage), message_stop; an `error` event ends a stream that fails after it started. A `ping`
+    every sse.KEEP_ALIVE_S while the prompt prefills keeps clients and proxies from giving up on a
+    long one. Without `thinking`, thinking the model writes anyway is not sent."""
     engine, out, blocks, pieces = handler.engine, handler.output(req, gen_req), BlockStream(), []
     start = message_body(new_message_id(), engine.model_name, [], None, None, Usage(len(gen_req.prompt_tokens), 0))
+
+    def lines(segments: list[Segment]) -> list[str]:
+        return [e for seg in segments if thinking or seg.kind != REASONING for e in blocks.events(seg)]
+
     try:
         yield sse.event("message_start", {"message": start})
         yield sse.event("ping", {})
         while True:
             try:
-                ev = await track.next()
+                ev = await sse.next_or_keep_alive(track)
             except RequestTimeoutError as exc:
                 yield sse.event("error", {"error": error_body(exc)[0]["error"]})
                 return
-            if ev is None:
-                continue
-            if isinstance(ev, TextDelta):
+            if ev is sse.KEEP_ALIVE:
+                yield sse.event("ping", {})
+            elif isinstance(ev, TextDelta):
                 pieces.append(ev.text)
-                for seg in out.feed(ev.text):
-                    for line in blocks.events(seg):
-                        yield line
+                for line in lines(out.feed(ev.text)):
+                    yield line
             elif isinstance(ev, Finished):
                 track.finished(ev)
-                for line in [e for seg in out.finish() for e in blocks.events(seg)] + blocks.close():
+                for line in lines(out.finish()) + blocks.close():
                     yield line
                 stop = matched_stop(engine.loaded.tokenizer, req, "".join(pieces), ev)
                 delta = {"stop_reason": stop_reason(ev.finish_reason, out.num_calls, stop), "stop_sequence": stop}

@@ -38,8 +38,10 @@ from .gate import CLIENT_CLOSED, RECORD_KEY, RequestGate, error_response, note_e
 from .health import HealthMonitor
 from .logprobs import LogprobFormatter
 from .metrics import RequestRecord, ServerMetrics
+from .model_routes import model_routes
 from .output import REASONING, TOOL, ChatOutput, Segment
 from .output import collect as collect_segments
+from .responses_routes import responses_routes
 from .router_routes import router_routes
 
 log = logging.getLogger(__name__)
@@ -242,13 +244,13 @@ class CompletionHandler:
             yield sse.data(oar.chunk_body(req, rid, model, "" if req.kind == "chat" else None, None, first=True))
             while True:
                 try:
-                    ev = await track.next()
+                    ev = await sse.next_or_keep_alive(track)
                 except RequestTimeoutError as exc:  # the status is sent: end the stream with the error
                     yield sse.data(oar.error_body(exc.message, exc.error_type, exc.param, exc.code))
                     break
-                if ev is None:  # woke a hair before a deadline: wait again
-                    continue
-                if isinstance(ev, TextDelta):
+                if ev is sse.KEEP_ALIVE:  # a long prefill: bytes on the wire so the client waits
+                    yield sse.COMMENT_KEEP_ALIVE
+                elif isinstance(ev, TextDelta):
                     if ev.text and out is None:
                         chunks = [oar.chunk_body(req, rid, model, ev.text, None)]
                     else:
@@ -313,15 +315,6 @@ def create_app(engine: Engine, keys: ApiKeys | None = None) -> Starlette:
     async def completions(request: Request) -> Response:
         return await handler(request, "text")
 
-    async def models(request: Request) -> Response:
-        card = {
-            "id": engine.model_name,
-            "object": "model",
-            "created": int(engine.started_at),
-            "owned_by": "mlx-kvserve",
-        }
-        return JSONResponse({"object": "list", "data": [card]})
-
     async def health(request: Request) -> Response:
         body, status = monitor.report()
         return JSONResponse(body, status_code=status)
@@ -367,12 +360,13 @@ def create_app(engine: Engine, keys: ApiKeys | None = None) -> Starlette:
     routes = [
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
+        *model_routes(engine),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics_text, methods=["GET"]),
         *cache_routes(engine, read_json),
         *router_routes(engine),
         *anthropic_routes(handler, read_json),
+        *responses_routes(handler, read_json),
     ]
     handlers = {
         KVServeError: on_kvserve_error,

@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 TTL_S = {"5m": 300.0, "1h": 3600.0}
 MAX_MARKS = 4  # Anthropic's limit on marked blocks per request
 PLACEHOLDER = [{"role": "user", "content": "."}]  # stands for the messages after a cut
-PROMPT_FIELDS = ("system", "tools", "messages", "thinking")  # what a cut keeps: the fields the template renders
+# What a cut keeps: the fields the template renders (output_config: its effort is a template variable).
+PROMPT_FIELDS = ("system", "tools", "messages", "thinking", "output_config")
 
 
 @dataclass(frozen=True)

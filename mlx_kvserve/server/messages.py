@@ -90,3 +90,29 @@ def parse_messages(raw: Any) -> list[dict[str, Any]]:
     if not isinstance(raw, list) or not raw:
         raise ValidationError("'messages' must be a non-empty array", param="messages")
     return [_parse_message(msg, f"messages[{i}]") for i, msg in enumerate(raw)]
+
+
+def merge_system_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` for a template that takes system messages only first (Qwen's and others raise
+    otherwise): a later system message's text goes at the head of the next user message, as templates
+    without a system role do with the system prompt, or at the end of the last one before it when no
+    user message follows. Returns `messages` itself when there is nothing to merge."""
+    lead = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+    if all(m["role"] != "system" for m in messages[lead:]):
+        return messages
+    out, pending = [dict(m) for m in messages[:lead]], []
+    for msg in messages[lead:]:
+        if msg["role"] == "system":
+            pending.append(msg["content"])
+        elif msg["role"] == "user" and pending:
+            out.append({**msg, "content": "\n\n".join([*pending, msg["content"]])})
+            pending = []
+        else:
+            out.append(msg)
+    if pending:
+        last = next((i for i in range(len(out) - 1, -1, -1) if out[i]["role"] == "user"), None)
+        if last is None:
+            out.append({"role": "user", "content": "\n\n".join(pending)})
+        else:
+            out[last] = {**out[last], "content": "\n\n".join([out[last]["content"], *pending])}
+    return out

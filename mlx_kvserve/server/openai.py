@@ -15,6 +15,7 @@ from typing import Any
 from ..engine.request import SamplingParams
 from ..errors import InvalidRequestError, ValidationError
 from . import tools as tl
+from .effort import effort_kwargs, parse_effort
 from .logprobs import LogprobRequest, parse_logprobs
 from .messages import check_text, parse_messages
 
@@ -135,11 +136,16 @@ def _parse_seed(body: dict[str, Any]) -> int | None:
     return seed
 
 
-# Fields served as asked. `user` only names the caller, so there is nothing to do for it.
+# Accepted with no meaning here, as their values' types say: they are about a hosted service (storing
+# the reply, its metadata, billing pools, who the caller is, the hosted prompt cache's routing and
+# retention). The block cache needs no key: it matches the prompt itself.
+ACCEPTED = {"store": bool, "metadata": dict, "service_tier": str, "user": str, "safety_identifier": str}
+ACCEPTED |= {"prompt_cache_key": str, "prompt_cache_retention": str}
+# Fields served as asked.
 _FIELDS = {"model", "max_tokens", "temperature", "top_p", "n", "seed", "stop", "stream", "stream_options"}
-_FIELDS |= {"kvserve", "user", "max_completion_tokens", "top_k", "min_p", "logprobs", "response_format"}
+_FIELDS |= {"kvserve", "max_completion_tokens", "top_k", "min_p", "logprobs", "response_format", *ACCEPTED}
 CHAT_FIELDS = _FIELDS | {"messages", "tools", "tool_choice", "parallel_tool_calls"}
-CHAT_FIELDS |= {"chat_template_kwargs", "top_logprobs"}
+CHAT_FIELDS |= {"chat_template_kwargs", "top_logprobs", "reasoning_effort"}
 TEXT_FIELDS = _FIELDS | {"prompt"}
 # Fields not served, accepted only at the value that asks for nothing.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
@@ -171,12 +177,25 @@ def check_fields(body: dict[str, Any], allowed: set[str]) -> None:
 
 
 def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """chat_template_kwargs, over what `reasoning_effort` sets (server/effort.py): an explicit
+    variable wins."""
     kwargs = _field(body, "chat_template_kwargs", (dict,), "an object", {})
     if bad := sorted(k for k in kwargs if k in _RESERVED_TEMPLATE_KEYS):
         raise InvalidRequestError(
             f"'chat_template_kwargs' may not set {', '.join(bad)}: the server sets it", param="chat_template_kwargs"
         )
-    return kwargs
+    return effort_kwargs(parse_effort(body.get("reasoning_effort"), "reasoning_effort")) | kwargs
+
+
+def _check_accepted(body: dict[str, Any]) -> None:
+    """ValidationError (422) for an accepted-only field of the wrong type (null is always fine)."""
+    for name, kind in ACCEPTED.items():
+        value = body.get(name)
+        if value is not None and (not isinstance(value, kind) or isinstance(value, bool) != (kind is bool)):
+            raise ValidationError(f"'{name}' must be {_TYPE_NAMES[kind]}", param=name)
+
+
+_TYPE_NAMES = {bool: "a boolean", dict: "an object", str: "a string"}
 
 
 MAX_SCHEMA_BYTES = 64 * 1024
@@ -224,6 +243,7 @@ def parse_request(body: Any, kind: str, defaults: Defaults) -> CompletionRequest
         max_tokens = _field(body, "max_tokens", (int,), "an integer")
     if max_tokens is not None and max_tokens < 1:
         raise ValidationError(f"'max_tokens' must be at least 1, got {max_tokens}", param="max_tokens")
+    _check_accepted(body)
     stream_options = _field(body, "stream_options", (dict,), "an object", {})
     ext = _field(body, "kvserve", (dict,), "an object", {})
     req = CompletionRequest(
@@ -273,9 +293,10 @@ def check_prompt_limit(req: CompletionRequest, num_prompt: int, limit: int) -> N
 def completion_budget(
     req: CompletionRequest, num_prompt: int, context: int, default_max: int, max_completion: int = 0
 ) -> int:
-    """How many tokens may be generated. Raises InvalidRequestError when the prompt alone fills the
-    context or an explicit max_tokens would overflow it, ValidationError when an explicit max_tokens
-    is above the server's `max_completion` (0 = no limit but the context)."""
+    """How many tokens may be generated: max_tokens, lowered to the room the prompt leaves in the
+    context (clients such as Claude Code ask for 32000 whatever the model). Raises
+    InvalidRequestError when the prompt alone fills the context, ValidationError when an explicit
+    max_tokens is above the server's `max_completion` (0 = no limit but the context)."""
     room = context - num_prompt
     if room < 1:
         raise InvalidRequestError(
@@ -291,10 +312,4 @@ def completion_budget(
         )
     if req.max_tokens is None:
         return min(default_max, max_completion or default_max, room)
-    if req.max_tokens > room:
-        raise InvalidRequestError(
-            f"max_tokens {req.max_tokens} + prompt {num_prompt} tokens exceeds the context of {context} tokens",
-            param="max_tokens",
-            code="context_length_exceeded",
-        )
-    return req.max_tokens
+    return min(req.max_tokens, room)

@@ -3,6 +3,7 @@ chat template run in a thread, and whatever they refuse becomes a 400 naming the
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,6 +11,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ..engine.engine import Engine
 from ..errors import InvalidRequestError, ValidationError
+from .messages import merge_system_turns
 
 MAX_TOKEN_ID = 2**31  # bound on token ids when the model's config names no vocab_size
 
@@ -21,11 +23,18 @@ async def chat_tokens(
     tools: list[dict[str, Any]] | None = None,
     template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
-    """Token ids of `messages` (with `tools` and `template_kwargs`) under the chat template.
-    InvalidRequestError when the template (or the tokenizer) rejects them."""
+    """Token ids of `messages` (with `tools` and `template_kwargs`) under the chat template. System
+    messages after the first turn are rendered in place where the template takes them, else merged
+    into a user turn (merge_system_turns). InvalidRequestError when the template (or the tokenizer)
+    rejects the messages."""
+    args = (add_generation_prompt, tools, template_kwargs)
     try:
-        return await run_in_threadpool(engine.chat_tokens, messages, add_generation_prompt, tools, template_kwargs)
+        return await run_in_threadpool(engine.chat_tokens, messages, *args)
     except Exception as exc:  # jinja raises its own types for templates that reject input
+        merged = merge_system_turns(messages)
+        if merged is not messages:
+            with contextlib.suppress(Exception):
+                return await run_in_threadpool(engine.chat_tokens, merged, *args)
         raise InvalidRequestError(f"the chat template rejected these messages: {exc}", param="messages") from None
 
 

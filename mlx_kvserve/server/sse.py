@@ -4,6 +4,10 @@ cancels its generation however the response ends.
 Strict: Python's json writes NaN and Infinity, which no JSON parser reads; here they raise instead, so a
 value that should never reach the wire (a masked token's -inf logprob) fails loudly in tests rather than
 breaking clients silently. Starlette's JSONResponse is strict the same way.
+
+Keep-alive: a long prompt can prefill for minutes before the first token; clients and proxies that see
+no bytes for that long give up (and often send the prompt again). While no event comes, the streams
+send a keep-alive every KEEP_ALIVE_S: Anthropic's `ping` event, an SSE comment line for OpenAI's.
 """
 
 from __future__ import annotations
@@ -14,7 +18,19 @@ from typing import Any
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from ..engine.request import GenerationRequest
+from ..engine.request import Event, GenerationRequest
+from .deadlines import EventTracker
+
+KEEP_ALIVE_S = 5.0  # seconds without an event before a stream sends a keep-alive
+KEEP_ALIVE = object()  # what next_or_keep_alive returns when a keep-alive is due
+COMMENT_KEEP_ALIVE = ": keep-alive\n\n"  # an SSE comment: every client skips it
+
+
+async def next_or_keep_alive(track: EventTracker) -> Event | object | None:
+    """The request's next event, or KEEP_ALIVE once KEEP_ALIVE_S passed without one (or just before a
+    deadline: one keep-alive too many is harmless). Raises RequestTimeoutError as track.next does."""
+    ev = await track.next(KEEP_ALIVE_S)
+    return KEEP_ALIVE if ev is None else ev
 
 
 def strict_json(payload: Any) -> str:

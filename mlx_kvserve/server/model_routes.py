@@ -1,0 +1,58 @@
+"""`GET /v1/models` and `GET /v1/models/{id}`: the one served model, in OpenAI's shape, or in
+Anthropic's when the request carries an `anthropic-version` header (Anthropic's SDKs and Claude Code
+always send one)."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ..engine.engine import Engine
+from ..errors import NotFoundError
+from .anthropic_reply import error_response as anthropic_error
+from .gate import note_error
+
+
+def _card(engine: Engine, anthropic: bool) -> dict[str, Any]:
+    name, created = engine.model_name, int(engine.started_at)
+    if not anthropic:
+        return {"id": name, "object": "model", "created": created, "owned_by": "mlx-kvserve"}
+    stamp = datetime.datetime.fromtimestamp(created, datetime.UTC).isoformat().replace("+00:00", "Z")
+    return {"type": "model", "id": name, "display_name": name, "created_at": stamp}
+
+
+def model_routes(engine: Engine) -> list[Route]:
+    def is_anthropic(request: Request) -> bool:
+        return "anthropic-version" in request.headers
+
+    async def models(request: Request) -> Response:
+        card = _card(engine, is_anthropic(request))
+        if not is_anthropic(request):
+            return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"data": [card], "has_more": False, "first_id": card["id"], "last_id": card["id"]})
+
+    async def model(request: Request) -> Response:
+        name = request.path_params["model_id"]
+        if not name:  # "/v1/models/": a trailing slash is a 404 like on every route (app.py)
+            raise HTTPException(404, "Not Found")
+        if name not in (engine.model_name, "default"):
+            error = NotFoundError(
+                f"model {name!r} not found; this server serves {engine.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+            if is_anthropic(request):
+                note_error(request.scope, error)
+                return anthropic_error(error)
+            raise error  # the app's handler answers in OpenAI's shape
+        return JSONResponse(_card(engine, is_anthropic(request)))
+
+    return [
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", model, methods=["GET"]),
+    ]
