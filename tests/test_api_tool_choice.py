@@ -312,3 +312,119 @@ def test_required_on_the_xml_format_gives_valid_calls_from_a_random_model(xml_lo
                 [{"name": c.function.name, "arguments": c.function.arguments} for c in choice.message.tool_calls]
             )
     engine.stop(0)
+
+
+# --- forced calls exact (issue 24, item 4): open schemas closed, one call when named, nothing after ----------
+
+# An open schema (no additionalProperties). `a` is bounded so a random model cannot spend max_tokens
+# inside one string value, which any schema allows: what is tested is keys, calls and the end.
+OPEN = {
+    "type": "function",
+    "function": {
+        "name": "pair",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "string", "maxLength": 12}, "b": {"type": "integer"}},
+        },
+    },
+}
+OPEN_KEYS = {"a", "b"}
+
+
+def test_a_forced_call_closes_open_schemas_and_ends_after_the_calls(matcher):
+    named = tg.CallGrammar((OPEN,), forced=True, name="pair")
+    assert matcher(named, call_text("pair", {"a": "x", "b": 1}))
+    assert not matcher(named, call_text("pair", {"a": "x", "zz": 1}))  # no key the schema does not name
+    assert not matcher(named, call_text("pair", {"a": "x"}) + "\n" + call_text("pair", {"b": 2}))  # named: one call
+    assert not matcher(named, call_text("pair", {"a": "x"}) + " trailing")  # nothing after the call
+    assert not matcher(named, '<tool_call>\n{"name":"pair","arguments":{"a": "x"}}\n</tool_call>')  # no padding
+    nested = {"type": "object", "properties": {"o": {"type": "object", "properties": {"k": {"type": "integer"}}}}}
+    deep = tg.CallGrammar(({"type": "function", "function": {"name": "pair", "parameters": nested}},), forced=True)
+    assert matcher(deep, call_text("pair", {"o": {"k": 1}}))
+    assert not matcher(deep, call_text("pair", {"o": {"k": 1, "z": 2}}))  # closed all the way down
+    opened = {"type": "function", "function": {**OPEN["function"], "parameters": {"type": "object"}}}
+    assert matcher(tg.CallGrammar((opened,), forced=True), call_text("pair", {"any": 1}))  # no properties: any object
+    allowed = {**OPEN["function"]["parameters"], "additionalProperties": {"type": "integer"}}
+    extra = tg.CallGrammar(({"type": "function", "function": {"name": "pair", "parameters": allowed}},), forced=True)
+    assert matcher(extra, call_text("pair", {"a": "x", "zz": 1}))  # the schema allows more keys: kept
+    required = tg.CallGrammar((OPEN,), forced=True)
+    assert matcher(required, call_text("pair", {"a": "x"}) + "\n" + call_text("pair", {"b": 2}))  # parallel allowed
+
+
+def check_open_calls(calls) -> None:
+    for call in calls:
+        assert call.name == "pair" and set(json.loads(call.arguments)) <= OPEN_KEYS
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_named_choice_on_an_open_schema_is_one_closed_call(tool_client, seed):  # noqa: F811
+    reply = sdk(tool_client).chat.completions.create(
+        model="tool-tiny",
+        messages=USER,
+        tools=[OPEN, WEATHER],
+        tool_choice={"type": "function", "function": {"name": "pair"}},
+        parallel_tool_calls=True,
+        max_tokens=400,
+        temperature=1.0,
+        seed=seed,
+        extra_body=NO_THINKING,
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    assert len(choice.message.tool_calls) == 1
+    check_open_calls([c.function for c in choice.message.tool_calls])
+    assert reply.usage.completion_tokens < 200
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_required_without_parallel_on_an_open_schema_is_one_call(tool_client, seed):  # noqa: F811
+    reply = sdk(tool_client).chat.completions.create(
+        model="tool-tiny",
+        messages=USER,
+        tools=[OPEN],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=400,
+        temperature=1.0,
+        seed=seed,
+        extra_body=NO_THINKING,
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    assert len(choice.message.tool_calls) == 1
+    check_open_calls([c.function for c in choice.message.tool_calls])
+
+
+def test_required_with_parallel_on_an_open_schema_is_calls_only(tool_client):  # noqa: F811
+    reply = sdk(tool_client).chat.completions.create(
+        model="tool-tiny",
+        messages=USER,
+        tools=[OPEN],
+        tool_choice="required",
+        max_tokens=400,
+        temperature=1.0,
+        seed=3,
+        extra_body=NO_THINKING,
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    assert choice.message.tool_calls
+    check_open_calls([c.function for c in choice.message.tool_calls])
+
+
+def test_anthropic_tool_choice_on_an_open_schema_is_one_tool_use(tool_client):  # noqa: F811
+    client = anthropic.Anthropic(api_key="none", base_url="http://testserver", http_client=tool_client, max_retries=0)
+    tools = [{"name": "pair", "input_schema": OPEN["function"]["parameters"]}]
+    for seed_text in ("weather in Paris?", "and in Oslo?"):
+        reply = client.messages.create(
+            model="tool-tiny",
+            messages=[{"role": "user", "content": seed_text}],
+            tools=tools,
+            tool_choice={"type": "tool", "name": "pair"},
+            max_tokens=400,
+            thinking={"type": "disabled"},
+        )
+        assert reply.stop_reason == "tool_use"
+        assert [b.type for b in reply.content] == ["tool_use"]
+        assert reply.content[0].name == "pair" and set(reply.content[0].input) <= OPEN_KEYS
+        assert reply.usage.output_tokens < 200

@@ -1,7 +1,9 @@
 """Grammars that hold a model to its tool-call format, written in llguidance's Lark syntax.
 
-- `tool_choice` "required" or a named function: the reply is one call (or several, when parallel
-  calls are allowed), each `{"name": ..., "arguments": ...}` valid against its tool's schema.
+- `tool_choice` "required" or a named function: the reply is calls only, each `{"name": ...,
+  "arguments": ...}` valid against its tool's schema read strictly (`closed`), and nothing after the
+  last one but end of sequence. A named function gets exactly one call; "required" one, or several
+  when parallel calls are allowed.
 - "auto" with a `strict` tool or a `response_format`: the model still chooses; a call, once begun,
   follows its tool's schema, and a plain answer follows the response format.
 
@@ -101,10 +103,41 @@ def _held(spec: CallGrammar, fn: dict[str, Any]) -> bool:
     return spec.forced or fn["name"] in spec.strict_names
 
 
+# Keywords whose value is one subschema, a list of them, or a map of them: `closed` walks these.
+_ONE, _LIST, _MAP = ("items", "additionalProperties"), ("prefixItems", "anyOf", "oneOf"), ("properties", "$defs")
+
+
+def closed(schema: Any, close: bool = True) -> Any:
+    """`schema` read strictly, as OpenAI's strict mode and every constrained-decoding library offer:
+    an object that names its `properties` and says nothing of other keys gets `additionalProperties:
+    false` (else a weak model invents keys until max_tokens). A free-form object (no `properties`)
+    stays open, its only way to carry data. With `allOf` the properties add up across branches, so
+    neither the branches nor their parent are closed, only what lies inside them; `not` and `if` are
+    left as written."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = closed(out[key])
+    for key in _LIST:
+        if isinstance(out.get(key), list):
+            out[key] = [closed(s) for s in out[key]]
+    for key in (*_MAP, "definitions", "patternProperties"):
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(s) for name, s in out[key].items()}
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [closed(s, close=False) for s in out["allOf"]]
+        close = False
+    if close and "properties" in out and "additionalProperties" not in out and "unevaluatedProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def call_schema(fn: dict[str, Any], strict: bool) -> dict[str, Any]:
-    """The JSON of one call of `fn`: its name, and arguments valid against its schema (any object
-    when not strict)."""
-    arguments = (fn.get("parameters") or {"type": "object"}) if strict else {"type": "object"}
+    """The JSON of one call of `fn`: its name, and arguments valid against its schema read strictly
+    (`closed`; no `parameters`: no arguments, as in OpenAI's API), or any object when not strict."""
+    arguments = closed(fn.get("parameters") or {"type": "object", "properties": {}}) if strict else {"type": "object"}
     return {
         "type": "object",
         "properties": {"name": {"const": fn["name"]}, "arguments": arguments},
@@ -139,7 +172,7 @@ def _xml_value(name: str, schema: dict[str, Any], rule: str) -> list[str]:
         return [f"{rule}[lazy]: /(.|\\n)*/ {end}"]  # ends at the first closing tag, as the parser reads it
     if isinstance(schema.get("type"), list):
         raise UnsupportedCallFormat(f"parameter {name!r}: a list of types cannot be told apart in raw text")
-    return [f"{rule}: %json {json.dumps({**schema, **COMPACT})} {end}"]
+    return [f"{rule}: %json {json.dumps({**closed(schema), **COMPACT})} {end}"]
 
 
 def _xml_call_body(spec: CallGrammar) -> list[str]:
@@ -172,7 +205,8 @@ def build(tokenizer: Any, prompt: Sequence[int], spec: CallGrammar) -> str:
     check_format(tokenizer)
     start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
     rules = ["%llguidance {}", *_reasoning_rules(tokenizer, prompt), *CALL_BODIES[format_name(tokenizer)](spec)]
-    more = " (/\\n?/ call)*" if spec.parallel else ""
+    # A named function is one call, parallel calls allowed or not (OpenAI and Anthropic return one).
+    more = " (/\\n?/ call)*" if spec.parallel and not (spec.forced and spec.name) else ""
     marked = f"{_literal(tokenizer, start)} body {_literal(tokenizer, end)}"
     if spec.forced:
         rules += [f"start: reasoning call{more}", f"call: {marked}"]
