@@ -2,13 +2,14 @@
 record, the fingerprint memo, the GGUF conversion marker), read as untrusted input.
 
 Anything can be in them: a crash, a full disk, a careless edit or another local process. So every
-such file is read here and nowhere else: only a regular file is read (opened with O_NONBLOCK, so a
-FIFO in its place cannot hang startup), at most `max_bytes` of it, parsed with NaN/Infinity and
-over-long integers refused (deep nesting and huge numbers are caught), then checked against a small
-declarative schema (types, ranges, finite numbers, hex lengths). `load_json` sets a bad file aside
+such file is read here and nowhere else: only a regular file is read (kv/safe_files.py: opened
+with O_NONBLOCK and checked with fstat, so a FIFO in its place cannot hang the server), at most
+`max_bytes` of it, parsed with NaN/Infinity and over-long integers refused (deep nesting and huge
+numbers are caught), then checked against a small declarative schema (types, ranges, finite numbers, hex lengths). `load_json` sets a bad file aside
 as `<name>.damaged-<UTC time>` in its folder (at most KEEP_DAMAGED per name, so the disk never
 fills) and returns a DamagedFile for its owner to report; the owner rebuilds the file. Nothing here
-raises for bad content. This module sits beside config/errors: kv/ and models/ both use it.
+raises for bad content. This module sits beside config/errors: kv/ and models/ both use it (it
+needs only kv/safe_files.py, which imports nothing of the package).
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ import math
 import os
 import re
 import shutil
-import stat
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
+
+from .kv.safe_files import NotRegularFileError, open_regular
 
 log = logging.getLogger(__name__)
 
@@ -130,10 +132,12 @@ class Const(Schema):
 
 @dataclass(frozen=True)
 class Obj(Schema):
-    """An object with these fields, all required; other fields are ignored (and not returned), so
-    a newer writer may add some."""
+    """An object with these fields, all required, and the `optional` ones where present (checked
+    the same way; absent ones are absent from the result). Other fields are ignored (and not
+    returned), so a newer writer may add some."""
 
     fields: Mapping[str, Schema] = field(default_factory=dict)
+    optional: Mapping[str, Schema] = field(default_factory=dict)
 
     def check(self, value: Any, where: str) -> dict[str, Any]:
         if not isinstance(value, dict):
@@ -143,6 +147,9 @@ class Obj(Schema):
             if name not in value:
                 raise _fail(f"{where}.{name}" if where else name, "a value (missing)")
             out[name] = schema.check(value[name], f"{where}.{name}" if where else name)
+        for name, schema in self.optional.items():
+            if name in value:
+                out[name] = schema.check(value[name], f"{where}.{name}" if where else name)
         return out
 
 
@@ -204,32 +211,26 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _read_regular(path: Path, max_bytes: int) -> bytes:
+    # Links are followed: the file a link names is checked like any other (kv/safe_files.py).
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        fd = open_regular(path, follow_links=True)
     except FileNotFoundError:
         raise
+    except NotRegularFileError as exc:
+        raise DamagedFileError(str(exc)) from None
     except OSError as exc:
         raise DamagedFileError(f"cannot open ({exc.strerror or exc})") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise DamagedFileError(f"not a regular file ({_kind(st.st_mode)})")
-        if st.st_size > max_bytes:
-            raise DamagedFileError(f"{st.st_size} bytes, more than the {max_bytes} allowed")
-        with open(fd, "rb", closefd=False) as f:
+    with os.fdopen(fd, "rb") as f:
+        try:
+            size = os.fstat(fd).st_size
+            if size > max_bytes:  # refused unread
+                raise DamagedFileError(f"{size} bytes, more than the {max_bytes} allowed")
             data = f.read(max_bytes + 1)  # the file may grow meanwhile
-    except OSError as exc:
-        raise DamagedFileError(f"cannot read ({exc.strerror or exc})") from None
-    finally:
-        os.close(fd)
+        except OSError as exc:
+            raise DamagedFileError(f"cannot read ({exc.strerror or exc})") from None
     if len(data) > max_bytes:
         raise DamagedFileError(f"more than the {max_bytes} bytes allowed")
     return data
-
-
-def _kind(mode: int) -> str:
-    kinds = {stat.S_ISDIR: "a directory", stat.S_ISFIFO: "a FIFO", stat.S_ISCHR: "a character device"}
-    return next((name for test, name in kinds.items() if test(mode)), "not a plain file")
 
 
 def load_json(

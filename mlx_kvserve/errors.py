@@ -55,6 +55,13 @@ class OverloadedError(KVServeError):
     error_type = "rate_limit_error"
 
 
+class ConflictError(InvalidRequestError):
+    """The request conflicts with the server's state: e.g. a pin asked of a server that shares its
+    cache folder as a guest, whose pins belong to the folder's owner (409)."""
+
+    status_code = 409
+
+
 class ShuttingDownError(KVServeError):
     status_code = 503
     error_type = "server_error"

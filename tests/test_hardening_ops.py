@@ -24,7 +24,7 @@ from mlx_kvserve import cache_cli
 from mlx_kvserve.cli import _overrides, cli
 from mlx_kvserve.config import load_api_keys, load_config
 from mlx_kvserve.engine.engine import Engine
-from mlx_kvserve.errors import ConfigError
+from mlx_kvserve.errors import ConfigError, ConflictError
 from mlx_kvserve.kv.folder_lock import LOCK_NAME, FolderBusyError, FolderLock
 from mlx_kvserve.kv.fsmode import ensure_private_root
 from mlx_kvserve.kv.hashing import namespace_hash
@@ -93,23 +93,110 @@ def _assert_private(modes: dict[str, int], root: Path) -> None:
 # --- item 9: one process per cache folder ----------------------------------------------------------
 
 
-def test_a_second_engine_on_the_same_folder_is_refused_until_the_first_stops(tiny, home, tmp_path):
+def test_a_second_engine_on_the_same_folder_joins_it_as_a_guest(tiny, home, tmp_path):
+    """The folder's owner keeps pins, the index and the shutdown record; a guest reads and adds blocks."""
     config = _config(tmp_path / "kv")
     first = Engine(tiny, config)
     folder = first.folder_lock.folder
     first.prefix_cache.manager.pins.pin([_block_hash(1)])
     pins_before = (folder / "pins.json").read_bytes()
 
-    with pytest.raises(FolderBusyError) as refused:
-        Engine(tiny, config)
-    assert f"pid {os.getpid()}, server" in refused.value.message and str(folder) in refused.value.message
-    assert (folder / "pins.json").read_bytes() == pins_before  # the refused one read and wrote nothing
+    second = Engine(tiny, config)
+    assert first.folder_lock.is_owner and not second.folder_lock.is_owner
+    assert second.prefix_cache.folder_owner == f"pid {os.getpid()}"
+    assert second.local_cache_stats()["ssd_role"] == "guest" and first.local_cache_stats()["ssd_role"] == "owner"
+    with pytest.raises(ConflictError) as refused:
+        second.cache_admin().pin([_block_hash(1)])
+    assert refused.value.status_code == 409 and f"pid {os.getpid()}" in refused.value.message
+    second.stop()
+    assert (folder / "pins.json").read_bytes() == pins_before  # the guest wrote none of the owner's state
+    assert not (folder / "shutdown.json").exists()
 
     first.stop()
-    assert not first.folder_lock.is_held
-    second = Engine(tiny, config)  # the folder is free again
-    assert second.prefix_cache.manager.pins.count(_block_hash(1)) == 1
-    second.stop()
+    assert not first.folder_lock.is_held and (folder / "shutdown.json").exists()
+    third = Engine(tiny, config)  # the folder is free again: the next one owns it
+    assert third.folder_lock.is_owner and third.prefix_cache.manager.pins.count(_block_hash(1)) == 1
+    third.stop()
+
+
+def test_blocks_one_server_writes_are_hits_for_the_other(tiny, home, tmp_path):
+    """Two engines on one folder (owner + guest): what either writes, the other serves from the SSD
+    with the same greedy output; the guest never deletes a file and the owner's index adopts its blocks."""
+    config = _config(tmp_path / "kv")
+    owner, guest = Engine(tiny, config), Engine(tiny, config)
+    prompt = _prompt(tiny.tokenizer)
+    other = list(reversed(prompt))
+    try:
+        cold = greedy(guest.generator, prompt, 6)
+        hashes = guest.prefix_cache.manager.hasher.hash_blocks(prompt)
+        assert hashes and _wait_for(lambda: all((guest.folder_lock.folder / _relpath(h)).is_file() for h in hashes))
+        hit = greedy(owner.generator, prompt, 6)
+        assert hit[:2] == cold[:2] and cold[2] == 0 and hit[2] >= len(hashes) * BS
+        owner_stats = owner.local_cache_stats()
+        assert owner_stats["ssd_hits"] == len(hashes) and owner_stats["ssd_adopted"] == len(hashes)
+
+        cold_other = greedy(owner.generator, other, 6)
+        other_hashes = owner.prefix_cache.manager.hasher.hash_blocks(other)
+        assert _wait_for(lambda: all((owner.folder_lock.folder / _relpath(h)).is_file() for h in other_hashes))
+        hit_other = greedy(guest.generator, other, 6)
+        assert hit_other[:2] == cold_other[:2] and hit_other[2] > cold_other[2]
+        assert guest.local_cache_stats()["ssd_hits"] >= len(owner.prefix_cache.manager.hasher.hash_blocks(other))
+    finally:
+        guest.stop()
+        owner.stop()
+    restarted = Engine(tiny, config)  # the owner's index lists the guest's blocks
+    try:
+        assert restarted.local_cache_stats()["ssd_startup_validation"]["dropped_missing"] == 0
+        restarted.prefix_cache.ssd_tier.store.check_integrity()
+    finally:
+        restarted.stop()
+
+
+def test_a_guest_deletes_nothing(tmp_path):
+    """A guest store never deletes: not temp files, not damaged blocks, not over the budget."""
+    folder = store_dir(tmp_path / "kv", NAMESPACE)
+    owner = SSDStore(folder, NAMESPACE)
+    assert owner.save_block(_block_hash(1), NAMESPACE, list(range(BS)), _arrays(1)) is SaveResult.SAVED
+    assert owner.flush()
+    size = next(folder.glob("??/*.safetensors")).stat().st_size
+    alien_temp = folder / "ab" / f"{'ab' * 32}.{os.getppid()}-3{TEMP_SUFFIX}"  # a live writer's
+    alien_temp.parent.mkdir(exist_ok=True)
+    alien_temp.write_bytes(b"in progress")
+    junk = folder / "cd" / "not-a-block"
+    junk.parent.mkdir(exist_ok=True)
+    junk.write_bytes(b"junk")
+    index_before = (folder / "index.json").read_bytes()
+    guest = SSDStore(folder, NAMESPACE, max_bytes=size, is_owner=False)
+    report = guest.validate_index()
+    assert report.kept == 1 and junk.exists() and alien_temp.exists()
+    assert guest.save_block(_block_hash(2), NAMESPACE, list(range(BS, 2 * BS)), _arrays(2)) is SaveResult.SKIPPED
+    assert guest.prune_expired(now=1e12) == 0 and guest.flush()
+    assert guest.remove_unpinned() == 1 and owner.contains(_block_hash(1))  # only its own view forgets it
+    assert (folder / "index.json").read_bytes() == index_before and len(
+        list(folder.glob("??/*[0-9a-f].safetensors"))
+    ) == 1
+    owner_again = SSDStore(folder, NAMESPACE)
+    report = owner_again.validate_index(others_write=True)
+    assert report.deleted_invalid == 1 and not junk.exists()
+    assert alien_temp.exists()  # guests write here and its writer (our parent process) is alive
+    assert owner_again.validate_index().deleted_temp == 1 and not alien_temp.exists()  # alone: a leftover
+
+
+def _wait_for(condition, timeout_s: float = 60.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _relpath(block_hash: bytes) -> str:
+    from mlx_kvserve.kv.ssd_index import block_relpath
+
+    return block_relpath(block_hash)
 
 
 def test_the_lock_dies_with_its_holder_even_under_kill_9(tmp_path):
@@ -144,19 +231,22 @@ def test_the_lock_dies_with_its_holder_even_under_kill_9(tmp_path):
     lock.release()  # idempotent
 
 
-def test_run_exits_non_zero_naming_the_holder_when_the_folder_is_held(tiny, home, tmp_path):
-    """`mlx-kvserve run` in a second process on a folder this process holds: exit 1, the pid on stderr."""
+def test_run_exits_non_zero_naming_the_holder_when_an_offline_command_holds_the_folder(tiny, home, tmp_path):
+    """`mlx-kvserve run` in a second process on a folder `cache verify` holds: exit 1, the pid on stderr."""
     holder = Engine(tiny, _config(home / "kv"))  # the default cache root of `home`
+    folder = holder.folder_lock.folder
+    holder.stop()
+    verify = FolderLock.acquire(folder, "cache verify")
     try:
         env = dict(os.environ, MLX_KVSERVE_HOME=str(home), MLX_KVSERVE_FAST_BLAS="0")
         cmd = [sys.executable, "-m", "mlx_kvserve", "run", "--model", str(tiny.path), "--port", str(free_port())]
         cmd += ["--config", str(_write(tmp_path / "bs.toml", f"[cache]\nblock_size = {BS}\n"))]
         result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     finally:
-        holder.stop()
+        verify.release()
     assert result.returncode == 1, result.stderr
-    assert f"Error: the cache folder {holder.folder_lock.folder} is in use" in result.stderr
-    assert f"(pid {os.getpid()}, server)" in result.stderr
+    assert f"Error: the cache folder {folder} is in use" in result.stderr
+    assert f"(pid {os.getpid()}, cache verify)" in result.stderr
     assert "ERROR" in result.stderr  # logged as well as printed
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import InvalidRequestError, ValidationError
+from ..errors import ConflictError, InvalidRequestError, ValidationError
 from ..kv.manager import KVManager
 from .prefix_cache import PrefixCache
 
@@ -32,9 +32,20 @@ class CacheAdmin:
         tier = self.prefix_cache.ssd_tier
         return any(not self.manager.in_ram(h) and not (tier is not None and tier.contains(h)) for h in hashes)
 
+    def _owner_only(self, what: str) -> None:
+        owner = self.prefix_cache.folder_owner
+        if owner is not None:
+            raise ConflictError(
+                f"{what} belongs to the server that owns the cache folder ({owner}); this server shares the "
+                "folder as a guest: send it there, or give this server its own ssd.cache_dir",
+                code="cache_folder_guest",
+            )
+
     def pin(self, hashes: Sequence[bytes], chain: bool = False) -> dict[str, Any]:
         """Pin blocks by hash (each with its ancestors, found through the tiers), or, with
-        `chain`, a prompt's whole chain as computed from its tokens (root first)."""
+        `chain`, a prompt's whole chain as computed from its tokens (root first). A guest server
+        refuses (ConflictError): pins persist in the owner's folder state."""
+        self._owner_only("pinning")
         if chain:
             self.manager.pins.pin(hashes)
             return {"pinned": [hashes[-1].hex()], "pinned_count": 1, "tokens": len(hashes) * self.manager.block_size}
@@ -47,6 +58,7 @@ class CacheAdmin:
         }
 
     def unpin(self, hashes: Sequence[bytes], chain: bool = False) -> dict[str, Any]:
+        self._owner_only("unpinning")
         if chain:
             if self.manager.pins.count(hashes[-1]) == 0:
                 return {"unpinned_count": 0}
@@ -91,6 +103,7 @@ class CacheAdmin:
         if include_ssd:
             if tier is None:
                 raise InvalidRequestError("there is no SSD tier to flush", param="ssd")
+            self._owner_only("flushing the SSD tier")
             # Blocks queued before the flush would land after it: let the writer finish them first.
             out["ssd_writes_pending"] = tier.writer.wait_idle(FLUSH_WAIT_S)
             out["ssd_dropped"] = tier.store.remove_unpinned()

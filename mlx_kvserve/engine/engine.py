@@ -61,23 +61,41 @@ def physical_memory_bytes() -> int:
 
 def lock_store_folder(config: Config, namespace: bytes) -> FolderLock | None:
     """This namespace's folder under the SSD cache root (pins.json, blocks, tails, index), created
-    private and locked for this server until Engine.stop. None when it cannot be created or locked
-    (logged; pins then stay in memory and the SSD tier is off). Raises ConfigError when the root is
-    a folder other users may read, FolderBusyError when another process holds the folder."""
+    private and locked for this server until Engine.stop: as its owner, or as a guest when another
+    server owns it (kv/folder_lock.py). None when it cannot be created or locked (logged; pins then
+    stay in memory and the SSD tier is off). Raises ConfigError when the root is a folder other
+    users may read, FolderBusyError when an offline command (cache verify) holds the folder."""
     root = config.ssd_path()
     folder = store_dir(root, namespace)
     try:
         ensure_private_root(root, "ssd.cache_dir")
         private_mkdir(folder)
-        return FolderLock.acquire(folder, "server")
+        lock = FolderLock.acquire_server(folder)
     except OSError as exc:
         log.error("SSD tier off: cannot use %s (%s); pins will not persist", folder, exc)
         return None
+    if not lock.is_owner:
+        owner = f"pid {lock.owner.pid}" if lock.owner else "another server"
+        log.warning(
+            "the cache folder %s is owned by %s: this server shares it as a guest (reads and adds blocks; "
+            "pins, eviction and pruning stay with the owner)",
+            folder,
+            owner,
+        )
+    return lock
 
 
-def build_ssd_tier(config: Config, namespace: bytes, pins: PinRegistry, layout: blocks.CacheLayout) -> SSDTier | None:
+def build_ssd_tier(
+    config: Config,
+    namespace: bytes,
+    pins: PinRegistry,
+    layout: blocks.CacheLayout,
+    folder_lock: FolderLock | None = None,
+) -> SSDTier | None:
     """The SSD tier for this namespace, validated and pruned, with its writer running; None when
-    [ssd] is off or its folder cannot be used (the server then runs on RAM alone, logged)."""
+    [ssd] is off or its folder cannot be used (the server then runs on RAM alone, logged). A guest
+    (see folder_lock) only reads the folder's state and adds blocks."""
+    is_owner = folder_lock is None or folder_lock.is_owner
     ssd = config.ssd
     if not ssd.enabled:
         return None
@@ -89,11 +107,12 @@ def build_ssd_tier(config: Config, namespace: bytes, pins: PinRegistry, layout: 
             min_free_bytes=ssd.min_free_bytes,
             ttl_s=ssd.ttl_days * 86400.0,
             is_pinned=pins.is_pinned,
+            is_owner=is_owner,
         )
     except OSError as exc:
         log.error("SSD tier off: cannot use %s (%s)", config.ssd_path(), exc)
         return None
-    report = store.validate_index()
+    report = store.validate_index(others_write=folder_lock is not None and folder_lock.has_guests())
     pruned = store.prune_expired()
     log.info(
         "SSD tier at %s: %d blocks kept, %d adopted, %d missing dropped, %d invalid deleted, %d temp deleted, "
@@ -164,10 +183,9 @@ def build_prefix_cache(
     tails = TailStore(budget // 2 if layout.has_state else budget // 8, exact=layout.exact_tails)
     folder_lock = lock_store_folder(config, store_namespace)  # before anything reads or writes the folder
     try:
-        pins = PinRegistry(
-            folder_lock.folder / PINS_FILE if folder_lock else None, _leases(config, budget, folder_lock)
-        )
-        ssd_tier = build_ssd_tier(config, store_namespace, pins, layout) if folder_lock else None
+        owns = folder_lock is not None and folder_lock.is_owner  # a guest keeps pins and leases in memory
+        pins = PinRegistry(folder_lock.folder / PINS_FILE if owns else None, _leases(config, budget, folder_lock))
+        ssd_tier = build_ssd_tier(config, store_namespace, pins, layout, folder_lock) if folder_lock else None
     except BaseException:
         if folder_lock is not None:
             folder_lock.release()
@@ -190,8 +208,16 @@ def build_prefix_cache(
         layout=layout,
         checkpoint_every=config.cache.checkpoint_every,
         turn_marker=turn_start_token(loaded.tokenizer) if layout.needs_checkpoints else None,
+        folder_owner=_owner_name(folder_lock),
     )
     return prefix_cache, folder_lock
+
+
+def _owner_name(folder_lock: FolderLock | None) -> str | None:
+    """None when this server owns its folder (or has none), else who does ("pid N")."""
+    if folder_lock is None or folder_lock.is_owner:
+        return None
+    return f"pid {folder_lock.owner.pid}" if folder_lock.owner else "another server"
 
 
 def _leases(config: Config, ram_budget: int, folder_lock: FolderLock | None) -> PinLeases | None:
@@ -201,7 +227,8 @@ def _leases(config: Config, ram_budget: int, folder_lock: FolderLock | None) -> 
     if share <= 0:
         return None
     budgets = [ram_budget] + ([config.ssd.max_bytes] if config.ssd.enabled and config.ssd.max_bytes > 0 else [])
-    return PinLeases(folder_lock.folder / LEASES_FILE if folder_lock else None, int(share * min(budgets)))
+    owns = folder_lock is not None and folder_lock.is_owner
+    return PinLeases(folder_lock.folder / LEASES_FILE if owns else None, int(share * min(budgets)))
 
 
 def _front_prefill(prefix_cache: PrefixCache, config: Config, stats: SchedulerStats) -> FrontPrefill | None:
@@ -280,6 +307,13 @@ class Engine:
     def context_length(self) -> int:
         return self.loaded.context_length
 
+    @property
+    def vocab_size(self) -> int:
+        """How many tokens the model scores: its config's vocab_size (0 when it names none)."""
+        config = self.loaded.config
+        size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+        return size if isinstance(size, int) and size > 0 else 0
+
     def start(self) -> None:
         """Start the worker; with [ssd] prefetch_on_start, it reads the hottest chains from the SSD
         into RAM while no request runs (engine/prefetch.py)."""
@@ -303,7 +337,7 @@ class Engine:
                 queued = tier.persist_resident(manager.resident_blocks())
                 if queued:
                     log.info("evict_only: writing %d blocks still in RAM before exit", queued)
-            if self.prefix_cache.front is not None:
+            if self.prefix_cache.front is not None and tier.store.is_owner:
                 self.prefix_cache.front.save(tier.store.cache_dir / SPEEDS_FILE)
             tier.close(self.config.ssd.drain_timeout_s)
         if self.folder_lock is not None:
@@ -417,6 +451,7 @@ class Engine:
         tier = self.prefix_cache.ssd_tier
         if tier is not None:
             out.update(tier.stats())
+            out["ssd_role"] = "owner" if tier.store.is_owner else "guest"
             out["ssd_startup_validation"] = tier.validation
             out.update(tier.last_shutdown)
             if self.prefetcher is not None:
@@ -426,13 +461,17 @@ class Engine:
 
     def damaged_files(self) -> list[DamagedFile]:
         """Bookkeeping files found damaged at startup, each set aside and rebuilt: the fingerprint
-        memo, the pins file, the SSD index and the shutdown record."""
+        memo, the pins and leases files, the SSD index, the shutdown record and the speeds file."""
         found = list(self._memo_damage)
         manager, tier = self.prefix_cache.manager, self.prefix_cache.ssd_tier
         if manager is not None:
             found += manager.pins.damaged_files
+            if manager.pins.leases is not None:
+                found += manager.pins.leases.damaged_files
         if tier is not None:
             found += tier.store.damaged_files + tier.damaged_files
+        if self.prefix_cache.front is not None:
+            found += self.prefix_cache.front.damaged_files
         return found
 
     def batch_stats(self) -> dict[str, Any]:

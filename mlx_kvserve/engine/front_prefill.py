@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 
-from ..checked_json import Float, Obj, load_json
+from ..checked_json import DamagedFile, Float, Obj, load_json
 from ..kv.blocks import CacheLayout
 from ..kv.ssd_index import atomic_write
 
@@ -31,7 +32,11 @@ log = logging.getLogger(__name__)
 # The speeds measured by the last run, kept in the cache folder: the first SSD hit after a restart
 # (the case this is for) comes before this run has measured anything.
 SPEEDS_FILE = "speeds.json"
-SPEEDS_SCHEMA = Obj({"blocks_read_per_s": Float(lo=0.0), "prefill_tokens_per_s": Float(lo=0.0)})
+# Speeds outside these bounds are not measurements (a subnormal speed once made every split a
+# division of infinities): the file's are refused (set aside), this run's are ignored.
+READ_BOUNDS = (1e-3, 1e7)  # blocks read per second
+PREFILL_BOUNDS = (1e-3, 1e9)  # tokens prefilled per second
+SPEEDS_SCHEMA = Obj({"blocks_read_per_s": Float(*READ_BOUNDS), "prefill_tokens_per_s": Float(*PREFILL_BOUNDS)})
 
 
 class FrontPrefill:
@@ -57,17 +62,22 @@ class FrontPrefill:
         self.prefill_tokens_per_s = prefill_tokens_per_s
         self.forced_share: float | None = None
         self._remembered: dict[str, float] = {}
+        self.damaged_files: list[DamagedFile] = []  # a speeds file found damaged (and set aside)
 
     def speeds(self) -> tuple[float | None, float | None]:
-        """(blocks read per second, prefill tokens per second): this run's, else the last run's."""
-        read = self.blocks_read_per_s() or self._remembered.get("blocks_read_per_s")
-        prefill = self.prefill_tokens_per_s() or self._remembered.get("prefill_tokens_per_s")
+        """(blocks read per second, prefill tokens per second): this run's, else the last run's;
+        None where neither is within its bounds."""
+        read = _bounded(self.blocks_read_per_s(), READ_BOUNDS) or self._remembered.get("blocks_read_per_s")
+        prefill = _bounded(self.prefill_tokens_per_s(), PREFILL_BOUNDS) or self._remembered.get("prefill_tokens_per_s")
         return read, prefill
 
     def remember(self, path: Path) -> None:
-        """Take the speeds the last run saved at `path` (a damaged file is set aside and ignored)."""
+        """Take the speeds the last run saved at `path` (a damaged file, or one with a speed out of
+        bounds, is set aside, listed in damaged_files and ignored)."""
         loaded = load_json(path, SPEEDS_SCHEMA, 4096, "measured speeds")
         self._remembered = loaded.value or {}
+        if loaded.damaged is not None:
+            self.damaged_files.append(loaded.damaged)
 
     def save(self, path: Path) -> None:
         """Keep the speeds for the next run (nothing when nothing was measured)."""
@@ -94,8 +104,8 @@ class FrontPrefill:
         read, prefill = self.speeds()
         if not read or not prefill:
             return 0
-        compute_s, read_s = self.block_size / prefill, 1.0 / read
-        return int(stored * read_s / (compute_s + read_s) + 1e-9)
+        compute_s, read_s = self.block_size / prefill, 1.0 / read  # finite and positive: speeds() bounds them
+        return max(0, min(stored, int(stored * read_s / (compute_s + read_s) + 1e-9)))
 
     def compute(self, tokens: Sequence[int], before: Sequence[Any], start: int, count: int) -> list[tuple[Any, int]]:
         """Prefill blocks start..start+count-1 on top of `before` (the payloads of the blocks
@@ -107,3 +117,9 @@ class FrontPrefill:
             self.model(mx.array(ids[lo : lo + self.step_size])[None], cache=cache)  # logits unused: never evaluated
             mx.eval([c.state for c in cache])
         return self.layout.slice_blocks(cache, start, start + count, bs)
+
+
+def _bounded(value: float | None, bounds: tuple[float, float]) -> float | None:
+    """`value` when it is a finite number within `bounds`, else None."""
+    ok = isinstance(value, (int, float)) and math.isfinite(value) and bounds[0] <= value <= bounds[1]
+    return float(value) if ok else None

@@ -47,8 +47,12 @@ class PrefixCache:
         layout: blocks.CacheLayout | None = None,
         checkpoint_every: int = 0,
         turn_marker: int | None = None,
+        folder_owner: str | None = None,
     ):
         self.model = model
+        # Set when another server owns the cache folder and this one is its guest ("pid N"): pins
+        # and the SSD flush belong to the owner (kv/folder_lock.py).
+        self.folder_owner = folder_owner
         self.manager = manager
         bs = manager.block_size if manager is not None else 1
         self.layout = layout if layout is not None else blocks.cache_layout(model, bs)

@@ -1,14 +1,21 @@
-"""One process per cache folder: an exclusive lock on `<folder>/.lock`.
+"""Who may change a cache folder: one owner (an exclusive lock on `<folder>/.lock`) and any number
+of guest servers (shared locks on `<folder>/.guests.lock`).
 
-Two servers on one folder overwrite each other's pins.json and delete each other's (pinned) block
-files; an offline `cache verify` deletes a running server's temp files. Whoever changes a store
-folder holds its lock first.
+Blocks are immutable and content-addressed, so several servers of one model can share a folder:
+the first server owns it (eviction, TTL pruning, pins, the index file, the shutdown record); a
+server that finds it owned by another server joins as a guest, which reads every block and adds
+its own (atomic renames of complete files) but never deletes a file or writes the bookkeeping.
+An offline command (`cache verify`) deletes temp files and damaged blocks, so it needs the folder
+to itself: no owner and no guest.
 
 Contract:
-- `FolderLock.acquire(folder, role)` takes an exclusive, non-blocking flock on `<folder>/.lock`
-  (created 0600) and records the holder's pid and role in it. Raises FolderBusyError, naming the
-  holder's pid, when another process (or another FolderLock of this process) holds it; OSError
-  when the file cannot be created or the filesystem refuses locks.
+- `FolderLock.acquire(folder, role)` (offline commands) takes an exclusive, non-blocking flock on
+  `<folder>/.lock` and on `<folder>/.guests.lock` (both created 0600) and records the holder's pid
+  and role in `.lock`. Raises FolderBusyError when another process (or another FolderLock of this
+  process) holds either; OSError when a file cannot be created or the filesystem refuses locks.
+- `FolderLock.acquire_server(folder)` takes the owner's lock (role "server") when it is free, else,
+  when a server owns the folder, a shared lock on `.guests.lock`: `is_owner` says which. Raises
+  FolderBusyError when an offline command holds the folder.
 - The OS releases the lock when the holder's file is closed or its process ends, kill -9 included,
   so a lock is never stale; the file's content only says who held it last and is never trusted for
   anything but a message.
@@ -20,6 +27,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import stat
 import time
 from pathlib import Path
 from typing import IO, NamedTuple
@@ -28,6 +36,8 @@ from ..errors import KVServeError
 from .fsmode import FILE_MODE
 
 LOCK_NAME = ".lock"
+GUESTS_LOCK_NAME = ".guests.lock"
+SERVER_ROLE = "server"
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _MAX_RECORD_BYTES = 4096
 
@@ -41,56 +51,127 @@ class LockHolder(NamedTuple):
 class FolderBusyError(KVServeError):
     """Another process holds the folder's lock."""
 
-    def __init__(self, folder: Path, holder: LockHolder | None):
-        who = f"pid {holder.pid}, {holder.role}" if holder else "pid unknown"
+    def __init__(self, folder: Path, holder: LockHolder | None, guests: bool = False):
+        if guests:
+            who = "servers sharing it as guests"
+        else:
+            who = f"pid {holder.pid}, {holder.role}" if holder else "pid unknown"
         super().__init__(
-            f"the cache folder {folder} is in use by another mlx-kvserve process ({who}); two processes "
-            "on one folder would overwrite each other's pins and delete each other's blocks. Stop that "
-            "process first, or give this one its own ssd.cache_dir."
+            f"the cache folder {folder} is in use by another mlx-kvserve process ({who}); this command "
+            "deletes files a running server may be writing. Stop that process first, or give this one "
+            "its own ssd.cache_dir."
         )
         self.folder = folder
         self.holder = holder
 
 
 class FolderLock:
-    def __init__(self, folder: Path, file: IO[str]):
+    def __init__(self, folder: Path, files: list[IO[str]], is_owner: bool = True, owner: LockHolder | None = None):
         self.folder = folder
-        self._file: IO[str] | None = file  # open while held; closing it releases the lock
+        self._files: list[IO[str]] = files  # open while held; closing them releases the locks
+        self.is_owner = is_owner  # False: a guest server (see the module)
+        self.owner = owner  # a guest's view of the owner when it joined (for messages)
 
     @classmethod
     def acquire(cls, folder: Path, role: str) -> FolderLock:
-        """The lock on `folder` (which must exist), or FolderBusyError / OSError; see the module."""
+        """The folder to itself (owner lock + no guests), or FolderBusyError / OSError; see the module."""
         folder = Path(folder)
-        fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT | _NOFOLLOW, FILE_MODE)
-        file = os.fdopen(fd, "r+")
+        owner = _open_lock_file(folder / LOCK_NAME)
+        if not _try_flock(owner, fcntl.LOCK_EX):
+            holder = _parse_holder(owner.read(_MAX_RECORD_BYTES))
+            owner.close()
+            raise FolderBusyError(folder, holder)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _parse_holder(file.read(_MAX_RECORD_BYTES))
-            file.close()
-            raise FolderBusyError(folder, holder) from None
+            guests = _open_lock_file(folder / GUESTS_LOCK_NAME)
         except BaseException:
-            file.close()
+            owner.close()
             raise
-        try:
-            os.fchmod(fd, FILE_MODE)  # os.open's mode passes through the umask
-            file.truncate(0)
-            file.write(json.dumps({"pid": os.getpid(), "role": role, "since": time.time()}))
-            file.flush()
-        except BaseException:
-            file.close()
-            raise
-        return cls(folder, file)
+        if not _try_flock(guests, fcntl.LOCK_EX):
+            guests.close()
+            owner.close()
+            raise FolderBusyError(folder, None, guests=True)
+        _record(owner, role)
+        return cls(folder, [owner, guests])
+
+    @classmethod
+    def acquire_server(cls, folder: Path) -> FolderLock:
+        """The owner's lock, or a guest's when another server owns the folder; see the module."""
+        folder = Path(folder)
+        owner = _open_lock_file(folder / LOCK_NAME)
+        if _try_flock(owner, fcntl.LOCK_EX):
+            _record(owner, SERVER_ROLE)
+            return cls(folder, [owner])
+        holder = _parse_holder(owner.read(_MAX_RECORD_BYTES))
+        owner.close()
+        if holder is not None and holder.role != SERVER_ROLE:
+            raise FolderBusyError(folder, holder)
+        guests = _open_lock_file(folder / GUESTS_LOCK_NAME)
+        if not _try_flock(guests, fcntl.LOCK_SH):  # an offline command holds it
+            guests.close()
+            raise FolderBusyError(folder, holder)
+        return cls(folder, [guests], is_owner=False, owner=holder)
 
     @property
     def is_held(self) -> bool:
-        return self._file is not None
+        return bool(self._files)
+
+    def has_guests(self) -> bool:
+        """Whether guest servers share the folder now (an owner's question; a guest: always True)."""
+        if not self.is_owner:
+            return True
+        try:
+            probe = _open_lock_file(self.folder / GUESTS_LOCK_NAME)
+        except OSError:
+            return False
+        try:
+            return not _try_flock(probe, fcntl.LOCK_EX)
+        finally:
+            probe.close()  # releases the probe's lock, if it got it
+
+    @property
+    def role(self) -> str:
+        return "owner" if self.is_owner else "guest"
 
     def release(self) -> None:
-        """Give the lock up (closing the file releases it). Safe to call twice."""
-        file, self._file = self._file, None
-        if file is not None:
+        """Give the locks up (closing the files releases them). Safe to call twice."""
+        files, self._files = self._files, []
+        for file in files:
             file.close()
+
+
+def _open_lock_file(path: Path) -> IO[str]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | _NOFOLLOW | os.O_NONBLOCK, FILE_MODE)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        os.set_blocking(fd, True)
+        os.fchmod(fd, FILE_MODE)  # os.open's mode passes through the umask
+    except BaseException:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "r+")
+
+
+def _try_flock(file: IO[str], kind: int) -> bool:
+    """Whether the non-blocking flock was taken; other errors close nothing and raise."""
+    try:
+        fcntl.flock(file.fileno(), kind | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    except BaseException:
+        file.close()
+        raise
+
+
+def _record(file: IO[str], role: str) -> None:
+    try:
+        file.truncate(0)
+        file.write(json.dumps({"pid": os.getpid(), "role": role, "since": time.time()}))
+        file.flush()
+    except BaseException:
+        file.close()
+        raise
 
 
 def _parse_holder(text: str) -> LockHolder | None:

@@ -3,9 +3,11 @@
 Contract:
 - `private_mkdir` creates a folder, and any missing parents, mode 0700 whatever the umask; a folder
   that exists already is left as it is (its mode is not ours to change).
-- `open_private` opens a file for writing, created or truncated, mode 0600 whatever the umask, and
-  never through a symlink. `create_private` makes an empty one for a library that then writes into
-  it (mx.save_safetensors creates files 0644 itself, but keeps the mode of a file it overwrites).
+- `open_private` opens a new file for writing, mode 0600 whatever the umask: whatever was at the
+  path (a stale temp file, a FIFO, a link) is replaced, never written through nor waited on (see
+  safe_files.create_new). Every caller writes a temp file it then renames into place.
+  `create_private` makes an empty one for a library that then writes into it (mx.save_safetensors
+  creates files 0644 itself, but keeps the mode of a file it overwrites).
 - `ensure_private_root` creates the cache root 0700, or checks an existing one: another user's
   folder, or one that others may read or enter, raises ConfigError and is never chmod-ed (a folder
   somebody shares on purpose is not ours to close).
@@ -20,10 +22,10 @@ from pathlib import Path
 from typing import IO
 
 from ..errors import ConfigError
+from .safe_files import create_new
 
 FILE_MODE = 0o600
 DIR_MODE = 0o700
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 def private_mkdir(path: Path) -> None:
@@ -44,10 +46,10 @@ def private_mkdir(path: Path) -> None:
 
 
 def open_private(path: Path, mode: str = "wb") -> IO:
-    """`path` opened for writing ("w" or "wb"), created or truncated, mode 0600. Raises OSError."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _NOFOLLOW, FILE_MODE)
+    """A new file at `path` opened for writing ("w" or "wb"), mode 0600; whatever was there is
+    replaced. Raises OSError."""
+    fd = create_new(path, FILE_MODE)
     try:
-        os.fchmod(fd, FILE_MODE)  # os.open's mode passes through the umask, and an old file keeps its own
         return os.fdopen(fd, mode)
     except BaseException:
         os.close(fd)

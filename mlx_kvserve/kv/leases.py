@@ -6,6 +6,11 @@ of PinRegistry: a block is pinned while a count or an unexpired lease covers it,
 needs no timer to end, it simply stops covering. Leases hold at most `max_bytes` of blocks (a share
 of the cache budgets): granting past it releases the leases that would expire first. They persist
 (wall-clock expiries) in `leases.json` beside pins.json, so a 1-hour pin survives a restart.
+
+No API removes a lease, so what the file says is bounded when it is read: a TTL to MAX_TTL_S, an
+expiry to now + its TTL (no lease can outlive its TTL from its last use), and the leases are
+refitted to the cap (in blocks of the size the file records) and to MAX_LEASES. A damaged file is
+set aside and listed in `damaged_files`.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..checked_json import Const, Float, Hex, MapOf, Obj, Str, load_json, remove_leftover_temps
+from ..checked_json import Const, DamagedFile, Float, Hex, Int, MapOf, Obj, Str, load_json, remove_leftover_temps
 from .fsmode import open_private
 from .hashing import HASH_BYTES
 
@@ -30,7 +35,8 @@ LEASES_FILE = "leases.json"
 MAX_LEASES = 4096
 SAVE_EVERY_S = 30.0  # a refresh is written at most this often (a grant at once)
 MAX_CHAIN = 1 << 20  # blocks in one leased chain
-LEASE_SCHEMA = Obj(  # {tip hash: {the chain's hashes concatenated, TTL, expiry}}
+MAX_TTL_S = 3600.0  # the longest cache_control TTL ("1h"); longer ones are cut to it
+LEASE_SCHEMA = Obj(  # {tip hash: {the chain's hashes concatenated, TTL, expiry}}, and one block's size
     {
         "version": Const(1),
         "leases": MapOf(
@@ -38,7 +44,8 @@ LEASE_SCHEMA = Obj(  # {tip hash: {the chain's hashes concatenated, TTL, expiry}
             Obj({"chain": Str(2 * HASH_BYTES * MAX_CHAIN), "ttl_s": Float(1, 86400 * 7), "expires": Float()}),
             max_items=MAX_LEASES,
         ),
-    }
+    },
+    optional={"block_bytes": Int(0, 2**40)},  # absent from files of earlier versions
 )
 
 
@@ -55,11 +62,14 @@ class PinLeases:
         self.path = path
         self.max_bytes = max_bytes
         self.clock = clock
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _leases, _block_bytes and the file
+        self.damaged_files: list[DamagedFile] = []  # a leases file found damaged (and set aside) at startup
+        self._block_bytes = 0  # one block's size, as the last grant knew it (0: unknown)
+        self.released_for_room = 0  # leases given up to stay under max_bytes
         self._leases: dict[bytes, Lease] = self._read()
+        self._fit(self._limit_blocks(), keep=b"")  # the cap may be smaller now than when they were written
         self._cover: dict[bytes, float] = {}  # hash -> latest expiry of the leases holding it
         self._saved_at = 0.0
-        self.released_for_room = 0  # leases given up to stay under max_bytes
         self._recount()
 
     # --- reading -----------------------------------------------------------------------------------
@@ -96,15 +106,18 @@ class PinLeases:
 
     def grant(self, chain: Sequence[bytes], ttl_s: float, block_bytes: int = 0) -> int:
         """Lease `chain` (root first) for `ttl_s` from now, or push out the lease it already has.
-        `block_bytes`: one block's size, for the cap (0: unknown, not capped). Returns how many
-        blocks are leased (fewer than the chain when the cap cuts it; 0 for an empty chain)."""
+        `block_bytes`: one block's size, for the cap (0: unknown, capped by the size last known, if
+        any). `ttl_s` is cut to MAX_TTL_S. Returns how many blocks are leased (fewer than the chain when the cap cuts it;
+        0 for an empty chain)."""
         if not chain:
             return 0
         now = self.clock()
+        ttl_s = min(ttl_s, MAX_TTL_S)
         with self._lock:
             self._drop_expired(now)
-            limit = self.max_bytes // block_bytes if self.max_bytes > 0 and block_bytes > 0 else len(chain)
-            chain = tuple(chain[: max(0, limit)])
+            self._block_bytes = block_bytes or self._block_bytes
+            limit = self._limit_blocks()
+            chain = tuple(chain[:limit])  # None: the whole chain
             if not chain:
                 return 0
             old = self._leases.get(chain[-1])
@@ -133,9 +146,18 @@ class PinLeases:
                     self._save(now)
             return refreshed
 
-    def _fit(self, limit_blocks: int, keep: bytes) -> None:
-        """Release the leases that expire first until the leased blocks fit `limit_blocks`."""
-        while len({h for lease in self._leases.values() for h in lease.chain}) > limit_blocks:
+    def _limit_blocks(self) -> int | None:
+        """The cap in blocks of the size last known; None when uncapped or the size is unknown."""
+        if self.max_bytes <= 0 or self._block_bytes <= 0:
+            return None
+        return self.max_bytes // self._block_bytes
+
+    def _fit(self, limit_blocks: int | None, keep: bytes) -> None:
+        """Release the leases that expire first until there are at most MAX_LEASES (so the file
+        reads back) and the leased blocks fit `limit_blocks` (None: no cap)."""
+        while len(self._leases) > MAX_LEASES or (
+            limit_blocks is not None and len({h for lease in self._leases.values() for h in lease.chain}) > limit_blocks
+        ):
             victims = sorted((lease.expires, tip) for tip, lease in self._leases.items() if tip != keep)
             if not victims:
                 return
@@ -156,20 +178,28 @@ class PinLeases:
     # --- the file ----------------------------------------------------------------------------------
 
     def _read(self) -> dict[bytes, Lease]:
+        """The unexpired leases of the file, bounded (see the module's docstring); sets
+        _block_bytes from it. A damaged file is set aside and listed in damaged_files."""
         if self.path is None:
             return {}
         remove_leftover_temps(self.path)
         loaded = load_json(self.path, LEASE_SCHEMA, 256 * 1024 * 1024, "leases file")
+        if loaded.damaged is not None:
+            self.damaged_files.append(loaded.damaged)
+        doc = loaded.value or {"leases": {}}
+        self._block_bytes = doc.get("block_bytes", 0)
         now = self.clock()
         out = {}
-        for tip, raw in (loaded.value["leases"] if loaded.value is not None else {}).items():
+        for tip, raw in doc["leases"].items():
             try:
                 joined = bytes.fromhex(raw["chain"])
             except ValueError:
                 continue
             chain = tuple(joined[i : i + HASH_BYTES] for i in range(0, len(joined), HASH_BYTES))
-            if chain and len(joined) % HASH_BYTES == 0 and chain[-1].hex() == tip and raw["expires"] > now:
-                out[chain[-1]] = Lease(chain, raw["ttl_s"], raw["expires"])
+            ttl_s = min(raw["ttl_s"], MAX_TTL_S)
+            expires = min(raw["expires"], now + ttl_s)
+            if chain and len(joined) % HASH_BYTES == 0 and chain[-1].hex() == tip and expires > now:
+                out[chain[-1]] = Lease(chain, ttl_s, expires)
         return out
 
     def _save(self, now: float) -> None:
@@ -184,6 +214,7 @@ class PinLeases:
                     tip.hex(): {"chain": b"".join(lease.chain).hex(), "ttl_s": lease.ttl_s, "expires": lease.expires}
                     for tip, lease in self._leases.items()
                 },
+                "block_bytes": self._block_bytes,
             }
         )
         tmp = self.path.with_name(f".{self.path.name}.tmp")

@@ -39,6 +39,7 @@ class NextTier(Protocol):
     def parent_of(self, block_hash: bytes) -> bytes | None: ...
     def save_tail(self, parent_hash: bytes, token_ids: Sequence[int], payload: Any) -> None: ...
     def load_tail(self, parent_hash: bytes, rest: Sequence[int]) -> tuple[tuple[int, ...], Any, int, int] | None: ...
+    def touch_tail(self, parent_hash: bytes, token_ids: Sequence[int]) -> None: ...
 
 
 class KVManager:
@@ -110,6 +111,9 @@ class KVManager:
             if loaded:
                 self._promote(loaded, found)
         num_blocks, tail = self._choose_end(tokens, found, limit)
+        if tail is not None and self.next_tier is not None:
+            # A use on the SSD too: its per-parent limit keeps what RAM keeps for the next restart.
+            self.next_tier.touch_tail(tail.tail.parent_hash, tail.tail.token_ids)
         if num_blocks < len(found):
             self.release(found[num_blocks:])
             found = found[:num_blocks]

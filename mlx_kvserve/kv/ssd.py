@@ -5,7 +5,9 @@ Contract:
 - A file is served only when its format version, namespace, checksum and token ids all check out;
   anything else is a miss, and a damaged file is deleted so it is never read again.
 - The store owns its folder: give each namespace its own (`store_dir`), since files of another
-  namespace are deleted as invalid.
+  namespace are deleted as invalid. Other servers of the same namespace may share it as guests
+  (`is_owner=False`, see folder_lock): a guest reads and adds blocks but never deletes a file nor
+  writes the index; every store adopts a block another one wrote when a lookup first asks for it.
 - Pinned hashes (`is_pinned`) are never removed by the disk budget or TTL pruning.
 - Thread-safe: one lock guards the index; array serialization and fsync happen outside it.
   Arrays passed to `save_block` must already be evaluated (`mx.eval`), so a writer thread only
@@ -18,6 +20,7 @@ import itertools
 import logging
 import os
 import shutil
+import stat
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -27,7 +30,7 @@ from typing import NamedTuple, Protocol
 
 import mlx.core as mx
 
-from ..checked_json import DamagedFile, load_json
+from ..checked_json import DamagedFile, load_json, read_json
 from . import ssd_index
 from .fsmode import private_mkdir
 from .ssd_index import (
@@ -45,6 +48,7 @@ from .ssd_index import (
     fsync_dir,
     open_block_file,
     read_block_file,
+    read_header,
     reconcile,
     tokens_digest,
     verify_block,
@@ -135,6 +139,7 @@ class SSDStore:
         clock: Callable[[], float] = time.time,
         is_pinned: Callable[[bytes], bool] | None = None,
         free_bytes: Callable[[Path], int] = _free_bytes,
+        is_owner: bool = True,
     ):
         """`max_bytes` <= 0: no disk budget; `ttl_s` <= 0: no pruning. `is_pinned` is called under
         the store's lock, so it must be cheap and must not call the store. Raises OSError when the
@@ -144,6 +149,7 @@ class SSDStore:
         self.max_bytes = max_bytes
         self.min_free_bytes = min_free_bytes
         self.ttl_s = ttl_s
+        self.is_owner = is_owner  # False: a guest in another server's folder (deletes and bookkeeping are the owner's)
         self._clock = clock
         self._is_pinned = is_pinned or (lambda _hash: False)
         self._secondary: SecondaryFiles | None = None  # set once by attach_secondary
@@ -158,20 +164,28 @@ class SSDStore:
         self._dirty = False
         self._last_flush = clock()
         keys = ("saves", "dedup", "collisions", "errors", "skipped_low_space", "skipped_budget", "hits", "misses")
-        self._stats = dict.fromkeys(keys + ("corrupt", "stale_cleaned", "evictions", "pruned", "flushed"), 0)
+        self._stats = dict.fromkeys(keys + ("corrupt", "stale_cleaned", "evictions", "pruned", "flushed", "adopted"), 0)
 
     def _path(self, block_hash: bytes) -> Path:
         return self.cache_dir / block_relpath(block_hash)
 
     def _read_index(self) -> BlockIndex:
         """The persisted index, or an empty one when it is missing or damaged: a damaged index is
-        set aside and listed in damaged_files (validate_index then adopts the block files)."""
+        set aside and listed in damaged_files (validate_index then adopts the block files). A guest
+        only reads it: a damaged one is ignored, never moved."""
+        if not self.is_owner:
+            try:
+                return BlockIndex.from_doc(
+                    read_json(self.cache_dir / INDEX_NAME, INDEX_SCHEMA, MAX_INDEX_BYTES), self.namespace, self._clock()
+                )
+            except (OSError, ValueError):
+                return BlockIndex()
         loaded = load_json(
             self.cache_dir / INDEX_NAME,
             INDEX_SCHEMA,
             MAX_INDEX_BYTES,
             "SSD index",
-            build=lambda doc: BlockIndex.from_doc(doc, self.namespace),
+            build=lambda doc: BlockIndex.from_doc(doc, self.namespace, self._clock()),
         )
         if loaded.damaged is not None:
             self.damaged_files.append(loaded.damaged)
@@ -337,6 +351,8 @@ class SSDStore:
         None, unless `partial`: then it removes every unpinned file it can. Caller holds _lock."""
         if self.max_bytes <= 0 or self._index.used_bytes + self._secondary_bytes() + incoming <= self.max_bytes:
             return 0
+        if not self.is_owner:  # only the owner evicts: a guest over the budget adds nothing
+            return 0 if partial else None
         # The running total of the secondary files may be stale: one listing makes it exact (and
         # refreshes it) before anything is removed.
         secondary = self._secondary.files() if self._secondary is not None else []
@@ -363,9 +379,11 @@ class SSDStore:
         return len(victims)
 
     def _remove(self, block_hash: bytes) -> None:
-        """Drop an entry and its file. Caller holds _lock."""
+        """Drop an entry and its file (a guest drops only its entry). Caller holds _lock."""
         self._index.remove(block_hash)
         self._dirty = True
+        if not self.is_owner:
+            return
         try:
             self._path(block_hash).unlink(missing_ok=True)
         except OSError as exc:
@@ -382,9 +400,36 @@ class SSDStore:
             return [h for h, _ in self._index.items()][::-1]
 
     def contains(self, block_hash: bytes) -> bool:
-        """Whether the index lists this hash (the file is verified only by load_block)."""
+        """Whether the index lists this hash, or a file another server of this folder wrote holds
+        it (adopted: see _adopt). The file is verified only by load_block."""
         with self._lock:
-            return block_hash in self._index
+            if block_hash in self._index:
+                return True
+        return self._adopt(block_hash) is not None
+
+    def _adopt(self, block_hash: bytes) -> IndexEntry | None:
+        """Index a block file that is not in the index yet: another server sharing the folder wrote
+        it since this one read the folder. Its header must name this namespace and hash; the rest
+        is verified when it is loaded. None when there is no such file (the common miss: one stat)."""
+        path = self._path(block_hash)
+        try:
+            st = path.lstat()
+            if not stat.S_ISREG(st.st_mode):
+                return None
+            header = read_header(path, self.namespace)
+            if header.block_hash != block_hash:
+                return None
+        except (OSError, ValueError):  # FormatError is a ValueError
+            return None
+        ids = header.token_ids
+        entry = IndexEntry(len(ids), tokens_digest(ids), self._clock(), st.st_size)
+        with self._lock:
+            if block_hash in self._index:
+                return self._index.get(block_hash)
+            self._index.add(block_hash, entry)
+            self._dirty = True
+            self._stats["adopted"] += 1
+        return entry
 
     def load_block(self, block_hash: bytes, expected_tokens: Sequence[int]) -> LoadedBlock | None:
         """The block's arrays if its file verifies and holds exactly `expected_tokens`, else None
@@ -448,6 +493,8 @@ class SSDStore:
             with self._lock:
                 entry = self._index.get(block_hash)
             if entry is None:
+                entry = self._adopt(block_hash)
+            if entry is None:
                 with self._lock:
                     self._stats["misses"] += 1
                 break
@@ -495,14 +542,14 @@ class SSDStore:
 
     # --- upkeep --------------------------------------------------------------------------------
 
-    def validate_index(self, check_headers: bool = True) -> ValidationReport:
+    def validate_index(self, check_headers: bool = True, others_write: bool = False) -> ValidationReport:
         """Reconcile the index with the files; run at startup, before any writer starts (it deletes
         temp files). Drops entries without a file, adopts valid unindexed files, deletes damaged,
         foreign, misnamed and temp files, then fits the disk budget. `check_headers=False` trusts
         the headers of files the index already lists."""
         start = time.perf_counter()
         with self._lock:
-            counts = reconcile(self._index, self.cache_dir, self.namespace, check_headers)
+            counts = reconcile(self._index, self.cache_dir, self.namespace, check_headers, self.is_owner, others_write)
             evicted = self._evict_to_fit(0, partial=True) or 0
             self._dirty = True  # sizes, adoptions and order may have changed; one write at startup
         report = ValidationReport(**counts, evicted=evicted, elapsed_s=time.perf_counter() - start)
@@ -511,7 +558,7 @@ class SSDStore:
 
     def prune_expired(self, now: float | None = None) -> int:
         """Delete unpinned blocks not accessed within ttl_s of `now` (default: the clock). Returns the count."""
-        if self.ttl_s <= 0:
+        if self.ttl_s <= 0 or not self.is_owner:
             return 0
         with self._lock:
             now = self._clock() if now is None else now
@@ -554,6 +601,8 @@ class SSDStore:
         (the index stays dirty and is retried by the next flush); never raises."""
         with self._flush_lock:
             with self._lock:
+                if not self.is_owner:  # the owner's index.json; a guest keeps its view in memory
+                    self._dirty = False
                 if not self._dirty:
                     return True
                 snapshot = self._index.snapshot()
@@ -595,7 +644,8 @@ class SSDStore:
                 assert path.is_file(), f"indexed block {block_hash.hex()[:16]} has no file"
                 assert path.stat().st_size == entry.size, f"size of {block_hash.hex()[:16]} differs from the index"
             on_disk = {h for _, h in block_files(self.cache_dir) if h is not None}
-            assert on_disk == {h for h, _ in entries}, "block files and index differ"
+            if self.is_owner:  # a guest's view may lag behind the blocks others add
+                assert on_disk == {h for h, _ in entries}, "block files and index differ"
             if 0 < self.max_bytes < self._index.used_bytes + self._secondary_bytes(fresh=True):
                 assert all(self._is_pinned(h) for h, _ in entries), "over budget while unpinned blocks remain"
                 assert not self._secondary_bytes(), "over budget while tails remain"

@@ -14,9 +14,10 @@ import base64
 import json
 import logging
 import os
+import re
 import struct
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -29,6 +30,7 @@ from xxhash import xxh3_128
 from ..checked_json import Const, Float, Hex, Int, MapOf, Obj, parse_json, read_json
 from .fsmode import create_private, open_private
 from .hashing import HASH_BYTES, framed
+from .safe_files import open_regular, regular_path
 from .writeback import start_writeback
 
 log = logging.getLogger(__name__)
@@ -194,8 +196,8 @@ def folder_namespace(folder: Path) -> bytes | None:
 
 def read_metadata(path: Path) -> dict[str, str]:
     """A block file's safetensors metadata, after checking the header against the file size.
-    Raises FormatError or OSError."""
-    with open(path, "rb") as f:
+    Raises FormatError or OSError (NotRegularFileError for a FIFO, device or link)."""
+    with os.fdopen(open_regular(path), "rb") as f:
         size = os.fstat(f.fileno()).st_size
         prefix = f.read(8)
         if len(prefix) < 8:
@@ -251,8 +253,11 @@ def read_block_file(path: Path, namespace: bytes, block_hash: bytes) -> tuple[Bl
 
 def open_block_file(path: Path, namespace: bytes, block_hash: bytes) -> tuple[BlockHeader, dict[str, mx.array]]:
     """A block file's header (read and checked now) and its arrays, not yet read: evaluating the
-    arrays of several files together lets mlx read them in parallel. `verify_block` after the read."""
-    arrays, meta = mx.load(str(path), return_metadata=True)
+    arrays of several files together lets mlx read them in parallel. `verify_block` after the read.
+    Only a regular file is opened (a FIFO would block mx.load, holding the GIL): anything else
+    raises NotRegularFileError, an OSError, which callers treat as a damaged file."""
+    with regular_path(path) as name:
+        arrays, meta = mx.load(name, format="safetensors", return_metadata=True)
     header = parse_metadata(meta, namespace)
     if header.block_hash != block_hash:
         raise FormatError("file holds another block")
@@ -266,7 +271,7 @@ def verify_block(namespace: bytes, header: BlockHeader, arrays: Mapping[str, mx.
 
 
 def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # never waits: a FIFO there fails fsync instead
     try:
         os.fsync(fd)
     finally:
@@ -361,20 +366,24 @@ class BlockIndex:
         return json.dumps({"version": INDEX_VERSION, "namespace": namespace.hex(), "entries": snapshot}).encode()
 
     @classmethod
-    def from_json(cls, data: bytes, namespace: bytes) -> BlockIndex:
+    def from_json(cls, data: bytes, namespace: bytes, now: float | None = None) -> BlockIndex:
         """Raises ValueError (checked_json.DamagedFileError) for a damaged index or one written for
         another namespace or version."""
-        return cls.from_doc(parse_json(data, INDEX_SCHEMA), namespace)
+        return cls.from_doc(parse_json(data, INDEX_SCHEMA), namespace, now)
 
     @classmethod
-    def from_doc(cls, doc: dict[str, Any], namespace: bytes) -> BlockIndex:
-        """The index from a document that passed INDEX_SCHEMA. Raises ValueError when it was
-        written for another namespace."""
+    def from_doc(cls, doc: dict[str, Any], namespace: bytes, now: float | None = None) -> BlockIndex:
+        """The index from a document that passed INDEX_SCHEMA. An access time after `now` (when
+        given) reads as `now`: a block "used in the future" would outlive the TTL and the LRU.
+        Raises ValueError when it was written for another namespace."""
         if doc["namespace"] != namespace.hex():
             raise ValueError("index of another namespace")
         index = cls()
         for name, fields in doc["entries"].items():
-            index.add(bytes.fromhex(name), IndexEntry(**fields))
+            entry = IndexEntry(**fields)
+            if now is not None:
+                entry.last_accessed = min(entry.last_accessed, now)
+            index.add(bytes.fromhex(name), entry)
         index.sort_by_access()
         return index
 
@@ -391,19 +400,31 @@ def block_files(cache_dir: Path) -> list[tuple[Path, bytes | None]]:
     return out
 
 
-def reconcile(index: BlockIndex, cache_dir: Path, namespace: bytes, check_headers: bool) -> dict[str, int]:
+def reconcile(
+    index: BlockIndex,
+    cache_dir: Path,
+    namespace: bytes,
+    check_headers: bool,
+    delete: bool = True,
+    others_write: bool = False,
+) -> dict[str, int]:
     """Make `index` match the block files: drop entries without a file, adopt valid unindexed
-    files, delete invalid and temp files. Returns counts: kept, dropped_missing, adopted,
-    deleted_invalid, deleted_temp. Headers of indexed files are read only if `check_headers`."""
+    files, delete invalid and temp files (unless not `delete`: a guest server only leaves them
+    out). `others_write`: other servers share the folder, so a temp file whose writer is alive is
+    a write in progress, kept. Returns counts: kept, dropped_missing, adopted, deleted_invalid,
+    deleted_temp. Headers of indexed files are read only if `check_headers`."""
     counts = dict.fromkeys(("kept", "dropped_missing", "adopted", "deleted_invalid", "deleted_temp"), 0)
+    unlink = _unlink if delete else (lambda _path: 0)
     for path in cache_dir.glob(f"{INDEX_NAME}.*.tmp"):
-        counts["deleted_temp"] += _unlink(path)
+        counts["deleted_temp"] += unlink(path)
     seen: set[bytes] = set()
     for path, block_hash in block_files(cache_dir):
         if block_hash is None:
-            counts["deleted_temp" if path.name.endswith(TEMP_SUFFIX) else "deleted_invalid"] += _unlink(path)
+            if others_write and path.name.endswith(TEMP_SUFFIX) and _writer_alive(path.name):
+                continue  # a server sharing the folder is writing it
+            counts["deleted_temp" if path.name.endswith(TEMP_SUFFIX) else "deleted_invalid"] += unlink(path)
             continue
-        outcome = _reconcile_file(index, path, block_hash, namespace, check_headers)
+        outcome = _reconcile_file(index, path, block_hash, namespace, check_headers, unlink)
         counts[outcome] += 1
         if outcome != "deleted_invalid":
             seen.add(block_hash)
@@ -415,7 +436,9 @@ def reconcile(index: BlockIndex, cache_dir: Path, namespace: bytes, check_header
     return counts
 
 
-def _reconcile_file(index: BlockIndex, path: Path, block_hash: bytes, namespace: bytes, check_headers: bool) -> str:
+def _reconcile_file(
+    index: BlockIndex, path: Path, block_hash: bytes, namespace: bytes, check_headers: bool, unlink: Callable
+) -> str:
     entry = index.get(block_hash)
     try:
         stat = path.stat()
@@ -426,7 +449,7 @@ def _reconcile_file(index: BlockIndex, path: Path, block_hash: bytes, namespace:
     except (OSError, FormatError) as exc:
         log.debug("SSD file %s invalid (%s); deleted", path.name, exc)  # the report counts them
         index.remove(block_hash)
-        _unlink(path)
+        unlink(path)
         return "deleted_invalid"
     if entry is None:
         ids = header.token_ids
@@ -437,6 +460,23 @@ def _reconcile_file(index: BlockIndex, path: Path, block_hash: bytes, namespace:
     if entry.size != stat.st_size:
         index.resize(block_hash, stat.st_size)
     return "kept"
+
+
+def _writer_alive(temp_name: str) -> bool:
+    """Whether the temp file's writer (`<hash>.<pid>-<n>.tmp…`) is another live process."""
+    match = re.fullmatch(r"[0-9a-f]+\.(\d+)-\d+" + re.escape(TEMP_SUFFIX), temp_name)
+    if match is None:
+        return False
+    pid = int(match.group(1))
+    if pid == os.getpid() or not 0 < pid < 2**31:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: alive, another user's
+        return True
+    return True
 
 
 def _unlink(path: Path) -> int:

@@ -2,8 +2,10 @@
 token a RAM tail would have served, not only whole blocks.
 
 One verified file per tail in `<store>/tails/<parent hash>/<tail key>.safetensors` (the block
-file format: checksum, namespace, token ids). At most `per_parent` tails per parent, the oldest
-replaced first; pruned with the blocks' TTL. Never raises: a failure is a miss, logged once.
+file format: checksum, namespace, token ids). A file's mtime is its tail's last use (saved, served
+from the SSD, or served from RAM: `touch`), so the SSD keeps what RAM keeps: at most `per_parent`
+tails per parent, the least recently used replaced first; pruned with the blocks' TTL. Never
+raises: a failure is a miss, logged once.
 """
 
 from __future__ import annotations
@@ -49,8 +51,13 @@ def tail_key(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
 
 
 class SSDTailStore:
-    def __init__(self, folder: Path, namespace: bytes, per_parent: int = 4, exact: bool = False):
+    def __init__(
+        self, folder: Path, namespace: bytes, per_parent: int = 4, exact: bool = False, may_delete: bool = True
+    ):
+        """`may_delete` False: a guest server in another server's folder (kv/folder_lock.py) adds
+        tails but deletes none: the per-parent limit and damaged files are the owner's to act on."""
         self.folder = folder
+        self.may_delete = may_delete
         self.namespace = namespace
         self.per_parent = per_parent
         self.exact = exact  # tails are usable only whole (they carry checkpoints): see TailStore
@@ -64,24 +71,31 @@ class SSDTailStore:
     def _dir(self, parent_hash: bytes) -> Path:
         return self.folder / parent_hash.hex()
 
-    def save(self, parent_hash: bytes, token_ids: Sequence[int], arrays: Mapping[str, Any]) -> SaveResult:
-        """Persist one tail (atomically: temp file, fsync, rename): SAVED, DEDUP (already there) or
-        ERROR (counted in `ssd_tail_write_errors`; nothing left behind). The caller makes room within
-        the byte budget and checks the free-space floor first (SSDStore.make_room)."""
+    def save(
+        self, parent_hash: bytes, token_ids: Sequence[int], arrays: Mapping[str, Any], used_at: float | None = None
+    ) -> SaveResult:
+        """Persist one tail (atomically: temp file, fsync, rename): SAVED, DEDUP (already there: its
+        last use is refreshed) or ERROR (counted in `ssd_tail_write_errors`; nothing left behind).
+        `used_at`: when the tail was last used (registered, or served while queued), else now. The
+        caller makes room within the byte budget and checks the free-space floor first
+        (SSDStore.make_room)."""
         folder = self._dir(parent_hash)
         key = tail_key(parent_hash, token_ids)
         path = folder / f"{key.hex()}{SUFFIX}"
         if path.exists():
+            self.touch(parent_hash, token_ids, used_at)
             return SaveResult.DEDUP
-        tmp = folder / f".{key.hex()}.tmp{SUFFIX}"
+        tmp = folder / f".{key.hex()}.{os.getpid()}.tmp{SUFFIX}"  # one per process: servers may share the folder
         try:
             private_mkdir(folder)  # tails/ too, if someone removed it meanwhile
             if not (_real_dir(self.folder) and _real_dir(folder)):
                 raise OSError(f"{folder} is not a plain folder (a link?); tails are never written through links")
             size = write_block_file(tmp, self.namespace, BlockHeader(key, parent_hash, tuple(token_ids), ""), arrays)
             os.replace(tmp, path)
+            if used_at is not None:  # a writer delay must not make it look newer than later uses
+                os.utime(path, (used_at, used_at))
             self._used_bytes += size
-            siblings = sorted(_tail_files(folder), key=lambda p: p.stat().st_mtime)
+            siblings = sorted(_tail_files(folder), key=lambda p: p.stat().st_mtime) if self.may_delete else []
             for old in siblings[: max(0, len(siblings) - self.per_parent)]:
                 self._used_bytes = max(0, self._used_bytes - _unlink_size(old))
         except Exception as exc:  # a tail is a convenience: never fail a request for it
@@ -93,6 +107,20 @@ class SSDTailStore:
             return SaveResult.ERROR
         self.stats["ssd_tail_saves"] += 1
         return SaveResult.SAVED
+
+    def touch(self, parent_hash: bytes, token_ids: Sequence[int], at: float | None = None) -> bool:
+        """Record a use of the tail (served from RAM, produced again) at `at` (default now): its
+        file's mtime, which orders the per-parent limit, the byte budget's LRU and the TTL. False
+        when there is no such file (not written yet, evicted) or it is not in plain folders."""
+        folder = self._dir(parent_hash)
+        if not (_real_dir(self.folder) and _real_dir(folder)):
+            return False
+        path = folder / f"{tail_key(parent_hash, token_ids).hex()}{SUFFIX}"
+        try:
+            os.utime(path, None if at is None else (at, at), follow_symlinks=False)
+        except OSError:
+            return False
+        return True
 
     def best(self, parent_hash: bytes, rest: Sequence[int]) -> LoadedTail | None:
         """The verified tail under `parent_hash` sharing the longest prefix with `rest`, or None.
@@ -128,6 +156,10 @@ class SSDTailStore:
         return LoadedTail(header.token_ids, arrays, n)
 
     def _discard(self, path: Path, exc: Exception) -> None:
+        if not self.may_delete:
+            log.warning("tail file %s unusable (%s); skipped (the folder's owner deletes it)", path.name[:16], exc)
+            self.stats["ssd_tail_errors"] += 1
+            return
         log.warning("tail file %s unusable (%s); deleted", path.name[:16], exc)
         self._used_bytes = max(0, self._used_bytes - _unlink_size(path))
         self.stats["ssd_tail_errors"] += 1

@@ -63,12 +63,21 @@ class SSDTier:
         self.write_hold_s = write_hold_s
         self._last_prune = time.time()
         self.damaged_files: list[DamagedFile] = []  # a shutdown record found damaged (and set aside)
-        self.last_shutdown = read_shutdown_record(store.cache_dir, self.damaged_files)
+        # The shutdown record is the owner's (a guest neither consumes nor writes it).
+        self.last_shutdown = (
+            read_shutdown_record(store.cache_dir, self.damaged_files)
+            if store.is_owner
+            else {"shutdown_clean": None, "shutdown_partial_flush": None}
+        )
         self.validation: dict[str, Any] = {}  # the startup validate_index report
-        self.tails = SSDTailStore(store.cache_dir / "tails", store.namespace, exact=exact_tails)
+        self.tails = SSDTailStore(
+            store.cache_dir / "tails", store.namespace, exact=exact_tails, may_delete=store.is_owner
+        )
         store.attach_secondary(self.tails)  # every byte the tier writes counts in one budget
         self._tail_lock = threading.Lock()  # guards _tail_keys
-        self._tail_keys: set[bytes] = set()  # writer jobs that are tails, not blocks
+        # Writer jobs that are tails, not blocks, each with its tail's last use (registered, or served
+        # from RAM while queued): the file's mtime once written, whenever the writer gets to it.
+        self._tail_keys: dict[bytes, float] = {}
 
     def _write(self, block: Block) -> None:
         arrays = self._to_arrays(block.payload)
@@ -161,29 +170,30 @@ class SSDTier:
             return
         key = tail_key(parent_hash, token_ids)
         with self._tail_lock:
-            self._tail_keys.add(key)
+            queued = key in self._tail_keys
+            self._tail_keys[key] = time.time()
+        if queued:  # still waiting for the writer (RAM dropped and re-made it): written once, with this use
+            return
         if not self.writer.enqueue(WriteJob(key, parent_hash, tuple(token_ids), arrays)):
             with self._tail_lock:
-                self._tail_keys.discard(key)
+                self._tail_keys.pop(key, None)
 
     def save_job(self, block_hash: bytes, parent_hash: bytes, token_ids: Sequence[int], arrays: dict) -> SaveResult:
         """The writer's save function: a tail job (its key was registered by save_tail) or a block."""
         with self._tail_lock:
-            is_tail = block_hash in self._tail_keys
-            self._tail_keys.discard(block_hash)
-        if is_tail:
-            return self._save_tail(parent_hash, token_ids, arrays)
+            used_at = self._tail_keys.pop(block_hash, None)
+        if used_at is not None:
+            return self._save_tail(parent_hash, token_ids, arrays, used_at)
         return self.store.save_block(block_hash, parent_hash, token_ids, arrays)
 
     def save_jobs(self, jobs: Sequence[WriteJob]) -> list[SaveResult]:
         """The writer's batch save function: tails one by one, blocks in one store batch (one
         durability step for all). Results in the order of `jobs`."""
         with self._tail_lock:
-            is_tail = [job.block_hash in self._tail_keys for job in jobs]
-            self._tail_keys.difference_update(job.block_hash for job in jobs)
+            used_at = [self._tail_keys.pop(job.block_hash, None) for job in jobs]
         results: list[SaveResult | None] = [
-            self._save_tail(job.parent_hash, job.token_ids, job.arrays) if tail else None
-            for job, tail in zip(jobs, is_tail, strict=True)
+            self._save_tail(job.parent_hash, job.token_ids, job.arrays, at) if at is not None else None
+            for job, at in zip(jobs, used_at, strict=True)
         ]
         positions = [i for i, result in enumerate(results) if result is None]
         for i, result in zip(positions, self.store.save_blocks([jobs[i] for i in positions]), strict=True):
@@ -202,9 +212,11 @@ class SSDTier:
     def forget_job(self, job: WriteJob) -> None:
         """The writer shed `job`: it will not reach save_jobs."""
         with self._tail_lock:
-            self._tail_keys.discard(job.block_hash)
+            self._tail_keys.pop(job.block_hash, None)
 
-    def _save_tail(self, parent_hash: bytes, token_ids: Sequence[int], arrays: dict) -> SaveResult:
+    def _save_tail(
+        self, parent_hash: bytes, token_ids: Sequence[int], arrays: dict, used_at: float | None = None
+    ) -> SaveResult:
         """A tail within the same free-space floor and byte budget as blocks (LRU across both)."""
         # The file's size: its arrays plus a safetensors header (identity, token ids, one entry per array).
         refused = self.store.make_room(sum(a.nbytes for a in arrays.values()) + 1024 + 160 * len(arrays))
@@ -212,7 +224,18 @@ class SSDTier:
             low_space = not self.store.has_free_space(0)
             self.tails.stats["ssd_tail_skipped_low_space" if low_space else "ssd_tail_skipped_budget"] += 1
             return refused
-        return self.tails.save(parent_hash, token_ids, arrays)
+        return self.tails.save(parent_hash, token_ids, arrays, used_at)
+
+    def touch_tail(self, parent_hash: bytes, token_ids: Sequence[int]) -> None:
+        """A tail was served from RAM: a use on the SSD too, so that the SSD's per-parent limit, byte
+        budget and TTL (by last use) keep what RAM keeps for the next restart. A tail still queued
+        for the writer gets this time when it is written."""
+        key = tail_key(parent_hash, token_ids)
+        with self._tail_lock:
+            if key in self._tail_keys:
+                self._tail_keys[key] = time.time()
+                return
+        self.tails.touch(parent_hash, token_ids)
 
     def load_tail(self, parent_hash: bytes, rest: Sequence[int]) -> tuple[tuple[int, ...], Any, int, int] | None:
         """(token ids, payload, nbytes, tokens shared with `rest`) of the best stored tail, or None."""
@@ -255,6 +278,8 @@ class SSDTier:
         if time.time() - self._last_prune < PRUNE_INTERVAL_S:
             return 0
         self._last_prune = time.time()
+        if not self.store.is_owner:
+            return 0
         self.tails.prune(self.store.ttl_s)
         return self.store.prune_expired()
 
@@ -275,7 +300,8 @@ class SSDTier:
         if not flushed:
             log.error("SSD index write failed at shutdown: the shutdown is recorded as not clean")
         clean = bool(drained and flushed)
-        write_shutdown_record(self.store.cache_dir, clean, partial_flush=not drained)
+        if self.store.is_owner:
+            write_shutdown_record(self.store.cache_dir, clean, partial_flush=not drained)
         log.info("SSD tier closed: shutdown_clean=%s", clean)
         return clean
 

@@ -39,7 +39,7 @@ def start_writeback(path: Path) -> None:
     if _sync_file_range is None:
         return
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # never waits on a FIFO swapped in
     except OSError:
         return
     try:
