@@ -286,3 +286,9 @@ def test_backend_restart_resyncs_blocks_from_a_snapshot(router_for):
         )
     finally:
         a.stop()
+
+
+def test_a_trailing_slash_is_a_404_not_a_redirect(backends, router_for):
+    router = router_for(backends)
+    reply = httpx.post(f"{router.url}/v1/chat/completions/", json={}, headers={"Host": "evil.example"}, timeout=10)
+    assert reply.status_code == 404 and "location" not in reply.headers

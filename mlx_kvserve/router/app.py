@@ -197,6 +197,7 @@ def create_router_app(
         Route("/metrics", metrics, methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
+    app.router.redirect_slashes = False  # a 307 would build its Location from the Host header
     app.state.router = router
     app.add_middleware(KeyCheck, key=client_key)
     return app
