@@ -192,8 +192,8 @@ def test_tool_fields_are_parsed():
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("frequency_penalty", 0.5),
-        ("logit_bias", {"1": 5}),
+        ("echo", True),
+        ("best_of", 2),
         ("functions", [{"name": "f"}]),
     ],
 )
@@ -204,7 +204,7 @@ def test_fields_not_served_are_a_400_naming_them(field, value):
 
 
 def test_fields_at_their_neutral_value_are_accepted():
-    parse(logprobs=False, response_format={"type": "text"}, frequency_penalty=0.0, presence_penalty=0, user="me")
+    parse(logprobs=False, response_format={"type": "text"}, best_of=1, echo=False, user="me")
 
 
 # --- end to end, through the openai client -------------------------------------------------------------

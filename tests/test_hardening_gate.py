@@ -83,7 +83,7 @@ def test_count_tokens_holds_an_in_flight_slot(tiny_model_dir, tmp_path):
     [
         ("/v1/chat/completions", {"messages": USER, "top_p": 7}, "error=invalid_request_error"),
         ("/v1/chat/completions", {"messages": USER, "model": "other"}, "error=model_not_found"),
-        ("/v1/chat/completions", {"messages": USER, "frequency_penalty": 1}, "error=unsupported_field"),
+        ("/v1/chat/completions", {"messages": USER, "best_of": 2}, "error=unsupported_field"),
         ("/v1/messages", {"messages": USER}, "error=invalid_request_error"),  # no max_tokens
         ("/v1/messages/count_tokens", {"messages": []}, "error=invalid_request_error"),
         ("/v1/nowhere", {}, "error=invalid_request_error"),

@@ -111,7 +111,9 @@ def test_stop_list():
         ({"stream": "yes"}, "stream"),
         ({"stream_options": []}, "stream_options"),
         ({"stream_options": {"include_usage": "yes"}}, "include_usage"),
-        ({"n": 2}, "n"),
+        ({"n": 17}, "n"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"logit_bias": {"a": 1}}, "logit_bias"),
         ({"model": 5}, "model"),
     ],
 )
@@ -193,3 +195,14 @@ def test_error_body_and_ids():
     assert oar.new_id("chat").startswith("chatcmpl-")
     assert oar.new_id("text").startswith("cmpl-")
     assert oar.new_id("chat") != oar.new_id("chat")
+
+
+def test_n_penalties_and_logit_bias_reach_each_choices_sampling():
+    req = chat(n=3, seed=5, presence_penalty=0.5, frequency_penalty=-1, logit_bias={"7": -100, "3": 2.5, "03": 1})
+    assert req.n == 3
+    params = [req.sampling(10, choice=i) for i in range(3)]
+    assert [p.seed for p in params] == [5, 6, 7]  # choice i samples with seed + i
+    assert params[0].presence_penalty == 0.5 and params[0].frequency_penalty == -1.0
+    assert params[0].logit_bias == ((3, 1.0), (7, -100.0))  # "03" is token 3 too: the later key wins
+    assert chat(seed=2**64 - 1, n=2).sampling(10, choice=1).seed == 0
+    assert chat(n=2).sampling(10, choice=1).seed is None

@@ -24,6 +24,11 @@ class SamplingParams:
     top_logprobs: int = 0  # and this many most likely alternatives (implies logprobs)
     json_schema: dict | None = None  # structured output: every completion token keeps the text valid for it
     grammar: str | None = None  # a Lark grammar the reply follows (tool calls); replaces json_schema
+    # OpenAI's penalties, over the tokens this completion generated: logit -= presence * (count > 0)
+    # + frequency * count; and logit_bias, added to the logits: ((token id, bias), ...).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def constrained(self) -> bool:

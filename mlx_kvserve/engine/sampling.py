@@ -1,6 +1,8 @@
 """Per-request samplers for the batch. A seeded request gets its own PRNG key, so its output
 depends only on its seed and its logits, never on what else runs in the batch (mlx-lm's server
 switches batching off for seeded requests instead); the others draw from MLX's global key.
+Per-request logits processors (logit_bias, OpenAI's penalties) run before the sampler, greedy
+requests included.
 
 A request's failure is its own: `RequestFault` wraps its sampler and logits processors so that
 what they raise is kept for the scheduler, which fails that request after the step, instead of
@@ -55,6 +57,54 @@ class _RequestSampler:
         keys = mx.random.split(self.key)
         self.key = keys[0]
         return mx.random.categorical(logprobs * (1.0 / p.temperature), key=keys[1])
+
+
+def make_request_processors(params: SamplingParams) -> list[LogitsProcessor]:
+    """The request's logit_bias and penalty processors, in that order; empty when it asks for
+    neither. A grammar's processor goes after them: it has the last word on what may be sampled."""
+    processors: list[LogitsProcessor] = []
+    if params.logit_bias:
+        processors.append(_LogitBias(params.logit_bias))
+    if params.presence_penalty or params.frequency_penalty:
+        processors.append(_Penalties(params.presence_penalty, params.frequency_penalty))
+    return processors
+
+
+class _LogitBias:
+    """Adds each token's bias to its logit (mlx-lm's logit_bias processor, with a bounds check:
+    MLX does not check indices, and a token id past the logits would write elsewhere)."""
+
+    def __init__(self, bias: tuple[tuple[int, float], ...]):
+        self.max_id = max(token for token, _ in bias)
+        self.ids = mx.array([token for token, _ in bias])
+        self.values = mx.array([value for _, value in bias])
+
+    def __call__(self, tokens: Any, logits: mx.array) -> mx.array:
+        if self.max_id >= logits.shape[-1]:
+            raise ValueError(f"logit_bias names token {self.max_id}; the model scores {logits.shape[-1]} tokens")
+        return logits.at[:, self.ids].add(self.values.astype(logits.dtype))
+
+
+class _Penalties:
+    """OpenAI's presence and frequency penalties: logit -= presence * (count > 0) + frequency *
+    count, counted over the tokens this completion generated so far. mlx-lm's own penalty
+    processors count the last 20 tokens of the context, prompt included. The context mlx-lm passes
+    is the prompt, then each sampled token: at the first call (sampling the completion's first
+    token) it is the prompt alone."""
+
+    def __init__(self, presence: float, frequency: float):
+        self.presence, self.frequency = presence, frequency
+        self.num_prompt: int | None = None
+
+    def __call__(self, tokens: Any, logits: mx.array) -> mx.array:
+        if self.num_prompt is None:
+            self.num_prompt = len(tokens)
+        generated = tokens[self.num_prompt :]
+        if generated.size == 0:
+            return logits
+        counts = mx.zeros((logits.shape[-1],), mx.float32).at[generated].add(1.0)
+        penalty = self.frequency * counts + self.presence * (counts > 0)
+        return logits - penalty.astype(logits.dtype)
 
 
 class RequestFault:

@@ -23,7 +23,7 @@ from .constrain import grammars_for
 from .prefill import cached_blocks, pick_leader
 from .prefix_cache import PrefixCache, Prepared
 from .request import Failed, Finished, GenerationRequest, TextDelta, TokenLogprob, Usage
-from .sampling import RequestFault, make_request_sampler, repair_random_state
+from .sampling import RequestFault, make_request_processors, make_request_sampler, repair_random_state
 from .stops import StopMatcher
 
 log = logging.getLogger(__name__)
@@ -167,17 +167,16 @@ class Scheduler:
             params = req.params
             points = self.prefix_cache.checkpoints(req.prompt_tokens, cached, req.checkpoint_at)
             fault = RequestFault()
-            processors = None
+            processors = make_request_processors(params)
             if params.constrained:
-                grammar = grammars_for(self.tokenizer).processor(params.json_schema, params.grammar)
-                processors = [[fault.processor(grammar)]]
+                processors.append(grammars_for(self.tokenizer).processor(params.json_schema, params.grammar))
             (uid,) = self._generator().insert_segments(
                 [_segments(req.prompt_tokens, cached, points)],
                 max_tokens=[params.max_tokens],
                 caches=[prepared.prompt_cache],
                 all_tokens=[list(req.prompt_tokens[:cached])],
                 samplers=[fault.sampler(make_request_sampler(params))],
-                logits_processors=processors,
+                logits_processors=[[fault.processor(p) for p in processors]] if processors else None,
                 stop_sequences=[self._eos],
             )
         except Exception as exc:

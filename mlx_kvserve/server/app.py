@@ -7,7 +7,6 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.applications import Starlette
@@ -26,11 +25,11 @@ from ..errors import (
     KVServeError,
     NotFoundError,
     PayloadTooLargeError,
-    RequestTimeoutError,
+    ValidationError,
 )
+from . import choices, prompts, sse, tools
 from . import openai as oa
 from . import openai_reply as oar
-from . import prompts, sse, tools
 from .anthropic import anthropic_routes
 from .cache_routes import cache_routes
 from .deadlines import Deadlines, EventTracker
@@ -39,7 +38,8 @@ from .health import HealthMonitor
 from .logprobs import LogprobFormatter
 from .metrics import RequestRecord, ServerMetrics
 from .model_routes import model_routes
-from .output import REASONING, TOOL, ChatOutput, Segment
+from .openai_stream import as_kvserve_error, stream_reply
+from .output import ChatOutput
 from .output import collect as collect_segments
 from .responses_routes import responses_routes
 from .router_routes import router_routes
@@ -111,18 +111,25 @@ class CompletionHandler:
     async def __call__(self, request: Request, kind: str) -> Response:
         body = await read_json(request, self.engine.config.server.max_body_bytes)
         req = oa.parse_request(body, kind, self.defaults)
-        gen_req, track = await self.submit(request, req)
+        submitted = await self.submit_choices(request, req)
+        gen_reqs = [gen_req for gen_req, _ in submitted]
         if req.stream:
-            return sse.GenerationStream(self._stream(req, gen_req, track), gen_req)
-        entries: list[TokenLogprob] = []
-        done = await self.collect(request, gen_req, track, entries)
-        if isinstance(done, Response):
-            return done
-        text, ev = done
-        body = self._reply_body(req, gen_req, text, ev)
-        if req.logprobs.enabled:
-            body["choices"][0]["logprobs"] = self.logprob_formatter(req).block(entries)
-        return JSONResponse(self._with_extension(body, req, gen_req))
+            return sse.GenerationStream(stream_reply(self, req, submitted), *gen_reqs)
+        entries: list[list[TokenLogprob]] = [[] for _ in submitted]
+        waits = [self.collect(request, g, track, e) for (g, track), e in zip(submitted, entries, strict=True)]
+        done = await choices.gather(waits, gen_reqs)
+        if gone := next((d for d in done if isinstance(d, Response)), None):
+            return gone  # the client left
+        bodies = []
+        for gen_req, (text, ev), logprobs in zip(gen_reqs, done, entries, strict=True):
+            body = self._reply_body(req, gen_req, text, ev)
+            if req.logprobs.enabled:
+                body["choices"][0]["logprobs"] = self.logprob_formatter(req).block(logprobs)
+            bodies.append(body)
+        usage = choices.combined_usage([ev.usage for _, ev in done])
+        submitted[0][1].record_usage(usage)
+        body = choices.merge_bodies(bodies, oar.usage_body(usage))
+        return JSONResponse(self.with_extension(body, req, gen_reqs[0]))
 
     def logprob_formatter(self, req: oa.CompletionRequest) -> LogprobFormatter:
         return LogprobFormatter(self.engine.loaded.tokenizer, req.kind)
@@ -140,13 +147,28 @@ class CompletionHandler:
         return oar.response_body(req, rid, model, content, ev.finish_reason, ev.usage, reasoning, calls)
 
     async def submit(self, request: Request, req: oa.CompletionRequest) -> tuple[GenerationRequest, EventTracker]:
-        """Tokenize `req`, check its limits and hand it to the engine. Raises KVServeError (mapped
-        to 4xx) for anything the request cannot have."""
+        """Tokenize `req`, check its limits and hand one generation of it to the engine (its `n` is
+        not read: for APIs with one completion). Raises KVServeError (mapped to 4xx) for anything
+        the request cannot have."""
+        (submitted,) = await self.submit_choices(request, req, 1)
+        return submitted
+
+    async def submit_choices(
+        self, request: Request, req: oa.CompletionRequest, n: int | None = None
+    ) -> list[tuple[GenerationRequest, EventTracker]]:
+        """As `submit`, for `n` completions (default: the request's `n`), in order: the first
+        prefills the prompt, the others wait for its blocks (server/choices.py). Each has its own
+        events and deadlines; they share the request's id (choice i > 0 as `<id>-<i>` in logs)."""
         server = self.engine.config.server
         record = request.scope.get(RECORD_KEY) or RequestRecord("-", request.method, request.url.path, time.monotonic())
         record.stream = req.stream
+        n = req.n if n is None else n
         self.check_model(req.model)
-        oa.check_top_k(req, self.engine.vocab_size)
+        oa.check_vocabulary(req, self.engine.vocab_size)
+        if n > server.max_queue:
+            raise ValidationError(
+                f"'n' must be at most {server.max_queue} on this server (server.max_queue), got {n}", param="n"
+            )
         calls = tools.call_grammar(req.tools, req.json_schema)
         if req.json_schema is not None and calls is None:
             await self.check_schema(req.json_schema)
@@ -158,18 +180,26 @@ class CompletionHandler:
             req, len(prompt), self.engine.context_length, self.defaults.max_tokens, server.max_completion_tokens
         )
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue[Event] = asyncio.Queue()
-        gen_req = GenerationRequest(
-            request_id=oar.new_id(req.kind),
-            prompt_tokens=prompt,
-            params=req.sampling(budget, grammar),
-            emit=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
-        )
+        rid = oar.new_id(req.kind)
         deadlines = Deadlines(record.started, server.first_token_timeout_s, server.request_timeout_s)
-        track = EventTracker(events, deadlines, record)
-        self.engine.submit(gen_req)
-        record.request_id, record.prompt_tokens = gen_req.request_id, len(prompt)
-        return gen_req, track
+        submitted: list[tuple[GenerationRequest, EventTracker]] = []
+        try:
+            for i in range(n):
+                events: asyncio.Queue[Event] = asyncio.Queue()
+                gen_req = GenerationRequest(
+                    request_id=rid if i == 0 else f"{rid}-{i}",
+                    prompt_tokens=prompt,
+                    params=req.sampling(budget, grammar, choice=i),
+                    emit=lambda ev, events=events: loop.call_soon_threadsafe(events.put_nowait, ev),
+                )
+                self.engine.submit(gen_req)
+                submitted.append((gen_req, EventTracker(events, deadlines, record)))
+        except BaseException:
+            for gen_req, _ in submitted:  # a later choice was refused (queue full): the others go too
+                gen_req.cancel()
+            raise
+        record.request_id, record.prompt_tokens = rid, len(prompt)
+        return submitted
 
     async def touch_leases(self, prompt: list[int]) -> None:
         """cache_control pins this prompt uses live their TTL again (a no-op without leases)."""
@@ -190,7 +220,7 @@ class CompletionHandler:
         if problem:
             raise InvalidRequestError(f"response_format: {problem}", param="response_format")
 
-    def _with_extension(self, body: dict, req: oa.CompletionRequest, gen_req: GenerationRequest) -> dict:
+    def with_extension(self, body: dict, req: oa.CompletionRequest, gen_req: GenerationRequest) -> dict:
         """Add the opt-in `kvserve` object: the prompt's block hashes, to pin exactly what was sent."""
         if req.return_block_hashes:
             manager = self.engine.prefix_cache.manager
@@ -230,76 +260,11 @@ class CompletionHandler:
                     track.finished(ev)
                     return "".join(pieces), ev
                 else:
-                    err = _as_kvserve_error(ev.error)
+                    err = as_kvserve_error(ev.error)
                     track.failed(err)
                     raise err
         finally:
             gen_req.cancel()  # no-op when finished; stops the worker if this task was cancelled
-
-    async def _stream(self, req, gen_req: GenerationRequest, track: EventTracker) -> AsyncIterator[str]:
-        rid, model = gen_req.request_id, self.engine.model_name
-        out = self.output(req, gen_req) if req.kind == "chat" else None
-        formatter = self.logprob_formatter(req) if req.logprobs.enabled else None
-        try:
-            yield sse.data(oar.chunk_body(req, rid, model, "" if req.kind == "chat" else None, None, first=True))
-            while True:
-                try:
-                    ev = await sse.next_or_keep_alive(track)
-                except RequestTimeoutError as exc:  # the status is sent: end the stream with the error
-                    yield sse.data(oar.error_body(exc.message, exc.error_type, exc.param, exc.code))
-                    break
-                if ev is sse.KEEP_ALIVE:  # a long prefill: bytes on the wire so the client waits
-                    yield sse.COMMENT_KEEP_ALIVE
-                elif isinstance(ev, TextDelta):
-                    if ev.text and out is None:
-                        chunks = [oar.chunk_body(req, rid, model, ev.text, None)]
-                    else:
-                        chunks = _segment_chunks(req, rid, model, out, out.feed(ev.text)) if ev.text else []
-                    if formatter is not None and ev.logprobs:  # on the tokens' first chunk, or one of its own
-                        chunks = chunks or [oar.chunk_body(req, rid, model, None if out else "", None)]
-                        chunks[0]["choices"][0]["logprobs"] = formatter.block(ev.logprobs)
-                    for chunk in chunks:
-                        yield sse.data(chunk)
-                elif isinstance(ev, Finished):
-                    track.finished(ev)
-                    reason = ev.finish_reason
-                    if out is not None:
-                        for chunk in _segment_chunks(req, rid, model, out, out.finish()):
-                            yield sse.data(chunk)
-                        reason = "tool_calls" if out.num_calls and reason == "stop" else reason
-                    yield sse.data(self._with_extension(oar.chunk_body(req, rid, model, None, reason), req, gen_req))
-                    if req.include_usage:
-                        yield sse.data(oar.usage_chunk(req, rid, model, ev.usage))
-                    break
-                else:
-                    err = _as_kvserve_error(ev.error)
-                    track.failed(err)
-                    yield sse.data(oar.error_body(err.message, err.error_type, err.param, err.code))
-                    break
-            yield "data: [DONE]\n\n"
-        finally:
-            gen_req.cancel()  # the client went away or the stream ended: free the worker
-
-
-def _segment_chunks(req, rid: str, model: str, out: ChatOutput, segments: list[Segment]) -> list[dict]:
-    """Chunks for segments of a streamed chat reply; tool calls are numbered across the reply."""
-    chunks, index = [], out.num_calls - sum(len(s.calls) for s in segments)
-    for seg in segments:
-        if seg.kind == TOOL:
-            deltas = [call.openai(index + i) for i, call in enumerate(seg.calls)]
-            index += len(seg.calls)
-            chunks.append(oar.chunk_body(req, rid, model, None, None, tool_calls=deltas))
-        elif seg.kind == REASONING:
-            chunks.append(oar.chunk_body(req, rid, model, None, None, reasoning=seg.text))
-        else:
-            chunks.append(oar.chunk_body(req, rid, model, seg.text, None))
-    return chunks
-
-
-def _as_kvserve_error(exc: Exception) -> KVServeError:
-    if isinstance(exc, KVServeError):
-        return exc
-    return KVServeError(f"generation failed: {type(exc).__name__}: {exc}")
 
 
 def create_app(engine: Engine, keys: ApiKeys | None = None) -> Starlette:

@@ -8,7 +8,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from ..engine.request import Event, Finished
+from ..engine.request import Event, Finished, Usage
 from ..errors import KVServeError, RequestTimeoutError
 from .metrics import RequestRecord
 
@@ -83,7 +83,10 @@ class EventTracker:
         return ev
 
     def finished(self, ev: Finished) -> None:
-        usage = ev.usage
+        self.record_usage(ev.usage)
+
+    def record_usage(self, usage: Usage) -> None:
+        """The request's token counts (several choices: their combined usage, server/choices.py)."""
         self.record.prompt_tokens = usage.prompt_tokens
         self.record.cached_tokens = usage.cached_tokens
         self.record.completion_tokens = usage.completion_tokens

@@ -20,6 +20,9 @@ from .logprobs import LogprobRequest, parse_logprobs
 from .messages import check_text, parse_messages
 
 MAX_STOP_STRINGS = 8
+MAX_CHOICES = 16  # `n`: completions of one prompt (each a request in the batch; they share its prefill)
+MAX_BIAS = 100.0  # logit_bias values, as OpenAI bounds them
+MAX_PENALTY = 2.0  # presence_penalty / frequency_penalty, as OpenAI bounds them
 
 
 @dataclass(frozen=True)
@@ -51,13 +54,19 @@ class CompletionRequest:
     top_k: int = 0  # 0 = off
     min_p: float = 0.0  # 0 = off
     json_schema: dict[str, Any] | None = None  # response_format json_object / json_schema
+    n: int = 1  # completions of the prompt (choices)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
 
-    def sampling(self, max_tokens: int, grammar: str | None = None) -> SamplingParams:
+    def sampling(self, max_tokens: int, grammar: str | None = None, choice: int = 0) -> SamplingParams:
+        """The sampling of choice `choice` (0..n-1): with a seed, choice i draws with seed + i, so
+        the choices differ and each is reproducible."""
         return SamplingParams(
             max_tokens,
             self.temperature,
             self.top_p,
-            self.seed,
+            None if self.seed is None else (self.seed + choice) % 2**64,
             self.stop,
             top_k=self.top_k,
             min_p=self.min_p,
@@ -65,6 +74,9 @@ class CompletionRequest:
             top_logprobs=self.logprobs.num_top,
             json_schema=None if grammar is not None else self.json_schema,  # the grammar holds the answer format
             grammar=grammar,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias=self.logit_bias,
         )
 
 
@@ -77,15 +89,23 @@ def _field(body: dict[str, Any], name: str, kinds: tuple[type, ...], what: str, 
     return value
 
 
-def _number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
-    raw = _field(body, name, (int, float), "a number", default)
+def _number(
+    body: dict[str, Any], name: str, default: float, low: float, high: float, field: str | None = None
+) -> float:
+    """body[name] as a float in [low, high]; ValidationError naming `field` (default: `name`)."""
+    shown_name = name if field is None else f"{field}[{name!r}]"
+    raw = body.get(name, default)
+    if raw is None:
+        raw = default
+    if isinstance(raw, bool) or not isinstance(raw, int | float):
+        raise ValidationError(f"'{shown_name}' must be a number, got {type(raw).__name__}", param=field or name)
     try:
         value = float(raw)
     except OverflowError:  # an integer beyond float range, e.g. 10**400
         value = math.inf if raw > 0 else -math.inf
     if not low <= value <= high:  # also false for inf (1e999 parses as inf) and NaN
         shown = value if math.isfinite(value) or isinstance(raw, float) else "an integer too large for a float"
-        raise ValidationError(f"'{name}' must be between {low} and {high}, got {shown}", param=name)
+        raise ValidationError(f"'{shown_name}' must be between {low} and {high}, got {shown}", param=field or name)
     return value
 
 
@@ -136,6 +156,27 @@ def _parse_seed(body: dict[str, Any]) -> int | None:
     return seed
 
 
+def _parse_n(body: dict[str, Any]) -> int:
+    n = _field(body, "n", (int,), "an integer", 1)
+    if not 1 <= n <= MAX_CHOICES:
+        raise ValidationError(f"'n' must be between 1 and {MAX_CHOICES}, got {n}", param="n")
+    return n
+
+
+def _parse_logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
+    """logit_bias: {"token id": bias}, ids as decimal strings, biases -100..100. ValidationError
+    (422) naming the field for anything else; ids past the vocabulary: check_vocabulary."""
+    bias = _field(body, "logit_bias", (dict,), "an object mapping token ids to numbers", {})
+    pairs: dict[int, float] = {}
+    for key in bias:
+        if not (key.isascii() and key.isdigit() and len(key) <= 12):
+            raise ValidationError(
+                f"'logit_bias' keys must be token ids (non-negative integers), got {key!r}", param="logit_bias"
+            )
+        pairs[int(key)] = _number(bias, key, 0.0, -MAX_BIAS, MAX_BIAS, field="logit_bias")
+    return tuple(sorted(pairs.items()))
+
+
 # Accepted with no meaning here, as their values' types say: they are about a hosted service (storing
 # the reply, its metadata, billing pools, who the caller is, the hosted prompt cache's routing and
 # retention). The block cache needs no key: it matches the prompt itself.
@@ -144,15 +185,13 @@ ACCEPTED |= {"prompt_cache_key": str, "prompt_cache_retention": str}
 # Fields served as asked.
 _FIELDS = {"model", "max_tokens", "temperature", "top_p", "n", "seed", "stop", "stream", "stream_options"}
 _FIELDS |= {"kvserve", "max_completion_tokens", "top_k", "min_p", "logprobs", "response_format", *ACCEPTED}
+_FIELDS |= {"presence_penalty", "frequency_penalty", "logit_bias"}
 CHAT_FIELDS = _FIELDS | {"messages", "tools", "tool_choice", "parallel_tool_calls"}
 CHAT_FIELDS |= {"chat_template_kwargs", "top_logprobs", "reasoning_effort"}
 TEXT_FIELDS = _FIELDS | {"prompt"}
 # Fields not served, accepted only at the value that asks for nothing.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "top_logprobs": (None, 0),  # completions take the count in `logprobs`
-    "frequency_penalty": (None, 0),
-    "presence_penalty": (None, 0),
-    "logit_bias": (None, {}),
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
@@ -235,9 +274,7 @@ def parse_request(body: Any, kind: str, defaults: Defaults) -> CompletionRequest
     value), then any field it would have to ignore is an InvalidRequestError (see check_fields)."""
     if not isinstance(body, dict):
         raise ValidationError("request body must be a JSON object")
-    n = _field(body, "n", (int,), "an integer", 1)
-    if n != 1:
-        raise ValidationError("only n=1 is supported", param="n")
+    n = _parse_n(body)
     max_tokens = _field(body, "max_completion_tokens", (int,), "an integer")
     if max_tokens is None:
         max_tokens = _field(body, "max_tokens", (int,), "an integer")
@@ -265,18 +302,28 @@ def parse_request(body: Any, kind: str, defaults: Defaults) -> CompletionRequest
         top_k=_parse_top_k(body),
         min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
         json_schema=parse_response_format(body),
+        n=n,
+        presence_penalty=_number(body, "presence_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
+        logit_bias=_parse_logit_bias(body),
     )
     check_fields(body, CHAT_FIELDS if kind == "chat" else TEXT_FIELDS)
     return req
 
 
-def check_top_k(req: CompletionRequest, vocab_size: int) -> None:
-    """ValidationError (422) when top_k is above the model's vocabulary (0: unknown, not checked);
-    top_k equal to it keeps every token, as 0 does."""
+def check_vocabulary(req: CompletionRequest, vocab_size: int) -> None:
+    """ValidationError (422) when top_k is above the model's vocabulary or logit_bias names a token
+    past it (0: unknown, not checked; the logit_bias processor then fails the request alone). top_k
+    equal to the vocabulary keeps every token, as 0 does."""
     if vocab_size and req.top_k > vocab_size:
         raise ValidationError(
             f"'top_k' must be between 0 (off) and {vocab_size} (the model's vocabulary size), got {req.top_k}",
             param="top_k",
+        )
+    if vocab_size and req.logit_bias and req.logit_bias[-1][0] >= vocab_size:
+        raise ValidationError(
+            f"'logit_bias' names token {req.logit_bias[-1][0]}; the model's token ids are 0..{vocab_size - 1}",
+            param="logit_bias",
         )
 
 

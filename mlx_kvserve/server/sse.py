@@ -49,16 +49,17 @@ def event(kind: str, payload: dict[str, Any]) -> str:
 
 
 class GenerationStream(StreamingResponse):
-    """An event stream that cancels `gen_req` when the response ends, however it ends. The events'
-    own generator cancels too, but only once it has started: a client gone before the first event
-    (or a failed send) would otherwise leave the generation running for nobody."""
+    """An event stream that cancels its generations (one per choice) when the response ends, however
+    it ends. The events' own generator cancels too, but only once it has started: a client gone
+    before the first event (or a failed send) would otherwise leave them running for nobody."""
 
-    def __init__(self, events: Any, gen_req: GenerationRequest):
+    def __init__(self, events: Any, *gen_reqs: GenerationRequest):
         super().__init__(events, media_type="text/event-stream")
-        self.gen_req = gen_req
+        self.gen_reqs = gen_reqs
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.gen_req.cancel()  # a no-op once the generation has finished
+            for gen_req in self.gen_reqs:
+                gen_req.cancel()  # a no-op once the generation has finished
