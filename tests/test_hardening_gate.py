@@ -116,3 +116,10 @@ def test_a_stream_whose_client_is_gone_before_its_first_event_cancels_its_genera
     with pytest.raises(ClientDisconnect):
         asyncio.run(GenerationStream(events(), gen_req)(scope, receive, send))
     assert gen_req.cancelled.is_set()
+
+
+def test_the_root_answers_a_connectivity_check(client):
+    """Claude Code sends `HEAD /` to its base URL before each run."""
+    assert client.head("/").status_code == 200
+    reply = client.get("/")
+    assert reply.status_code == 200 and reply.json()["name"] == "mlx-kvserve"

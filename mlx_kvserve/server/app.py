@@ -284,6 +284,10 @@ def create_app(engine: Engine, keys: ApiKeys | None = None) -> Starlette:
         body, status = monitor.report()
         return JSONResponse(body, status_code=status)
 
+    async def root(request: Request) -> Response:
+        # Claude Code sends `HEAD /` to its base URL before each run: a connectivity check, answered.
+        return JSONResponse({"object": "server", "name": "mlx-kvserve", "model": engine.model_name})
+
     async def metrics_text(request: Request) -> Response:
         text = await run_in_threadpool(metrics.render)  # reads the cache stats under their locks
         return Response(text, media_type=metrics.content_type)
@@ -327,6 +331,7 @@ def create_app(engine: Engine, keys: ApiKeys | None = None) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]),
         *model_routes(engine),
         Route("/health", health, methods=["GET"]),
+        Route("/", root, methods=["GET", "HEAD"]),
         Route("/metrics", metrics_text, methods=["GET"]),
         *cache_routes(engine, read_json),
         *router_routes(engine),

@@ -1,0 +1,531 @@
+"""Run the real agent clients against a fresh server, as a new user would (issue 24, item 5).
+
+Installs each client into a scratch folder (npm: Claude Code, Codex CLI; a scratch venv: aider, llm,
+the OpenAI Agents SDK, LangChain), starts `mlx-kvserve run` on a random-weight model with a long
+context and SmolLM2's tokenizer (so a ~30k-token agent prompt prefills in well under a minute on the
+CPU), puts a small logging proxy in front of it, and runs every client for two turns with the
+settings of docs/agent-clients.md. Per client it prints: works / first failure (status and the
+server's error, the request body saved under <work>/requests/) / cached tokens on the second turn.
+
+Gibberish answers are expected: the weights are random, the protocol is what is tested. The model
+ends its replies after a few tokens (see `bias_eos`), so a client asking for 32000 tokens finishes.
+Needs node/npm and network access to the npm registry and PyPI on the first run; not part of the
+test suite.
+
+    python scripts/try_clients.py                      # all clients
+    python scripts/try_clients.py --only claude,codex  # some
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import httpx
+
+SCRIPTS = Path(__file__).resolve().parent
+ROOT = SCRIPTS.parent
+sys.path.insert(0, str(SCRIPTS))
+
+MODEL_VERSION = "try-clients-1"  # bump when the model recipe below changes
+NPM_PACKAGES = ["@anthropic-ai/claude-code", "@openai/codex"]
+PIP_PACKAGES = ["aider-chat", "llm", "openai-agents", "langchain-openai"]
+CLIENTS = ["claude", "codex", "aider", "llm", "agents", "langchain"]
+LOG_LINE = re.compile(
+    r"mlx_kvserve\.requests: id=(\S+) method=(\S+) endpoint=(\S+) status=(\d+) .*?prompt_tokens=(\S+) "
+    r"cached_tokens=(\S+) completion_tokens=(\S+) .*?error=(\S+)"
+)
+
+
+# -- the model -------------------------------------------------------------------------------------
+
+
+def bias_eos(model: Any, config: dict, eos_id: int, boost: float) -> None:
+    """Make the random model end its replies after a few tokens: the residual stream's dimension 0
+    holds the constant `boost` (set by the embedding; no layer reads or writes it) and the lm_head
+    maps it to the end-of-turn token only, so that token's logit gets a constant lift."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    params = dict(tree_flatten(model.parameters()))
+
+    def zero_row(w: mx.array) -> mx.array:
+        return mx.concatenate([mx.zeros((1, *w.shape[1:]), w.dtype), w[1:]], axis=0)
+
+    emb = params["model.embed_tokens.weight"]
+    update = {
+        "model.embed_tokens.weight": mx.concatenate([mx.full((emb.shape[0], 1), boost, emb.dtype), emb[:, 1:]], 1)
+    }
+    for i in range(config["num_hidden_layers"]):
+        for name in (
+            "self_attn.o_proj.weight",
+            "mlp.down_proj.weight",
+            "input_layernorm.weight",
+            "post_attention_layernorm.weight",
+        ):
+            update[f"model.layers.{i}.{name}"] = zero_row(params[f"model.layers.{i}.{name}"])
+    head = params["lm_head.weight"]
+    column = mx.zeros((head.shape[0], 1), head.dtype)
+    column[eos_id, 0] = 1.0
+    update["lm_head.weight"] = mx.concatenate([column, head[:, 1:]], 1)
+    model.update(tree_unflatten(list(update.items())))
+    mx.eval(model.parameters())
+
+
+def build_model(folder: Path, context: int, boost: float) -> Path:
+    """A one-layer, one-head random llama (float32) with SmolLM2's tokenizer and a Qwen-style tool
+    template (scripts/agent_workload.py), reused when `folder` already holds this recipe. CPU
+    attention cost grows with heads x layers x tokens^2, so one head and one layer keep 30k tokens fast."""
+    recipe = {"version": MODEL_VERSION, "context": context, "boost": boost}
+    marker = folder / "try_clients.json"
+    if marker.exists() and json.loads(marker.read_text()) == recipe:
+        return folder
+    import mlx.core as mx
+    from agent_workload import TOOL_TEMPLATE
+    from bench_common import default_model_dir
+    from mlx.utils import tree_flatten
+
+    from mlx_kvserve.models.synthetic import llama_config, random_llama
+
+    smollm = default_model_dir()
+    config = llama_config(
+        "tiny",
+        vocab_size=49152,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        max_position_embeddings=context,
+        bos_token_id=1,
+        eos_token_id=[2],
+    )
+    model = random_llama(config, dtype=mx.float32, scale=4.0)  # spread logits: greedy is not always EOS
+    bias_eos(model, config, eos_id=2, boost=boost)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    shutil.copy(smollm / "tokenizer.json", folder / "tokenizer.json")
+    tokenizer_config = json.loads((smollm / "tokenizer_config.json").read_text())
+    tokenizer_config["chat_template"] = TOOL_TEMPLATE
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    marker.write_text(json.dumps(recipe))
+    return folder
+
+
+# -- the server and a logging proxy in front of it ---------------------------------------------------
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Exchange(NamedTuple):
+    label: str  # the client and turn that were running
+    method: str
+    path: str
+    status: int
+    request_file: str  # the saved request body
+    error: str  # the response body of a status >= 400, else ""
+
+
+class Proxy:
+    """Forwards every request to the server unchanged (streams too), saves each request body under
+    `folder`, and records an Exchange per request labelled with the client turn that is running."""
+
+    def __init__(self, upstream_port: int, folder: Path):
+        self.upstream_port, self.folder, self.label = upstream_port, folder, "-"
+        self.exchanges: list[Exchange] = []
+        self.lock = threading.Lock()  # guards exchanges
+        folder.mkdir(parents=True, exist_ok=True)
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.server.daemon_threads = True
+        self.server.handle_error = lambda request, address: None  # a client closing a kept-alive connection
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _forward(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                with proxy.lock:
+                    n = len(proxy.exchanges) + 1
+                    proxy.exchanges.append(Exchange(proxy.label, self.command, self.path, 0, "", ""))
+                name = f"{n:03d}-{proxy.label.replace(':', '-')}-{self.command}{self.path.split('?')[0].replace('/', '_')}.json"
+                request_file = proxy.folder / name
+                request_file.write_bytes(body)
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
+                upstream = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=900)
+                upstream.request(self.command, self.path, body=body or None, headers=headers)
+                resp = upstream.getresponse()
+                self.send_response(resp.status)
+                for key, value in resp.getheaders():
+                    if key.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(key, value)
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                error = b""
+                while chunk := resp.read1(65536):
+                    if resp.status >= 400:
+                        error += chunk
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                    self.wfile.flush()
+                self.wfile.write(b"0\r\n\r\n")
+                upstream.close()
+                with proxy.lock:
+                    proxy.exchanges[n - 1] = Exchange(
+                        proxy.exchanges[n - 1].label,
+                        self.command,
+                        self.path,
+                        resp.status,
+                        str(request_file),
+                        error.decode(errors="replace")[:2000],
+                    )
+
+            do_GET = do_POST = do_DELETE = do_PUT = do_HEAD = _forward
+
+        return Handler
+
+
+class KvServer:
+    """`mlx-kvserve run` on `model` with a fresh home folder, its log in `log_path`."""
+
+    def __init__(self, model: Path, home: Path, log_path: Path):
+        shutil.rmtree(home, ignore_errors=True)
+        home.mkdir(parents=True)
+        self.port, self.log_path = free_port(), log_path
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [str(ROOT / ".venv" / "bin" / "mlx-kvserve"), "run", "--model", str(model), "--port", str(self.port)]
+        env = dict(os.environ, MLX_KVSERVE_HOME=str(home), PYTHONUNBUFFERED="1")
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited: see {log_path}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"the server did not start: see {log_path}")
+
+    def log_size(self) -> int:
+        return self.log_path.stat().st_size
+
+    def request_lines(self, start: int) -> list[dict]:
+        """The request log lines written since byte `start`."""
+        with open(self.log_path, "rb") as f:
+            f.seek(start)
+            text = f.read().decode(errors="replace")
+        keys = ("id", "method", "endpoint", "status", "prompt_tokens", "cached_tokens", "completion_tokens", "error")
+        return [dict(zip(keys, m.groups(), strict=True)) for m in LOG_LINE.finditer(text)]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+# -- installing and running the clients --------------------------------------------------------------
+
+
+def install(work: Path) -> None:
+    """The npm clients into <work>/npm, the Python ones into the venv <work>/venv; skipped when there."""
+    npm_bin = work / "npm" / "node_modules" / ".bin"
+    if not ((npm_bin / "claude").exists() and (npm_bin / "codex").exists()):
+        subprocess.run(["npm", "install", "--prefix", str(work / "npm"), *NPM_PACKAGES], check=True)
+    venv = work / "venv"
+    if not (venv / "bin" / "aider").exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(venv / "bin" / "pip"), "install", "-q", *PIP_PACKAGES], check=True)
+
+
+AGENTS_SCRIPT = """
+import sys
+from openai import AsyncOpenAI
+from agents import Agent, Runner, function_tool, set_default_openai_client, set_tracing_disabled
+
+set_tracing_disabled(True)
+set_default_openai_client(AsyncOpenAI(base_url=sys.argv[1], api_key="unused"), use_for_tracing=False)
+
+@function_tool
+def get_weather(city: str) -> str:
+    '''The weather in a city.'''
+    return "sunny"
+
+agent = Agent(name="helper", instructions="You are a helpful assistant.", model="default", tools=[get_weather])
+first = Runner.run_sync(agent, "say hi")
+print("turn 1:", repr(first.final_output))
+second = Runner.run_sync(agent, first.to_input_list() + [{"role": "user", "content": "again"}])
+print("turn 2:", repr(second.final_output))
+"""
+
+LANGCHAIN_SCRIPT = """
+import sys
+from typing import Literal
+from langchain_core.messages import AIMessage, HumanMessage
+from langchain_core.tools import tool
+from langchain_openai import ChatOpenAI
+from pydantic import BaseModel
+
+@tool
+def get_weather(city: str) -> str:
+    '''The weather in a city.'''
+    return "sunny"
+
+class Person(BaseModel):
+    name: Literal["Alice", "Bob"]  # a random model fills a free string until max_tokens
+    age: int
+
+llm = ChatOpenAI(base_url=sys.argv[1], api_key="unused", model="default", max_tokens=256, timeout=600)
+turn = sys.argv[2]
+history = [HumanMessage("say hi")]
+if turn == "1":
+    reply = llm.bind_tools([get_weather]).invoke(history)
+    print("bind_tools:", repr(reply.content), reply.tool_calls)
+    print("with_structured_output:", llm.with_structured_output(Person).invoke("Alice is 30."))
+else:
+    first = llm.bind_tools([get_weather]).invoke(history)
+    reply = llm.bind_tools([get_weather]).invoke(history + [AIMessage(first.content or "hi"), HumanMessage("again")])
+    print("turn 2:", repr(reply.content), reply.tool_calls)
+"""
+
+CODEX_CONFIG = """
+model = "default"
+model_provider = "kvserve"
+
+[model_providers.kvserve]
+name = "mlx-kvserve"
+base_url = "{url}/v1"
+wire_api = "responses"
+env_key = "KVSERVE_API_KEY"
+"""
+
+LLM_MODELS = """
+- model_id: kvserve
+  model_name: default
+  api_base: "{url}/v1"
+"""
+
+
+def client_turns(client: str, work: Path, url: str) -> tuple[Path, dict[str, str], list[list[str]]]:
+    """(scratch folder, environment, the command of each turn) for `client`, set up as
+    docs/agent-clients.md says, against the base URL `url`."""
+    folder = work / "scratch" / client
+    shutil.rmtree(folder, ignore_errors=True)
+    home = folder / "home"
+    home.mkdir(parents=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "ANTHROPIC_", "CLAUDE"))}
+    env.update(HOME=str(home), NO_COLOR="1", TERM="dumb")
+    npm_bin, venv_bin = work / "npm" / "node_modules" / ".bin", work / "venv" / "bin"
+    if client == "claude":
+        env.update(
+            ANTHROPIC_BASE_URL=url,
+            ANTHROPIC_AUTH_TOKEN="unused",
+            ANTHROPIC_MODEL="default",
+            ANTHROPIC_SMALL_FAST_MODEL="default",
+            ANTHROPIC_DEFAULT_HAIKU_MODEL="default",
+            DISABLE_AUTOUPDATER="1",
+        )
+        claude = str(npm_bin / "claude")
+        return folder, env, [[claude, "-p", "say hi"], [claude, "-c", "-p", "again"]]
+    if client == "codex":
+        codex_home = home / ".codex"
+        codex_home.mkdir()
+        (codex_home / "config.toml").write_text(CODEX_CONFIG.format(url=url))
+        env.update(CODEX_HOME=str(codex_home), KVSERVE_API_KEY="unused")
+        codex = str(npm_bin / "codex")
+        return (
+            folder,
+            env,
+            [
+                [codex, "exec", "--skip-git-repo-check", "say hi"],
+                [codex, "exec", "resume", "--skip-git-repo-check", "--last", "again"],
+            ],
+        )
+    if client == "aider":
+        aider = [
+            str(venv_bin / "aider"),
+            "--model",
+            "openai/default",
+            "--openai-api-base",
+            f"{url}/v1",
+            "--openai-api-key",
+            "unused",
+            "--yes",
+            "--no-git",
+            "--no-check-update",
+            "--no-show-model-warnings",
+            "--no-analytics",
+            "--no-pretty",
+            "--no-stream",
+            "--message",
+        ]
+        return folder, env, [[*aider, "say hi"], [*aider[:-1], "--restore-chat-history", "--message", "again"]]
+    if client == "llm":
+        user = folder / "llm"
+        user.mkdir()
+        (user / "extra-openai-models.yaml").write_text(LLM_MODELS.format(url=url))
+        env.update(LLM_USER_PATH=str(user))
+        llm = str(venv_bin / "llm")
+        return folder, env, [[llm, "-m", "kvserve", "say hi"], [llm, "-c", "again"]]
+    python = str(venv_bin / "python")
+    if client == "agents":
+        (folder / "agents_run.py").write_text(AGENTS_SCRIPT)
+        return folder, env, [[python, "agents_run.py", f"{url}/v1"]]
+    if client == "langchain":
+        (folder / "langchain_run.py").write_text(LANGCHAIN_SCRIPT)
+        return (
+            folder,
+            env,
+            [[python, "langchain_run.py", f"{url}/v1", "1"], [python, "langchain_run.py", f"{url}/v1", "2"]],
+        )
+    raise ValueError(f"unknown client {client!r}")
+
+
+class Result(NamedTuple):
+    client: str
+    works: bool
+    failure: str  # the first failure: a completion request the server refused, or the client's exit, or ""
+    refused: str  # the first request of any kind answered with a status >= 400, or ""
+    turn2_prompt: int  # the prompt tokens of the last main request (0: none)
+    turn2_cached: int
+    turn1_prompt: int  # the prompt tokens of the main request before it
+    requests: int
+
+
+def run_client(client: str, work: Path, server: KvServer, proxy: Proxy, timeout_s: float) -> Result:
+    folder, env, turns = client_turns(client, work, proxy.url)
+    start, first_exchange = server.log_size(), len(proxy.exchanges)
+    failure = ""
+    for turn, cmd in enumerate(turns, 1):
+        proxy.label = f"{client}:{turn}"
+        out_path = folder / f"turn{turn}.out"
+        with open(out_path, "w") as out:
+            try:
+                rc = subprocess.run(
+                    cmd,
+                    cwd=folder,
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    timeout=timeout_s,
+                ).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        tail = out_path.read_text(errors="replace").strip().splitlines()[-6:]
+        print(f"  {client} turn {turn}: exit {rc}\n    " + "\n    ".join(tail), flush=True)
+        if rc != 0 and not failure:
+            failure = f"turn {turn} exit {rc}: {tail[-1] if tail else ''} (output: {out_path})"
+    proxy.label = "-"
+    time.sleep(1.0)  # the request log line is written as a request ends
+    exchanges = proxy.exchanges[first_exchange:]
+    errors = [e for e in exchanges if e.status >= 400]
+    refused = (
+        f"{errors[0].method} {errors[0].path} -> {errors[0].status}: {errors[0].error[:300]} ({errors[0].request_file})"
+        if errors
+        else ""
+    )
+    if any(e.method == "POST" for e in errors):  # a refused HEAD or GET the client gets past is not a failure
+        failure = refused
+    lines = [x for x in server.request_lines(start) if x["status"] == "200" and x["prompt_tokens"].isdigit()]
+    biggest = max((int(x["prompt_tokens"]) for x in lines), default=0)
+    # The second turn: the last request of a main size (not a small background call); the first: the
+    # largest request before it.
+    at = max((i for i, x in enumerate(lines) if int(x["prompt_tokens"]) >= biggest // 2), default=-1)
+    last = lines[at] if at >= 0 else None
+    before = max(lines[:at], key=lambda x: int(x["prompt_tokens"]), default=None) if at > 0 else None
+    return Result(
+        client,
+        not failure,
+        failure,
+        refused,
+        int(last["prompt_tokens"]) if last and before else 0,
+        int(last["cached_tokens"]) if last and before and last["cached_tokens"].isdigit() else 0,
+        int(before["prompt_tokens"]) if before else 0,
+        len(exchanges),
+    )
+
+
+def table(results: list[Result]) -> list[str]:
+    lines = [
+        "| Client | Works | First failure | First 4xx/5xx | Turn 2 cached / prompt | of turn 1's prompt | Requests |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        cached = (
+            f"{r.turn2_cached:,} / {r.turn2_prompt:,} ({100 * r.turn2_cached / r.turn2_prompt:.1f}%)"
+            if r.turn2_prompt
+            else "-"
+        )
+        of_first = f"{100 * r.turn2_cached / r.turn1_prompt:.1f}%" if r.turn1_prompt and r.turn2_prompt else "-"
+        failure, refused = (text.replace("|", "\\|").replace("\n", " ") or "-" for text in (r.failure, r.refused))
+        works = "yes" if r.works else "no"
+        lines.append(f"| {r.client} | {works} | {failure} | {refused} | {cached} | {of_first} | {r.requests} |")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--work",
+        default=str(Path.home() / ".cache" / "mlx-kvserve-try-clients"),
+        help="scratch folder: clients, model, logs (reused between runs)",
+    )
+    parser.add_argument("--only", help=f"comma-separated subset of {','.join(CLIENTS)}")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per client turn")
+    parser.add_argument("--context", type=int, default=131072, help="the model's context in tokens")
+    parser.add_argument("--eos-boost", type=float, default=12.0, help="how soon the random model ends a reply")
+    args = parser.parse_args()
+    work = Path(args.work).expanduser().resolve()
+    clients = args.only.split(",") if args.only else CLIENTS
+    install(work)
+    model = build_model(work / "model", args.context, args.eos_boost)
+    run_dir = work / "runs" / time.strftime("%Y%m%d-%H%M%S")
+    run_dir.mkdir(parents=True)
+    server = KvServer(model, work / "server-home", run_dir / "server.log")
+    proxy = Proxy(server.port, run_dir / "requests")
+    print(f"server {server.url} (log {server.log_path}), proxy {proxy.url}, requests in {proxy.folder}", flush=True)
+    results = []
+    try:
+        for client in clients:
+            print(f"{client}:", flush=True)
+            results.append(run_client(client, work, server, proxy, args.timeout))
+    finally:
+        proxy.server.shutdown()
+        server.stop()
+    report = table(results)
+    (run_dir / "report.md").write_text("\n".join(report) + "\n")
+    (run_dir / "results.json").write_text(json.dumps([r._asdict() for r in results], indent=2))
+    print("\n".join(report))
+    print(f"\n{run_dir}")
+
+
+if __name__ == "__main__":
+    main()
