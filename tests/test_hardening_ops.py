@@ -152,6 +152,31 @@ def test_blocks_one_server_writes_are_hits_for_the_other(tiny, home, tmp_path):
         restarted.stop()
 
 
+def test_folder_roles_owner_guests_and_offline_commands(tmp_path):
+    """Servers share (one owner, any guests); an offline command needs the folder to itself."""
+    folder = tmp_path / "ns"
+    folder.mkdir()
+    owner = FolderLock.acquire_server(folder)
+    guest = FolderLock.acquire_server(folder)
+    assert (owner.role, guest.role) == ("owner", "guest") and guest.owner.pid == os.getpid()
+    assert owner.has_guests()
+    with pytest.raises(FolderBusyError):
+        FolderLock.acquire(folder, "cache verify")  # the owner holds it
+    owner.release()
+    with pytest.raises(FolderBusyError) as refused:
+        FolderLock.acquire(folder, "cache verify")  # no owner, but a guest still reads and writes
+    assert "guests" in refused.value.message
+    guest.release()
+    verify = FolderLock.acquire(folder, "cache verify")
+    with pytest.raises(FolderBusyError) as refused:
+        FolderLock.acquire_server(folder)  # neither owner nor guest while verify runs
+    assert refused.value.holder.role == "cache verify"
+    verify.release()
+    alone = FolderLock.acquire_server(folder)
+    assert alone.is_owner and not alone.has_guests()
+    alone.release()
+
+
 def test_a_guest_deletes_nothing(tmp_path):
     """A guest store never deletes: not temp files, not damaged blocks, not over the budget."""
     folder = store_dir(tmp_path / "kv", NAMESPACE)
