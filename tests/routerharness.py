@@ -91,6 +91,7 @@ class FakeBackend:
         self.event_streams: list[str] = []
         self.num_layout_requests = 0
         self.is_stopping = False
+        self.kept: dict[str, dict] = {}  # stored Responses API responses, by id
         self.hasher = BlockHasher(ns or namespace_hash("fake-model", "float32", BS), BS)
         self.manager = KVManager(self.hasher, RAMStore(10**9))
         self.engine = engine = SimpleNamespace(
@@ -103,6 +104,8 @@ class FakeBackend:
             Route("/health", self.health, methods=["GET"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/messages", self.chat, methods=["POST"]),
+            Route("/v1/responses", self.responses, methods=["POST"]),
+            Route("/v1/responses/{response_id}", self.kept_response, methods=["GET", "DELETE"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/cache/layout", self.layout, methods=["GET"]),
             Route("/v1/cache/events", self.events, methods=["GET"]),
@@ -188,6 +191,27 @@ class FakeBackend:
             self.finished += 1
             return JSONResponse({"choices": [{"message": {"content": self.name}}], "usage": usage})
         return StreamingResponse(self._stream(tokens, usage), media_type="text/event-stream")
+
+    async def responses(self, request: Request) -> Response:
+        """A Responses API reply, kept under a new id; a follow-up to an id kept elsewhere is a 404."""
+        body = json.loads(await request.body())
+        self.seen.append((request.url.path, dict(request.headers), body))
+        prev = body.get("previous_response_id")
+        if prev is not None and prev not in self.kept:
+            return JSONResponse({"error": {"message": f"response {prev!r} not found"}}, status_code=404)
+        rid = f"resp_{self.name}_{len(self.kept)}"
+        self.kept[rid] = body
+        usage = {"input_tokens": 1, "output_tokens": 1, "total_tokens": 2}
+        return JSONResponse({"id": rid, "object": "response", "status": "completed", "output": [], "usage": usage})
+
+    async def kept_response(self, request: Request) -> Response:
+        rid = request.path_params["response_id"]
+        if rid not in self.kept:
+            return JSONResponse({"error": {"message": f"response {rid!r} not found"}}, status_code=404)
+        if request.method == "DELETE":
+            del self.kept[rid]
+            return JSONResponse({"id": rid, "object": "response.deleted", "deleted": True})
+        return JSONResponse({"id": rid, "object": "response", "status": "completed", "output": []})
 
     async def _stream(self, tokens: list[int], usage: dict):
         done = False

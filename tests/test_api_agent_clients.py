@@ -150,7 +150,7 @@ def test_clear_thinking_drops_earlier_thinking(edit, kept):
 @pytest.mark.parametrize(
     "context_management, words",
     [
-        ({"edits": [{"type": "clear_tool_uses_20250919"}]}, "'clear_tool_uses_20250919'"),
+        ({"edits": [{"type": "compact_20260112"}]}, "'compact_20260112'"),
         ({"edits": [{"type": "clear_thinking_20251015", "keep": {"type": "thinking_turns", "value": 0}}]}, "keep"),
         ({"edits": "all"}, "edits"),
     ],

@@ -23,7 +23,7 @@ from mlx_kvserve.engine.request import Finished, TextDelta, Usage
 from mlx_kvserve.errors import NotFoundError
 from mlx_kvserve.server import responses as rs
 from mlx_kvserve.server.app import create_app
-from mlx_kvserve.server.responses_routes import ResponseStore
+from mlx_kvserve.server.responses_routes import LEASE_TTL_S, ResponseStore
 
 INSTRUCTIONS = "You are a terse assistant. Answer in one short sentence, and never use lists. " * 3
 QUESTION = "What colour is the sky on a clear day?"
@@ -185,6 +185,59 @@ def test_the_store_drops_the_least_recently_used():
     with pytest.raises(NotFoundError):
         store.get("a")
     assert store.history("b") == [] and store.get("c").body["id"] == "c"
+
+
+# --- leases: a stored response's prefix, a prompt_cache_key's prompt -----------------------------------------
+
+
+@pytest.fixture
+def leasing(tiny_model_dir, tmp_path):
+    engine = make_engine(_loaded(tiny_model_dir, "tiny"), tmp_path)
+    with TestClient(create_app(engine, ApiKeys("", ""))) as c:
+        yield engine, c
+    engine.stop(0)
+
+
+def leased_prompt(engine, c, **fields) -> tuple[list[dict], list[int]]:
+    """The leases after one greedy request with `fields`, and its prompt's tokens."""
+    body = {"model": "tiny", "instructions": INSTRUCTIONS, "input": QUESTION, "max_output_tokens": 6, "temperature": 0}
+    assert c.post("/v1/responses", json=body | fields).status_code == 200
+    prompt = engine.chat_tokens([{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": QUESTION}])
+    return c.get("/v1/cache/pins").json()["leases"], prompt
+
+
+def survives_a_flush(engine, c, tokens: list[int]) -> bool:
+    """Whether the full blocks of `tokens` are still in RAM after a flush of the unpinned ones."""
+    c.post("/v1/cache/flush", json={})
+    return all(engine.prefix_cache.manager.in_ram(h) for h in engine.cache_admin().block_hashes(tokens))
+
+
+def test_a_stored_response_leases_its_conversation_for_five_minutes(leasing):
+    engine, c = leasing
+    (lease,), prompt = leased_prompt(engine, c)  # store: true by default
+    assert lease["ttl_s"] == LEASE_TTL_S == 300.0
+    assert lease["blocks"] >= len(prompt) // 16  # the prompt's full blocks, and the output's that follow
+    assert survives_a_flush(engine, c, prompt)
+
+
+def test_store_false_leases_nothing(leasing):
+    engine, c = leasing
+    leases, prompt = leased_prompt(engine, c, store=False)
+    assert leases == [] and not survives_a_flush(engine, c, prompt)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_prompt_cache_key_leases_the_prompt(leasing, stream):
+    engine, c = leasing
+    (lease,), prompt = leased_prompt(engine, c, store=False, prompt_cache_key="conv-1", stream=stream)
+    hashes = engine.cache_admin().block_hashes(prompt)
+    assert lease["block_hash"] == hashes[-1].hex() and lease["blocks"] == len(hashes)
+    assert survives_a_flush(engine, c, prompt)
+
+
+def test_a_bad_prompt_cache_key_is_a_422(client):
+    reply = client.post("/v1/responses", json={"model": "tiny", "input": "Hi", "prompt_cache_key": 7})
+    assert reply.status_code == 422 and reply.json()["error"]["param"] == "prompt_cache_key"
 
 
 # --- structured output, tools -------------------------------------------------------------------------------

@@ -259,6 +259,41 @@ def test_session_from_user_field_and_anthropic_metadata(backends, router_for):
     assert len(homes) == 1
 
 
+def test_a_prompt_cache_key_keeps_its_backend_on_responses_and_chat(backends, router_for):
+    router = router_for(backends, policy="sticky")
+    a = backends[0]
+    keyed = {"model": "x", "input": "first turn", "prompt_cache_key": "conv-1"}
+    first = httpx.post(router.url + "/v1/responses", json=keyed)
+    assert first.status_code == 200 and first.headers["x-kvserve-backend"] == a.url  # all idle: the first
+    a.mode, a.delay_s = "slow", 1.0
+    busy = threading.Thread(target=lambda: chat(router, messages("no key")))  # no session: a, idle, takes it
+    busy.start()
+    time.sleep(0.3)
+    try:  # a is now the most loaded: only the key's affinity brings the next turns there
+        again = httpx.post(router.url + "/v1/responses", json=keyed | {"input": "second turn"}, timeout=10)
+        other = httpx.post(router.url + "/v1/responses", json=keyed | {"prompt_cache_key": "conv-2"})
+        body = {"messages": messages("third turn"), "prompt_cache_key": "conv-1"}
+        chatted = httpx.post(router.url + "/v1/chat/completions", json=body, timeout=10)
+    finally:
+        busy.join()
+    assert again.headers["x-kvserve-backend"] == chatted.headers["x-kvserve-backend"] == a.url
+    assert other.headers["x-kvserve-backend"] != a.url
+
+
+def test_stored_responses_are_found_on_the_backend_that_keeps_them(backends, router_for):
+    router = router_for(backends, policy="round_robin")
+    ids = [httpx.post(router.url + "/v1/responses", json={"model": "x", "input": "hi"}).json()["id"] for _ in "ab"]
+    holder = backends[1]
+    assert ids[1] in holder.kept  # the second went to b; a GET, a follow-up and a DELETE find it there
+    got = httpx.get(router.url + f"/v1/responses/{ids[1]}")
+    assert got.status_code == 200 and got.headers["x-kvserve-backend"] == holder.url
+    follow = {"model": "x", "input": "and then?", "previous_response_id": ids[1]}
+    r = httpx.post(router.url + "/v1/responses", json=follow)
+    assert r.status_code == 200 and r.headers["x-kvserve-backend"] == holder.url
+    assert httpx.delete(router.url + f"/v1/responses/{ids[1]}").json()["deleted"] is True
+    assert httpx.get(router.url + f"/v1/responses/{ids[1]}").status_code == 404  # kept nowhere now
+
+
 def test_body_limits_and_unreadable_bodies(backends, router_for):
     router = router_for(backends[:1], max_body_bytes=2048)
     r = httpx.post(router.url + "/v1/chat/completions", content=b"x" * 4096)

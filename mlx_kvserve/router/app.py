@@ -31,7 +31,7 @@ from ..server.anthropic_reply import error_response as anthropic_error
 from ..server.gate import error_response as openai_error
 from .backends import BackendState
 from .follower import BackendFollower
-from .prompts import CHAT_PATH, MESSAGES_PATH, TEXT_PATH, PromptInfo, PromptReader, load_tokenizer
+from .prompts import CHAT_PATH, MESSAGES_PATH, RESPONSES_PATH, TEXT_PATH, PromptInfo, PromptReader, load_tokenizer
 from .proxy import CLIENT_CLOSED, Router, UpstreamTimeouts
 
 log = logging.getLogger(__name__)
@@ -153,18 +153,25 @@ def create_router_app(
             except (ValueError, RecursionError):
                 parsed = None  # the backend answers it
             info = await run_in_threadpool(reader.read, path, parsed, request.headers, config.session_header)
-            return await router.forward(request, body, info)
+            # A follow-up to a stored response is served only where that response is stored (404 elsewhere).
+            searches = path == RESPONSES_PATH and isinstance(parsed, dict) and bool(parsed.get("previous_response_id"))
+            return await router.forward(request, body, info, searches=searches)
         except KVServeError as exc:
             return _error(path, exc)
         except ClientDisconnect:
             return Response(status_code=CLIENT_CLOSED)
 
-    async def passthrough(request: Request) -> Response:
+    async def passthrough(request: Request, searches: bool = False) -> Response:
         try:
             body = await read_body(request, config.max_body_bytes)
-            return await router.forward(request, body, PromptInfo(None, None, False), generates=False)
+            info = PromptInfo(None, None, False)
+            return await router.forward(request, body, info, generates=False, searches=searches)
         except KVServeError as exc:
             return _error(request.url.path, exc)
+
+    async def stored(request: Request) -> Response:
+        """GET / DELETE of a stored response: only the backend that served it holds it."""
+        return await passthrough(request, searches=True)
 
     async def health(request: Request) -> Response:
         body = health_report(router, followers, config.policy, slot)
@@ -192,6 +199,8 @@ def create_router_app(
         Route(TEXT_PATH, generate, methods=["POST"]),
         Route(MESSAGES_PATH, generate, methods=["POST"]),
         Route(MESSAGES_PATH + "/count_tokens", passthrough, methods=["POST"]),
+        Route(RESPONSES_PATH, generate, methods=["POST"]),  # Codex CLI and the OpenAI Agents SDK speak only this
+        Route(RESPONSES_PATH + "/{response_id}", stored, methods=["GET", "DELETE"]),
         Route("/v1/models", passthrough, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),

@@ -13,13 +13,15 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..server import openai as oa
+from ..server import responses as rs
 from ..server.anthropic import to_openai
 
 log = logging.getLogger(__name__)
 
 SESSION_HEADER = "x-session-id"
 CHAT_PATH, TEXT_PATH, MESSAGES_PATH = "/v1/chat/completions", "/v1/completions", "/v1/messages"
-GENERATION_PATHS = (CHAT_PATH, TEXT_PATH, MESSAGES_PATH)
+RESPONSES_PATH = "/v1/responses"
+GENERATION_PATHS = (CHAT_PATH, TEXT_PATH, MESSAGES_PATH, RESPONSES_PATH)
 _PARSE_DEFAULTS = oa.Defaults(max_tokens=1, temperature=0.0, top_p=1.0)  # sampling does not change the prompt
 
 
@@ -30,13 +32,15 @@ class PromptInfo(NamedTuple):
 
 
 def session_of(headers: Mapping[str, str], body: Any, header: str = SESSION_HEADER) -> str | None:
-    """The session: the header, else OpenAI's `user`, else Anthropic's `metadata.user_id`."""
+    """The session: the header, else OpenAI's `prompt_cache_key` (one conversation, as Codex sends it),
+    else OpenAI's `user`, else Anthropic's `metadata.user_id`."""
     if value := headers.get(header):
         return value
     if not isinstance(body, dict):
         return None
-    if isinstance(body.get("user"), str) and body["user"]:
-        return body["user"]
+    for name in ("prompt_cache_key", "user"):
+        if isinstance(body.get(name), str) and body[name]:
+            return body[name]
     metadata = body.get("metadata")
     if isinstance(metadata, dict) and isinstance(metadata.get("user_id"), str) and metadata["user_id"]:
         return metadata["user_id"]
@@ -60,6 +64,10 @@ class PromptReader:
         try:
             if path == MESSAGES_PATH:
                 body = to_openai(body)
+            elif path == RESPONSES_PATH:
+                if rs.previous_id(body) is not None:  # the stored history is on a backend, not here
+                    return None
+                body = rs.parse(body, []).chat
             req = oa.parse_request(body, "text" if path == TEXT_PATH else "chat", _PARSE_DEFAULTS)
             if req.kind == "text":
                 return list(req.prompt) if isinstance(req.prompt, list) else list(self.tokenizer.encode(req.prompt))

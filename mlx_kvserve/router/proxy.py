@@ -169,9 +169,10 @@ class Router:
         self.metrics.estimated_cached.labels(chosen.url).inc(hit)
         return route
 
-    def any_backend(self) -> BackendState:
-        """An up backend for a request that generates nothing (model list, token count): the least loaded."""
-        up = [b for b in self.backends if b.is_up]
+    def any_backend(self, exclude: frozenset[str] = frozenset()) -> BackendState:
+        """An up backend not in `exclude` for a request that generates nothing (model list, token count): the
+        least loaded."""
+        up = [b for b in self.backends if b.is_up and b.url not in exclude]
         if not up:
             raise NoBackendError("no backend is up")
         return min(up, key=lambda b: b.num_requests)
@@ -228,10 +229,14 @@ class Router:
             return f"nothing sent for router.read_timeout_s ({self.timeouts.read_s:g}s)"
         return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
-    async def forward(self, request: Request, body: bytes, info: PromptInfo, generates: bool = True) -> Response:
+    async def forward(
+        self, request: Request, body: bytes, info: PromptInfo, generates: bool = True, searches: bool = False
+    ) -> Response:
         """Send the request to a backend the policy picks, and the next on failure; the reply streams back.
-        Raises NoBackendError (503) when none is up, BackendTimeoutError (504) when every one tried timed out,
-        BackendFailedError (502) when they failed otherwise."""
+        `searches`: the request names what one backend holds (a stored response), so a 404 asks the next up
+        backend, and the last 404 is the answer. Raises NoBackendError (503) when none is up,
+        BackendTimeoutError (504) when every one tried timed out, BackendFailedError (502) when they failed
+        otherwise."""
         tried: set[str] = set()
         failures: list[str] = []
         num_timeouts = 0
@@ -239,7 +244,9 @@ class Router:
         first_byte_s = self.timeouts.first_byte_s if info.stream or not generates else None
         while True:
             try:
-                route = self.pick(info, frozenset(tried)) if generates else Route(self.any_backend(), 0, 0)
+                route = (
+                    self.pick(info, frozenset(tried)) if generates else Route(self.any_backend(frozenset(tried)), 0, 0)
+                )
             except NoBackendError:
                 if failures:
                     raise _no_answer(failures, num_timeouts) from None
@@ -264,6 +271,10 @@ class Router:
                 self.metrics.retries.inc()
                 if not generates:
                     raise _no_answer(failures, num_timeouts) from None
+                continue
+            if searches and resp.status_code == 404 and self._others_up(tried):
+                await resp.aclose()
+                route.finish()
                 continue
             if resp.status_code in RETRY_STATUSES and generates and self._others_up(tried):
                 await resp.aclose()

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -21,7 +22,7 @@ from ..errors import InvalidRequestError, KVServeError, ValidationError
 from . import cache_control, prompts, sse
 from . import openai as oa
 from . import tools as tl
-from .anthropic_context import apply_context_management, strip_billing_line
+from .anthropic_context import PromptSize, apply_context_management, measures_prompt, strip_billing_line
 from .anthropic_reply import (
     content_blocks,
     error_response,
@@ -108,6 +109,8 @@ def _message(msg: Any, i: int) -> list[dict[str, Any]]:
             out.append({"role": "tool", "tool_call_id": call_id, "content": _result_text(block, at)})
         elif kind == "thinking" and role == "assistant":
             thinking.append(block.get("thinking", ""))
+        elif kind == "redacted_thinking" and role == "assistant":
+            continue  # encrypted by Anthropic for its own models: nothing here can read it, so it is not rendered
         else:
             raise InvalidRequestError(f"{at}: content block type {kind!r} is not supported here", param="messages")
     if role == "assistant":
@@ -167,9 +170,10 @@ def _tools(body: dict[str, Any], out: dict[str, Any]) -> None:
             out["parallel_tool_calls"] = False
 
 
-def to_openai(body: Any, count_only: bool = False) -> dict[str, Any]:
+def to_openai(body: Any, count_only: bool = False, size: PromptSize | None = None) -> dict[str, Any]:
     """The OpenAI chat body that serves an Anthropic Messages body. Fields not served are a 400
-    naming them; `max_tokens` is required (not for count_tokens)."""
+    naming them; `max_tokens` is required (not for count_tokens). `size`: the prompt's size without
+    tool-use clearing, for that edit's token thresholds (anthropic_context.py; None: not reached)."""
     if not isinstance(body, dict):
         raise ValidationError("request body must be a JSON object")
     for name in body:
@@ -185,7 +189,7 @@ def to_openai(body: Any, count_only: bool = False) -> dict[str, Any]:
     if not isinstance(raw, list) or not raw:
         raise ValidationError("'messages' must be a non-empty array", param="messages")
     messages = _system(body.get("system")) + [m for i, msg in enumerate(raw) for m in _message(msg, i)]
-    messages = apply_context_management(body.get("context_management"), messages)
+    messages = apply_context_management(body.get("context_management"), messages, size)
     out: dict[str, Any] = {"messages": messages, "max_tokens": None if count_only else body["max_tokens"]}
     for name in ("model", "stream", "temperature", "top_p", "top_k"):  # the same names and meanings
         if body.get(name) is not None:
@@ -253,9 +257,17 @@ def anthropic_routes(handler: CompletionHandler, read_json: Callable) -> list[Ro
     """/v1/messages and /v1/messages/count_tokens, served by `handler` (the OpenAI chat path)."""
     engine = handler.engine
 
+    def count_text(text: str) -> int:
+        return len(engine.loaded.tokenizer.encode(text, add_special_tokens=False))
+
     async def parse(request: Request, count_only: bool = False) -> tuple[dict[str, Any], oa.CompletionRequest]:
         body = await read_json(request, engine.config.server.max_body_bytes)
-        return body, oa.parse_request(to_openai(body, count_only), "chat", handler.defaults)
+        req = oa.parse_request(to_openai(body, count_only), "chat", handler.defaults)
+        if measures_prompt(body.get("context_management")):  # tool-use clearing: thresholds on the prompt's size
+            size = PromptSize(len(await handler.tokens(req)), count_text)
+            cleared = await run_in_threadpool(to_openai, body, count_only, size)
+            req = oa.parse_request(cleared, "chat", handler.defaults)
+        return body, req
 
     def failed(request: Request, exc: KVServeError) -> Response:
         note_error(request.scope, exc)

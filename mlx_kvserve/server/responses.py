@@ -20,8 +20,9 @@ from ..errors import InvalidRequestError, KVServeError, ValidationError
 # Served as asked.
 SERVED = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens"}
 SERVED |= {"temperature", "top_p", "reasoning", "text", "stream", "store", "previous_response_id", "top_k"}
+SERVED |= {"prompt_cache_key"}  # a cache hint: leases the prompt's prefix (responses_routes.py)
 # Accepted: they name the caller or a hosted service's option and carry no meaning for the answer here.
-ACCEPTED = {"metadata", "user", "prompt_cache_key", "service_tier", "include", "truncation", "safety_identifier"}
+ACCEPTED = {"metadata", "user", "service_tier", "include", "truncation", "safety_identifier"}
 ACCEPTED |= {"prompt_cache_retention", "stream_options", "client_metadata"}
 # Accepted only at the value that asks for nothing.
 NEUTRAL: dict[str, tuple[Any, ...]] = {
@@ -44,6 +45,7 @@ class ResponsesRequest:
     items: list[dict[str, Any]]  # the conversation's input items: stored history, then this input
     store: bool
     previous_response_id: str | None
+    prompt_cache_key: str | None  # a client's "cache this prompt": its prefix is leased (responses_routes.py)
     summary: bool  # reasoning goes in the item's `summary` (asked for) rather than its `content`
     echo: dict[str, Any]  # request fields the Response object repeats
 
@@ -89,7 +91,8 @@ def parse(body: Any, history: list[dict[str, Any]]) -> ResponsesRequest:
     echo |= {"parallel_tool_calls": body.get("parallel_tool_calls") is not False, "store": store is not False}
     echo |= {"reasoning": body.get("reasoning"), "text": body.get("text") or {"format": {"type": "text"}}}
     echo |= {"truncation": body.get("truncation") or "disabled", "service_tier": body.get("service_tier") or "default"}
-    return ResponsesRequest(chat, items, store is not False, body.get("previous_response_id"), summary, echo)
+    key = body.get("prompt_cache_key")
+    return ResponsesRequest(chat, items, store is not False, body.get("previous_response_id"), key, summary, echo)
 
 
 def renamed(exc: KVServeError) -> KVServeError:
@@ -113,6 +116,8 @@ def _check_fields(body: dict[str, Any]) -> None:
         raise InvalidRequestError(f"'{name}' {what}", param=name, code="unsupported_field")
     if not isinstance(body.get("metadata") or {}, dict):
         raise ValidationError("'metadata' must be an object", param="metadata")
+    if not isinstance(body.get("prompt_cache_key", ""), str | None):
+        raise ValidationError("'prompt_cache_key' must be a string", param="prompt_cache_key")
     if not isinstance(body.get("include") or [], list):
         raise ValidationError("'include' must be an array", param="include")
     if body.get("truncation") not in (None, "auto", "disabled"):

@@ -6,6 +6,12 @@ same block cache.
 Stored responses (`store`, true by default) are kept in RAM, least recently used dropped first past
 a count and a byte bound: a follow-up naming one in `previous_response_id` continues its
 conversation, so its prompt starts with the earlier prompt and that prefix is served from the cache.
+
+So that the follow-up finds it there, a stored response leases its prompt and output tokens' blocks
+for LEASE_TTL_S (Anthropic's default `cache_control` TTL), through the same lease path as
+`cache_control` (CacheAdmin.lease: within [cache] cache_control_share, refreshed by each use, kept in
+RAM only by a guest server). A `prompt_cache_key` leases the request's prompt the same way, stored or
+not. A response dropped from the store or deleted leaves its lease to expire by itself.
 """
 
 from __future__ import annotations
@@ -13,19 +19,20 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..engine.request import Finished, GenerationRequest, TextDelta, Usage
+from ..engine.request import Finished, GenerationRequest, TextDelta
 from ..errors import KVServeError, NotFoundError, RequestTimeoutError
+from . import cache_control, sse
 from . import openai as oa
 from . import responses as rs
-from . import sse
 from .deadlines import EventTracker
 from .gate import error_response, note_error
 from .responses_reply import OutputItems, Sequencer, finish_status, new_id, response_body, usage_body
@@ -35,6 +42,7 @@ if TYPE_CHECKING:
 
 MAX_STORED = 256
 MAX_STORED_BYTES = 64 * 1024 * 1024
+LEASE_TTL_S = cache_control.TTL_S["5m"]  # how long a stored response's or a prompt_cache_key's prefix is pinned
 
 
 @dataclass(frozen=True)
@@ -106,11 +114,24 @@ def responses_routes(
         text = items.reasoning_text
         return len(engine.loaded.tokenizer.encode(text, add_special_tokens=False)) if text else 0
 
-    def finished_body(rid: str, parsed: rs.ResponsesRequest, items: OutputItems, usage: Usage, status: str) -> dict:
-        usage_json = usage_body(usage, reasoning_tokens(items))
+    async def lease(tokens: Sequence[int]) -> int:
+        """Pin the full blocks of `tokens` for LEASE_TTL_S (0 while the cache is off)."""
+        if engine.prefix_cache.manager is None or not tokens:
+            return 0
+        return await run_in_threadpool(engine.cache_admin().lease, list(tokens), LEASE_TTL_S)
+
+    async def finished_body(
+        rid: str, parsed: rs.ResponsesRequest, items: OutputItems, gen_req: GenerationRequest, ev: Finished
+    ) -> dict:
+        """The finished Response object; stored (its conversation's tokens leased) when asked."""
+        status = finish_status(ev.finish_reason)
+        usage_json = usage_body(ev.usage, reasoning_tokens(items))
         body = response_body(rid, engine.model_name, parsed.echo, status, items.items, usage_json)
         if parsed.store:
             store.put(body, parsed.items)
+            # The prompt and what was generated: a follow-up's prompt starts with them, as far as the
+            # template renders the reply as generated (the prompt's blocks at least).
+            await lease([*gen_req.prompt_tokens, *ev.token_ids])
         return body
 
     async def events(
@@ -138,7 +159,7 @@ def responses_routes(
                     track.finished(ev)
                     status = finish_status(ev.finish_reason)
                     closing = items.feed(out.finish()) + items.finish(status)
-                    body = finished_body(rid, parsed, items, ev.usage, status)
+                    body = await finished_body(rid, parsed, items, gen_req, ev)
                     for line in seq.lines([*closing, (f"response.{status}", {"response": body})]):
                         yield line
                     return
@@ -162,6 +183,8 @@ def responses_routes(
             parsed = rs.parse(body, store.history(prev) if prev else [])
             req = oa.parse_request(parsed.chat, "chat", handler.defaults)
             gen_req, track = await handler.submit(request, req)
+            if parsed.prompt_cache_key is not None:
+                await lease(gen_req.prompt_tokens)
             if req.stream:
                 return sse.GenerationStream(events(req, gen_req, track, parsed), gen_req)
             done = await handler.collect(request, gen_req, track)
@@ -175,10 +198,9 @@ def responses_routes(
             return done
         text, ev = done
         out, items = handler.output(req, gen_req), OutputItems(parsed.summary)
-        status = finish_status(ev.finish_reason)
         items.feed(out.feed(text) + out.finish())
-        items.finish(status)
-        return JSONResponse(finished_body(new_id("resp"), parsed, items, ev.usage, status))
+        items.finish(finish_status(ev.finish_reason))
+        return JSONResponse(await finished_body(new_id("resp"), parsed, items, gen_req, ev))
 
     async def retrieve(request: Request) -> Response:
         try:
