@@ -83,11 +83,13 @@ def bias_eos(model: Any, config: dict, eos_id: int, boost: float) -> None:
     mx.eval(model.parameters())
 
 
-def build_model(folder: Path, context: int, boost: float) -> Path:
-    """A one-layer, one-head random llama (float32) with SmolLM2's tokenizer and a Qwen-style tool
+def build_model(folder: Path, context: int, boost: float, num_layers: int = 1, num_heads: int = 1) -> Path:
+    """A random llama (float32; 64 dimensions per head) with SmolLM2's tokenizer and a Qwen-style tool
     template (scripts/agent_workload.py), reused when `folder` already holds this recipe. CPU
     attention cost grows with heads x layers x tokens^2, so one head and one layer keep 30k tokens fast."""
     recipe = {"version": MODEL_VERSION, "context": context, "boost": boost}
+    if (num_layers, num_heads) != (1, 1):  # the default recipe keeps its marker: built folders stay valid
+        recipe.update(num_layers=num_layers, num_heads=num_heads)
     marker = folder / "try_clients.json"
     if marker.exists() and json.loads(marker.read_text()) == recipe:
         return folder
@@ -102,9 +104,11 @@ def build_model(folder: Path, context: int, boost: float) -> Path:
     config = llama_config(
         "tiny",
         vocab_size=49152,
-        num_hidden_layers=1,
-        num_attention_heads=1,
-        num_key_value_heads=1,
+        hidden_size=64 * num_heads,
+        intermediate_size=128 * num_heads,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
         max_position_embeddings=context,
         bos_token_id=1,
         eos_token_id=[2],

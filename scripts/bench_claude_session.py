@@ -1,0 +1,439 @@
+"""A Claude Code-shaped session on three servers, one after the other, in one run (issue 24).
+
+The session: Claude Code's system prompt and tool schemas (from a request `scripts/try_clients.py`
+recorded, else a synthetic ~25k-token stand-in of the same shape), 10 turns; each turn appends the
+previous assistant part (a scripted reply, or a scripted tool_use and its tool_result, as Claude Code
+sends them) and a new user message. Every request opens its system prompt with Claude Code's billing
+line, `x-anthropic-billing-header: cc_version=…; cch=<random per request>;`. Streamed, greedy, 16 tokens.
+
+- mlx-kvserve through `POST /v1/messages` (cached tokens: usage.cache_read_input_tokens);
+- vllm-mlx (a scratch venv, `--vllm-mlx`) through its `POST /v1/messages`, same bodies;
+- mlx_lm.server through `POST /v1/chat/completions`: the same conversation as chat messages, the billing
+  line on the first line of the system message (a user of it would send it too).
+
+One server runs at a time, on the same model folder (the random-weight long-context llama of
+try_clients.py by default: a cold ~23k-token prefill takes seconds on the CPU), warmed up with a short
+unrelated request first. Per turn: prompt tokens, then per server cached tokens and TTFT (request to
+the first streamed content delta; the end of the stream when none came).
+
+    python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_claude_session.py \\
+        --vllm-mlx /tmp/bench-venvs/vllm-mlx/bin/vllm-mlx [--model DIR] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import secrets
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import httpx
+from agent_workload import agent_instructions, tool_schemas
+from bench import server_env
+from bench_agent import stream_turn
+from bench_common import ROOT, write_report
+from bench_prefix import Server, free_port
+
+OURS, VLLM, MLX_LM = "mlx-kvserve", "vllm-mlx", "mlx_lm.server"
+CC_VERSION = "2.1.197.123"
+RECORDED = [Path("/tmp/try-clients/runs"), Path.home() / ".cache" / "mlx-kvserve-try-clients" / "runs"]
+MAX_TOKENS = 16
+
+
+class Shape(NamedTuple):
+    system: list[dict]  # the system prompt's text blocks after the billing line
+    tools: list[dict]  # Anthropic tools: name, description, input_schema
+    opening: list[dict]  # the first user message's text blocks (Claude Code's reminders, then the task)
+    source: str  # the recorded request, or "synthetic"
+
+
+class Turn(NamedTuple):
+    ttft_s: float
+    prompt_tokens: int
+    cached_tokens: int | None  # None: the server did not say
+
+
+# -- the session -------------------------------------------------------------------------------------
+
+
+def recorded_shape(folders: list[Path]) -> Shape | None:
+    """System blocks, tools and opening of the newest recorded Claude Code request with tools."""
+    files = sorted(
+        (f for d in folders if d.exists() for f in d.glob("*/requests/*claude*POST_v1_messages.json")),
+        key=lambda f: f.stat().st_mtime,
+    )
+    for path in reversed(files):
+        body = json.loads(path.read_text())
+        if not body.get("tools") or not isinstance(body.get("system"), list):
+            continue
+        system = [
+            {"type": "text", "text": b["text"]} for b in body["system"] if not b["text"].startswith("x-anthropic")
+        ]
+        opening = [{"type": "text", "text": b["text"]} for b in body["messages"][0]["content"]]
+        # Claude Code's mid-conversation system message (agent types) goes in as a reminder block, as
+        # earlier Claude Code versions sent it: every server here takes user text, not all a system turn.
+        for m in body["messages"][1:]:
+            if m["role"] == "system" and isinstance(m["content"], str):
+                opening.insert(-1, {"type": "text", "text": f"<system-reminder>\n{m['content']}\n</system-reminder>\n"})
+        tools = [{k: t[k] for k in ("name", "description", "input_schema")} for t in body["tools"]]
+        return Shape(system, tools, opening, str(path))
+    return None
+
+
+def synthetic_shape() -> Shape:
+    """~25k tokens like Claude Code's: ~6k-token instructions, 25 tools with long descriptions."""
+    tools = []
+    for i in range(25):
+        f = tool_schemas(20)[i % 20]["function"]
+        notes = agent_instructions(f"tool {i}", 500).split("\n", 1)[1]
+        tools.append(
+            {
+                "name": f"{f['name']}_{i}",
+                "description": f"{f['description']}\n\n{notes}",
+                "input_schema": f["parameters"],
+            }
+        )
+    system = [
+        {"type": "text", "text": "You are a Claude agent."},
+        {"type": "text", "text": agent_instructions("", 4300)},
+    ]
+    opening = [{"type": "text", "text": "<system-reminder>\nToday's date is 2026-11-26.\n</system-reminder>\n"}]
+    return Shape(system, tools, opening, "synthetic")
+
+
+USER_TURNS = [
+    "CI failed on main for the payments service. Find out why.",
+    "Which test fails, and what does it assert?",
+    "Show me the code that computes the refund.",
+    "Why is it off by one cent?",
+    "Fix it with decimal arithmetic, please.",
+    "Run the refund tests again.",
+    "Are there other places in the service that use floats for money?",
+    "Fix the invoice total the same way.",
+    "Run the whole payments suite.",
+    "Commit both fixes with a good message.",
+]
+# The assistant part of turns 1-9: text, or (text, tool name, input, the tool's result). Scripted, so
+# every server gets the same requests.
+ASSISTANT = [
+    (
+        "I'll run the payments tests.",
+        "Bash",
+        {"command": "pytest services/payments -q", "description": "Run tests"},
+        "FAILED tests/test_refund.py::test_partial_refund - AssertionError: assert 39.99 == 40.0\n1 failed, 212 passed",
+    ),
+    "`tests/test_refund.py::test_partial_refund` fails: 40% of a 100.00 order should refund 40.00; it gives 39.99.",
+    (
+        "Reading the refund code.",
+        "Read",
+        {"file_path": "/repo/services/payments/refund.py", "limit": 30},
+        "1\tdef partial_refund(total, share):\n2\t    amount = total * share\n3\t    return math.floor(amount * 100) / 100",
+    ),
+    "`total * share` is a binary float: 100.00 * 0.4 is 39.99999..., and `math.floor` cuts it to 39.99.",
+    (
+        "Switching to Decimal.",
+        "Edit",
+        {
+            "file_path": "/repo/services/payments/refund.py",
+            "old_string": "amount = total * share",
+            "new_string": "amount = Decimal(total) * Decimal(str(share))",
+        },
+        "The file /repo/services/payments/refund.py has been updated.",
+    ),
+    (
+        "Running the refund tests.",
+        "Bash",
+        {"command": "pytest services/payments/tests/test_refund.py -q"},
+        "14 passed in 0.62s",
+    ),
+    (
+        "Searching for floats.",
+        "Bash",
+        {"command": "grep -rn 'float(' services/payments"},
+        "services/payments/invoice.py:41: total = float(subtotal) * (1 + tax_rate)",
+    ),
+    (
+        "Fixing the invoice.",
+        "Edit",
+        {
+            "file_path": "/repo/services/payments/invoice.py",
+            "old_string": "float(subtotal)",
+            "new_string": "Decimal(subtotal)",
+        },
+        "The file /repo/services/payments/invoice.py has been updated.",
+    ),
+    ("Running the suite.", "Bash", {"command": "pytest services/payments -q"}, "213 passed in 8.12s"),
+]
+
+
+def session_messages(shape: Shape, turn: int) -> list[dict]:
+    """Anthropic messages of turn `turn` (0-based): the opening, then per earlier turn its assistant
+    part and the next user message (a tool_result when the assistant called a tool)."""
+    messages = [{"role": "user", "content": [*shape.opening, {"type": "text", "text": USER_TURNS[0]}]}]
+    for i in range(turn):
+        part = ASSISTANT[i]
+        if isinstance(part, str):
+            messages.append({"role": "assistant", "content": [{"type": "text", "text": part}]})
+            messages.append({"role": "user", "content": [{"type": "text", "text": USER_TURNS[i + 1]}]})
+            continue
+        text, name, arguments, result = part
+        call_id = f"toolu_{i:02d}"
+        use = {"type": "tool_use", "id": call_id, "name": name, "input": arguments}
+        messages.append({"role": "assistant", "content": [{"type": "text", "text": text}, use]})
+        done = {"type": "tool_result", "tool_use_id": call_id, "content": result}
+        messages.append({"role": "user", "content": [done, {"type": "text", "text": USER_TURNS[i + 1]}]})
+    return messages
+
+
+def billing_line() -> str:
+    return f"x-anthropic-billing-header: cc_version={CC_VERSION}; cc_entrypoint=cli; cch={secrets.token_hex(3)};"
+
+
+def messages_body(shape: Shape, turn: int) -> dict:
+    """The /v1/messages body of turn `turn`, with a fresh billing nonce."""
+    return {
+        "model": "default",
+        "system": [{"type": "text", "text": billing_line()}, *shape.system],
+        "tools": shape.tools,
+        "messages": session_messages(shape, turn),
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "stream": True,
+    }
+
+
+def as_chat(body: dict) -> tuple[list[dict], list[dict]]:
+    """(chat messages, OpenAI tools) of a /v1/messages body; the billing line stays the system's first line."""
+    billing, *rest = body["system"]
+    messages = [{"role": "system", "content": billing["text"] + "\n" + "".join(b["text"] for b in rest)}]
+    for m in body["messages"]:
+        texts = "".join(b["text"] for b in m["content"] if b["type"] == "text")
+        uses = [b for b in m["content"] if b["type"] == "tool_use"]
+        for r in (b for b in m["content"] if b["type"] == "tool_result"):
+            messages.append({"role": "tool", "tool_call_id": r["tool_use_id"], "content": r["content"]})
+        if uses:
+            calls = [
+                {
+                    "id": u["id"],
+                    "type": "function",
+                    "function": {"name": u["name"], "arguments": json.dumps(u["input"])},
+                }
+                for u in uses
+            ]
+            messages.append({"role": "assistant", "content": texts, "tool_calls": calls})
+        elif texts:
+            messages.append({"role": m["role"], "content": texts})
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": t["name"], "description": t["description"], "parameters": t["input_schema"]},
+        }
+        for t in body["tools"]
+    ]
+    return messages, tools
+
+
+# -- clients -----------------------------------------------------------------------------------------
+
+
+def stream_messages(url: str, body: dict) -> Turn:
+    """One streamed /v1/messages request; TTFT to the first content_block_delta."""
+    start, ttft, usage = time.perf_counter(), None, {}
+    with httpx.stream(
+        "POST",
+        url + "/v1/messages",
+        json=body,
+        timeout=900,
+        headers={"anthropic-version": "2023-06-01", "x-api-key": "unused"},
+    ) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"{url}/v1/messages -> {resp.status_code}: {resp.read().decode()[:500]}")
+        for line in resp.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[6:])
+            if event.get("type") == "content_block_delta" and ttft is None:
+                ttft = time.perf_counter() - start
+            found = (event.get("message") or {}).get("usage") or event.get("usage") or {}
+            usage.update({k: v for k, v in found.items() if v is not None})
+    ttft = ttft if ttft is not None else time.perf_counter() - start
+    cached = usage.get("cache_read_input_tokens")
+    prompt = usage.get("input_tokens", 0) + (cached or 0) + (usage.get("cache_creation_input_tokens") or 0)
+    return Turn(ttft, prompt, cached)
+
+
+def chat_turn(server: Server, body: dict) -> Turn:
+    messages, tools = as_chat(body)
+    reply = stream_turn(server, messages, tools, MAX_TOKENS)  # greedy, usage in the last chunk
+    return Turn(reply.ttft_s, reply.prompt_tokens, reply.cached_tokens)
+
+
+VLLM_FETCH = re.compile(r"\[cache_fetch\] request=\S+ (HIT|MISS) prompt_tokens=(\d+)(?: cached=(\d+))?")
+
+
+def vllm_logged(turn: Turn, log: Path, start: int) -> Turn:
+    """`turn` with vllm-mlx's prompt and cached tokens from its log (its stream reports input_tokens 0
+    and no cache_read_input_tokens): the `[cache_fetch]` line the request wrote after byte `start`."""
+    with open(log, "rb") as f:
+        f.seek(start)
+        found = VLLM_FETCH.findall(f.read().decode(errors="replace"))
+    if not found:
+        return turn
+    _, prompt, cached = found[-1]
+    return Turn(turn.ttft_s, int(prompt), int(cached or 0))
+
+
+def warm_up(server: Server) -> None:
+    """A short unrelated request: first-use kernel compilation, not part of the session."""
+    body = {"model": "default", "max_tokens": 2, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    if server.name == MLX_LM:
+        stream_turn(server, body["messages"], [], 2)
+    else:
+        stream_messages(server.url, body)
+
+
+# -- servers -----------------------------------------------------------------------------------------
+
+
+def start(name: str, model: Path, vllm_mlx: str | None, work: Path) -> Server:
+    port, env = free_port(), server_env()
+    if name == OURS:
+        home = work / "kvserve-home"
+        cmd = [sys.executable, "-m", "mlx_kvserve", "run", "--model", str(model), "--port", str(port)]
+        server = Server(name, cmd, port, dict(env, MLX_KVSERVE_HOME=str(home)), "/health")
+    elif name == VLLM:
+        cmd = [
+            vllm_mlx,
+            "serve",
+            str(model),
+            "--port",
+            str(port),
+            "--continuous-batching",
+            "--enable-prefix-cache",
+            "--served-model-name",
+            "default",
+        ]
+        # vllm-mlx saves its prefix cache under ~/.cache/vllm-mlx and loads it on start: a fresh HOME
+        # keeps turn 1 cold, as on the other servers
+        server = Server(name, cmd, port, dict(env, HOME=str(work / "vllm-home")), "/v1/models")
+    else:
+        cmd = [sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--port", str(port)]
+        server = Server(name, cmd, port, env, "/v1/models")
+    print(f"{name}: {' '.join(cmd)} (log {server.log.name})", flush=True)
+    server.wait(server.ready_path, timeout=600)
+    warm_up(server)
+    return server
+
+
+def run_server(name: str, shape: Shape, turns: int, model: Path, vllm_mlx: str | None, work: Path) -> dict:
+    """The session on one server: {"turns": [Turn as dict]} or {"error": why it could not run}."""
+    try:
+        server = start(name, model, vllm_mlx, work)
+    except Exception as exc:  # reported in the table: a peer that cannot start here
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    rows = []
+    try:
+        for turn in range(turns):
+            body, log_start = messages_body(shape, turn), Path(server.log.name).stat().st_size
+            result = chat_turn(server, body) if name == MLX_LM else stream_messages(server.url, body)
+            if name == VLLM:
+                result = vllm_logged(result, Path(server.log.name), log_start)
+            rows.append(result._asdict())
+            print(
+                f"  {name} turn {turn + 1}: {result.prompt_tokens} tokens, cached {result.cached_tokens}, "
+                f"TTFT {result.ttft_s:.2f} s",
+                flush=True,
+            )
+    except Exception as exc:
+        return {"turns": rows, "error": f"{type(exc).__name__}: {exc} (log {server.log.name})"}
+    finally:
+        server.stop()
+    return {"turns": rows, "log": server.log.name}
+
+
+# -- report ------------------------------------------------------------------------------------------
+
+
+def later_mean(result: dict) -> float | None:
+    ttfts = [t["ttft_s"] for t in result.get("turns", [])[1:]]
+    return statistics.mean(ttfts) if ttfts else None
+
+
+def report_lines(results: dict) -> list[str]:
+    names = [n for n in results["servers"] if results["servers"][n].get("turns")]
+    lines = [
+        f"Shape: {results['source']}; {results['num_tools']} tools; {results['turns']} turns; {MAX_TOKENS} tokens "
+        f"per reply, greedy; a fresh `cch` nonce in the billing line of every request. Wall time "
+        f"{results['wall_s'] / 60:.1f} min. Prompt tokens per server in column order where they differ.",
+        "",
+        "| turn | prompt tokens | " + " | ".join(f"{n} cached | {n} TTFT s" for n in names) + " |",
+        "|---|---|" + "---|---|" * len(names),
+    ]
+    for i in range(results["turns"]):
+        cells, prompts = [], []
+        for n in names:
+            rows = results["servers"][n]["turns"]
+            if i < len(rows):
+                r = rows[i]
+                prompts.append(f"{r['prompt_tokens']}")
+                cells.append(f"{'-' if r['cached_tokens'] is None else r['cached_tokens']} | {r['ttft_s']:.2f}")
+            else:
+                cells.append("- | -")
+        shown = prompts[0] if len(set(prompts)) <= 1 else " / ".join(prompts)
+        lines.append(f"| {i + 1} | {shown} | " + " | ".join(cells) + " |")
+    ours = later_mean(results["servers"].get(OURS, {}))
+    lines.append("")
+    for n in names:
+        mean = later_mean(results["servers"][n])
+        ratio = f" ({mean / ours:.1f}x ours)" if ours and mean and n != OURS else ""
+        lines.append(f"- {n}: turns 2-{results['turns']} mean TTFT {mean:.2f} s{ratio}")
+    for n, r in results["servers"].items():
+        if r.get("error"):
+            lines.append(f"- {n}: {r['error']}")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, help="model folder (default: try_clients.py's recipe, built if needed)")
+    ap.add_argument("--layers", type=int, default=1, help="layers of the built model")
+    ap.add_argument("--heads", type=int, default=1, help="attention heads of the built model (64 dimensions each)")
+    ap.add_argument("--vllm-mlx", help="the vllm-mlx executable of a scratch venv (left out: not run)")
+    ap.add_argument("--turns", type=int, default=10)
+    ap.add_argument("--synthetic", action="store_true", help="the synthetic shape even when a recording exists")
+    ap.add_argument("--out", type=Path, default=ROOT / "results" / "claude_session")
+    args = ap.parse_args()
+    if args.model is None:
+        from try_clients import build_model
+
+        folder = (
+            Path.home()
+            / ".cache"
+            / "mlx-kvserve-try-clients"
+            / ("model" if (args.layers, args.heads) == (1, 1) else f"model-{args.layers}l{args.heads}h")
+        )
+        args.model = build_model(folder, 131072, 12.0, args.layers, args.heads)
+    shape = (None if args.synthetic else recorded_shape(RECORDED)) or synthetic_shape()
+    names = [OURS, *([VLLM] if args.vllm_mlx else []), MLX_LM]
+    work, start_s = Path(tempfile.mkdtemp(prefix="kvserve-claude-session-")), time.perf_counter()
+    results: dict = {
+        "source": shape.source,
+        "num_tools": len(shape.tools),
+        "turns": args.turns,
+        "model": str(args.model),
+        "servers": {},
+    }
+    for name in names:
+        results["servers"][name] = run_server(name, shape, args.turns, args.model, args.vllm_mlx, work)
+    results["wall_s"] = time.perf_counter() - start_s
+    write_report(results, args.out, report_lines(results))
+
+
+if __name__ == "__main__":
+    main()
