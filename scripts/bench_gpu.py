@@ -156,9 +156,14 @@ def raw_read_bps(folder: Path) -> float:
     buf, total = memoryview(bytearray(8 << 20)), 0
     start = time.perf_counter()
     for path in folder.rglob("*.safetensors"):
-        with open(path, "rb", buffering=0) as f:
-            while n := f.readinto(buf):
-                total += n
+        if path.name.startswith(".") or ".tmp" in path.name:
+            continue  # a save in progress (the writer may still be running): not a stored file
+        try:
+            with open(path, "rb", buffering=0) as f:
+                while n := f.readinto(buf):
+                    total += n
+        except FileNotFoundError:  # evicted or replaced since the listing
+            continue
     elapsed = time.perf_counter() - start
     return total / elapsed if elapsed > 0 and total else 0.0
 

@@ -29,7 +29,7 @@ from bench_ssd_io import drop_cache as drop_file  # noqa: E402
 
 
 def block_files(folder: Path) -> list[Path]:
-    return [p for p in folder.rglob("*.safetensors") if p.is_file()]
+    return [p for p in folder.rglob("*.safetensors") if p.is_file() and ".tmp" not in p.name]  # not saves in progress
 
 
 def drop_cache(paths: list[Path]) -> None:
