@@ -131,16 +131,16 @@ def test_blocks_one_server_writes_are_hits_for_the_other(tiny, home, tmp_path):
         hashes = guest.prefix_cache.manager.hasher.hash_blocks(prompt)
         assert hashes and _wait_for(lambda: all((guest.folder_lock.folder / _relpath(h)).is_file() for h in hashes))
         hit = greedy(owner.generator, prompt, 6)
-        assert hit[:2] == cold[:2] and cold[2] == 0 and hit[2] >= len(hashes) * BS
-        owner_stats = owner.local_cache_stats()
-        assert owner_stats["ssd_hits"] == len(hashes) and owner_stats["ssd_adopted"] == len(hashes)
+        assert hit[:2] == cold[:2] and cold[2] == 0 and hit[2] >= (len(prompt) - 1) // BS * BS > 0
+        owner_stats = owner.local_cache_stats()  # some blocks may be computed while the rest are read
+        assert owner_stats["ssd_hits"] >= 1 and owner_stats["ssd_adopted"] >= 1
 
         cold_other = greedy(owner.generator, other, 6)
         other_hashes = owner.prefix_cache.manager.hasher.hash_blocks(other)
         assert _wait_for(lambda: all((owner.folder_lock.folder / _relpath(h)).is_file() for h in other_hashes))
         hit_other = greedy(guest.generator, other, 6)
-        assert hit_other[:2] == cold_other[:2] and hit_other[2] > cold_other[2]
-        assert guest.local_cache_stats()["ssd_hits"] >= len(owner.prefix_cache.manager.hasher.hash_blocks(other))
+        assert hit_other[:2] == cold_other[:2] and hit_other[2] >= (len(other) - 1) // BS * BS > cold_other[2]
+        assert guest.local_cache_stats()["ssd_hits"] >= 1
     finally:
         guest.stop()
         owner.stop()
