@@ -65,16 +65,19 @@ def test_count_tokens_holds_an_in_flight_slot(tiny_model_dir, tmp_path):
             first = asyncio.create_task(client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 1}))
             await asyncio.sleep(0.5)
             counted = await client.post("/v1/messages/count_tokens", json={"model": "tiny", "messages": USER})
+            responses = await client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 1})
             release.set()
-            return await first, counted, await client.post("/v1/messages/count_tokens", json={"messages": USER})
+            done = await first
+            return done, counted, responses, await client.post("/v1/messages/count_tokens", json={"messages": USER})
 
     try:
-        first, counted, after = asyncio.run(scenario())
+        first, counted, responses, after = asyncio.run(scenario())
     finally:
         release.set()
         engine.stop(5)  # no lifespan ran: release the cache folder and its writer here
     assert first.status_code == 200
     assert counted.status_code == 429 and counted.headers["retry-after"] == "1"
+    assert responses.status_code == 429  # a Responses request is a completion: it needs the slot too
     assert after.status_code == 200 and after.json()["input_tokens"] > 0  # the slot was given back
 
 
