@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Every GPU benchmark the issues name, in one device call (docs/benchmarks.md "GPU").
+# Usage on the lent machine, after the two staging calls of ../shared/DEVICE.md:
+#   export PYTHONPATH=/tmp/site:$PWD && bash scripts/gpu_run.sh $OUT
+# CPU smoke run (tiny shape, short prompts):  SHAPE=tiny BITS=0 LENGTHS=256,512 WORDS=60 bash scripts/gpu_run.sh /tmp/gpurun
+# Each step runs under its own time limit (SIGINT, so the scripts stop their servers) and writes
+# its figures and log under OUT; a step that runs out of time leaves the others' figures intact.
+set -u
+out=${1:?usage: gpu_run.sh OUT_DIR}
+mkdir -p "$out"
+py=${PYTHON:-python3}
+shape=${SHAPE:-llama3-8b}
+bits=${BITS:-4}
+lengths=${LENGTHS:-2048,8192,16384}
+words=${WORDS:-1400}
+step() {  # step NAME SECONDS CMD...
+  local name=$1 secs=$2; shift 2
+  echo "== $name (limit ${secs}s) $(date +%T)"
+  local t0=$SECONDS
+  timeout -s INT -k 10 "$secs" "$@" > "$out/$name.log" 2>&1
+  echo "   rc=$? in $((SECONDS - t0))s"; tail -n 25 "$out/$name.log"
+}
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | tee "$out/device.txt"
+$py -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())" | tee -a "$out/device.txt"
+step engine "${T_ENGINE:-210}" $py scripts/bench_gpu.py --shape "$shape" --bits "$bits" \
+  --lengths "$lengths" --out "$out/engine"
+step ssd_io "${T_SSD:-40}" $py scripts/bench_ssd_io.py --small --out "$out/ssd_io"
+model=$(mktemp -d)/m
+$py - "$shape" "$bits" "$model" <<'PY' > "$out/model.log" 2>&1
+import sys
+from pathlib import Path
+sys.path.insert(0, "scripts")
+from harness.synthetic import synthetic_model
+print(synthetic_model(sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])))
+PY
+step prefix "${T_PREFIX:-120}" $py scripts/bench_prefix.py --quick --scenarios system --model "$model" \
+  --system-words "$words" --out "$out/prefix"
+step concurrent "${T_CONC:-130}" $py scripts/bench_concurrent.py --quick --clients 4,8 --model "$model" \
+  --out "$out/concurrent"
+echo "== done $(date +%T)"
