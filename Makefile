@@ -7,19 +7,25 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 MODEL ?= default
 
-.PHONY: setup run test lint fast-blas clean
+.PHONY: setup run test lint fast-blas browser clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
+	# the vision towers (docs/vision.md): mlx-vlm without its audio/video/training dependencies
+	$(PY) -m pip install -q --no-deps 'mlx-vlm==0.7.10' 'Pillow>=10.3'
 	touch $(STAMP)
 
 # Debian/Ubuntu: install OpenBLAS so MLX's float32 path is fast (best effort; never fails setup).
 fast-blas:
 	@bash scripts/install-openblas.sh || true
 
-setup: $(STAMP) fast-blas
+# Debian/Ubuntu: headless Chromium for the /ui browser tests (best effort; they skip without it).
+browser:
+	@bash scripts/install-chromium.sh || true
+
+setup: $(STAMP) fast-blas browser
 
 run: setup
 	$(VENV)/bin/mlx-kvserve run --model $(MODEL) --host $(HOST) --port $(PORT)

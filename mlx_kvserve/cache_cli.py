@@ -142,7 +142,7 @@ def verify(config_path: str | None, cache_dir: Path | None) -> None:
     deleted, damaged bookkeeping files set aside as `<name>.damaged-<time>`, the index repaired and
     temp leftovers removed; exits 1 when anything was wrong, 2 (checking and changing nothing)
     while a server holds the cache folder's lock."""
-    from .kv.ssd_index import folder_namespace
+    from .kv.ssd import folder_namespace
 
     root = cache_dir or load_config(config_path).ssd_path()
     _lock_store_folders(root)  # exits 2, changing nothing, while a server uses the cache
@@ -170,7 +170,7 @@ def _lock_store_folders(root: Path) -> None:
     starts on a folder while it is checked. When another process (a server, another verify) holds
     one, print who and exit 2 before anything is read or changed: verify deletes temp files, which
     would be a running server's writes in progress."""
-    from .kv.folder_lock import FolderBusyError, FolderLock
+    from .kv.ssd import FolderBusyError, FolderLock
 
     ctx = click.get_current_context()
     refused = []
@@ -192,9 +192,7 @@ def _verify_folder(folder: Path, namespace: bytes) -> tuple[dict[str, Any], list
     """Check one namespace folder: (its table row, the bookkeeping files set aside)."""
     from .checked_json import remove_leftover_temps
     from .kv.pins import PINS_FILE, PinRegistry
-    from .kv.ssd import SSDStore
-    from .kv.ssd_tails import SSDTailStore
-    from .kv.tiering import SHUTDOWN_FILE, read_shutdown_record
+    from .kv.ssd import SHUTDOWN_FILE, SSDStore, SSDTailStore, read_shutdown_record
 
     temps = remove_leftover_temps(folder / PINS_FILE) + remove_leftover_temps(folder / SHUTDOWN_FILE)
     store = SSDStore(folder, namespace)

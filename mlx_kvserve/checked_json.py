@@ -2,14 +2,14 @@
 record, the fingerprint memo, the GGUF conversion marker), read as untrusted input.
 
 Anything can be in them: a crash, a full disk, a careless edit or another local process. So every
-such file is read here and nowhere else: only a regular file is read (kv/safe_files.py: opened
+such file is read here and nowhere else: only a regular file is read (safe_files.py: opened
 with O_NONBLOCK and checked with fstat, so a FIFO in its place cannot hang the server), at most
 `max_bytes` of it, parsed with NaN/Infinity and over-long integers refused (deep nesting and huge
 numbers are caught), then checked against a small declarative schema (types, ranges, finite numbers, hex lengths). `load_json` sets a bad file aside
 as `<name>.damaged-<UTC time>` in its folder (at most KEEP_DAMAGED per name, so the disk never
 fills) and returns a DamagedFile for its owner to report; the owner rebuilds the file. Nothing here
 raises for bad content. This module sits beside config/errors: kv/ and models/ both use it (it
-needs only kv/safe_files.py, which imports nothing of the package).
+needs only safe_files.py, which imports nothing of the package).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from .kv.safe_files import NotRegularFileError, open_regular
+from .safe_files import NotRegularFileError, open_regular
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +211,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _read_regular(path: Path, max_bytes: int) -> bytes:
-    # Links are followed: the file a link names is checked like any other (kv/safe_files.py).
+    # Links are followed: the file a link names is checked like any other (safe_files.py).
     try:
         fd = open_regular(path, follow_links=True)
     except FileNotFoundError:

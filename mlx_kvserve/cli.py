@@ -16,6 +16,7 @@ from . import blas
 from .cache_cli import cache_group
 from .config import ROUTER_POLICIES, Config, as_dict, key_overrides, load_api_keys, load_config
 from .errors import KVServeError
+from .models_cli import models_group
 from .service.commands import service_group
 
 log = logging.getLogger("mlx_kvserve")
@@ -108,6 +109,19 @@ def run(config_path, model, dtype, host, port, api_key, api_key_file, distribute
     from .server.app import create_app
 
     log.info("BLAS in use: %s", blas.blas_in_use())
+    registry_app = _registry_app(config, config_path, model, distributed, keys)
+    if registry_app is not None:  # [[models]]: several models, loaded on demand (engine/registry.py)
+        signal.signal(signal.SIGTERM, _exit_cleanly)
+        server = config.server
+        uvicorn.run(
+            registry_app,
+            host=server.host,
+            port=server.port,
+            log_level=server.log_level,
+            timeout_graceful_shutdown=server.shutdown_timeout_s,
+            access_log=False,
+        )
+        return
     world = _world(distributed)
     rank_exit = None
     if world is not None:  # leave when the launcher is stopped (it forwards no signal), within a bound
@@ -152,6 +166,27 @@ def run(config_path, model, dtype, host, port, api_key, api_key_file, distribute
     finally:
         if rank_exit is not None:  # the worker thread may be stuck in a collective: bound the exit
             rank_exit.deadline("shut down")
+
+
+def _registry_app(config: Config, config_path: str | None, model: str | None, distributed: str | None, keys):
+    """The app of a server with several models, or None without [[models]] in the config file."""
+    from .model_entries import load_model_entries
+
+    try:
+        entries = load_model_entries(config_path)
+    except KVServeError as exc:
+        raise click.ClickException(exc.message) from None
+    if not entries:
+        return None
+    if distributed:
+        raise click.UsageError("--distributed serves one model: remove the [[models]] entries")
+    from .engine.model_front import RoutedEngine
+    from .engine.registry import ModelRegistry, registry_entries
+    from .server.app import create_app
+
+    registry = ModelRegistry(config, registry_entries(entries, model))
+    log.info("models: %s (memory budget %.2f GiB)", ", ".join(registry.names), registry.budget_bytes / 2**30)
+    return create_app(RoutedEngine(registry), keys, registry)
 
 
 def _world(mode: str | None):
@@ -270,6 +305,7 @@ def router(
 
 cli.add_command(service_group)
 cli.add_command(cache_group)
+cli.add_command(models_group)
 
 
 def main() -> None:

@@ -61,6 +61,11 @@ class ServerConfig:
     port: int = 8000
     max_queue: int = 16  # requests waiting for the worker; one more gets 429
     max_batch: int = 8  # requests decoding together (continuous batching); at most max_queue
+    # Which waiting request starts next: "cached_first" (fewest uncached prompt tokens first; one
+    # that has waited max_wait_s goes first) or "fifo" (arrival order). engine/order.py.
+    scheduling: str = "cached_first"
+    max_wait_s: float = 5.0
+    prefill_batch_size: int = 0  # prompts prefilled together; 0 = max_batch
     max_body_bytes: int = 4 * 1024 * 1024
     shutdown_timeout_s: float = 30.0  # how long in-flight requests may run after SIGTERM
     log_level: str = "info"
@@ -70,11 +75,16 @@ class ServerConfig:
     first_token_timeout_s: float = 0.0  # arrival to first token; 0 = none
     request_timeout_s: float = 0.0  # arrival to last token; 0 = none
     body_read_timeout_s: float = 30.0  # arrival to the body's last byte (else 408); read before a slot is taken
+    fetch_image_urls: bool = False  # image parts may name http(s) URLs, fetched by the server (else data URLs only)
     # Secrets stay out of repr() so a logged config never shows them; see load_api_keys.
     api_key: str = field(default="", repr=False)  # "" = no key needed (unless api_key_file names one)
     api_key_file: str = ""
     admin_api_key: str = field(default="", repr=False)  # "" = /v1/cache/ needs what the rest needs
     admin_api_key_file: str = ""
+    # Several models ([[models]], engine/registry.py): the weights (and KV in RAM) of loaded models stay
+    # under this; the least recently used idle model is unloaded to make room. 0 = half of physical memory.
+    model_memory_bytes: int = 0
+    model_keep_alive_s: float = 0.0  # an idle model is unloaded after this long; 0 = only for room
 
     def in_flight_limit(self) -> int:
         """Completion requests that may be in flight before the next gets 429."""
@@ -100,7 +110,15 @@ class GenerationConfig:
     max_tokens: int = 512  # default completion limit when the request names none
     temperature: float = 0.7
     top_p: float = 1.0
-    prefill_step_size: int = 512
+    prefill_step_size: int = 0  # 0 = by device: 2048 on a GPU, 512 on the CPU (engine/build.py)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    # Speculative decoding for a greedy request decoding alone (engine/speculative.py): "auto" and
+    # "prompt_lookup" draft from the prompt and output (n-gram lookup) where it pays; "off" never.
+    mode: str = "auto"
+    max_draft_tokens: int = 8  # the most tokens drafted per verify pass; 0 = off
 
 
 @dataclass(frozen=True)
@@ -175,6 +193,17 @@ class RouterConfig:
 
 
 @dataclass(frozen=True)
+class VisionConfig:
+    """Images in requests to a vision-language model (docs/vision.md)."""
+
+    max_images: int = 16  # images in one request
+    max_image_bytes: int = 20 * 1024 * 1024  # one image, encoded (413 above)
+    max_image_pixels: int = 40_000_000  # one image, width x height, read from its header (413 above)
+    fetch_timeout_s: float = 10.0  # one image URL's download ([server] fetch_image_urls)
+    encoder_cache_bytes: int = 256 * 1024 * 1024  # vision-tower outputs kept by image digest; 0 = off
+
+
+@dataclass(frozen=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -182,6 +211,8 @@ class Config:
     cache: CacheConfig = field(default_factory=CacheConfig)
     ssd: SSDConfig = field(default_factory=SSDConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
+    vision: VisionConfig = field(default_factory=VisionConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def models_path(self) -> Path:
         return Path(self.model.models_dir).expanduser() if self.model.models_dir else default_home() / "models"
@@ -191,7 +222,16 @@ class Config:
 
 
 _SECTIONS = {f.name: f.type for f in fields(Config)}
-_BYTE_KEYS = {"max_body_bytes", "ram_max_bytes", "max_bytes", "min_free_bytes", "prefetch_max_bytes"}
+_BYTE_KEYS = {
+    "max_body_bytes",
+    "ram_max_bytes",
+    "max_bytes",
+    "min_free_bytes",
+    "prefetch_max_bytes",
+    "model_memory_bytes",
+    "max_image_bytes",
+    "encoder_cache_bytes",
+}
 
 
 def _coerce(section: str, key: str, value: Any, expected: type) -> Any:
@@ -290,19 +330,23 @@ def validate(config: Config) -> Config:
     _check(0 <= s.port <= 65535, "server.port", f"must be 0..65535, got {s.port}")
     _check(s.max_queue >= 1, "server.max_queue", f"must be >= 1, got {s.max_queue}")
     _check(s.max_batch >= 1, "server.max_batch", f"must be >= 1, got {s.max_batch}")
+    _check(s.scheduling in ("cached_first", "fifo"), "server.scheduling", "must be cached_first or fifo")
+    _check(s.max_wait_s >= 0, "server.max_wait_s", f"must be >= 0, got {s.max_wait_s}")
+    _check(s.prefill_batch_size >= 0, "server.prefill_batch_size", "must be >= 0 (0: max_batch)")
     _check(s.max_body_bytes >= 1024, "server.max_body_bytes", "must be at least 1KiB")
     _check(s.shutdown_timeout_s >= 0, "server.shutdown_timeout_s", "must be >= 0")
     _check(s.body_read_timeout_s > 0, "server.body_read_timeout_s", "must be > 0 (a slow upload must end)")
     levels = ("critical", "error", "warning", "info", "debug")
     _check(s.log_level in levels, "server.log_level", f"must be one of {', '.join(levels)}")
     _validate_limits(s)
+    _check(s.model_keep_alive_s >= 0, "server.model_keep_alive_s", "must be >= 0 (0 = never for idleness)")
     dtypes = ("float32", "float16", "bfloat16", "keep")
     _check(config.model.dtype in dtypes, "model.dtype", f"must be one of {', '.join(dtypes)}")
     _check(bool(config.model.path), "model.path", "must not be empty")
     _check(g.max_tokens >= 1, "generation.max_tokens", f"must be >= 1, got {g.max_tokens}")
     _check(0 <= g.temperature <= 2, "generation.temperature", "must be in [0, 2]")
     _check(0 < g.top_p <= 1, "generation.top_p", "must be in (0, 1]")
-    _check(g.prefill_step_size >= 1, "generation.prefill_step_size", "must be >= 1")
+    _check(g.prefill_step_size >= 0, "generation.prefill_step_size", "must be >= 0 (0: by device)")
     _check(c.block_size >= 1, "cache.block_size", f"must be >= 1, got {c.block_size}")
     _check(c.checkpoint_every >= 0, "cache.checkpoint_every", f"must be >= 0, got {c.checkpoint_every}")
     _check(c.kv_bits in (0, 4, 8), "cache.kv_bits", f"must be 0, 4 or 8, got {c.kv_bits}")
@@ -321,6 +365,16 @@ def validate(config: Config) -> Config:
     _check(d.write_hold_s >= 0, "ssd.write_hold_s", "must be >= 0 (0 = never hold writes)")
     _check(d.drain_timeout_s >= 0, "ssd.drain_timeout_s", "must be >= 0")
     _validate_router(config.router)
+    v = config.vision
+    _check(v.max_images >= 0, "vision.max_images", "must be >= 0 (0: no images)")
+    _check(v.max_image_bytes >= 1, "vision.max_image_bytes", "must be >= 1")
+    _check(v.max_image_pixels >= 1, "vision.max_image_pixels", "must be >= 1")
+    _check(v.fetch_timeout_s > 0, "vision.fetch_timeout_s", "must be > 0")
+    _check(v.encoder_cache_bytes >= 0, "vision.encoder_cache_bytes", "must be >= 0 (0: off)")
+    sp = config.speculative
+    modes = ("auto", "off", "prompt_lookup")
+    _check(sp.mode in modes, "speculative.mode", f"must be one of {', '.join(modes)}")
+    _check(0 <= sp.max_draft_tokens <= 64, "speculative.max_draft_tokens", "must be 0..64 (0 = off)")
     return config
 
 
@@ -361,6 +415,10 @@ def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, A
             raise ConfigError(f"[{name}]: expected a table", param=name)
     for section, values in (overrides or {}).items():
         data.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
+    if "models" in data:  # [[models]]: the model registry, checked here, read by model_entries.py
+        from .model_entries import model_entries
+
+        model_entries(data.pop("models"))
     unknown = sorted(set(data) - set(_SECTIONS))
     if unknown:
         raise ConfigError(f"[{unknown[0]}]: unknown section", param=unknown[0])

@@ -30,31 +30,28 @@ import json
 import os
 import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-import bench_concurrent
-import bench_interleaved
-import bench_pins
-from bench_common import ROOT, default_model_dir
-from bench_prefix import (
-    Server,
-    chat_ttft,
+from harness import OURS, ROOT, THEIRS, default_model_dir
+
+# The measurements are harness.scenarios', shared with bench_prefix/interleaved/concurrent/pins.py: here they
+# all run on one pair of servers (running those scripts as subprocesses would start a pair for each).
+from harness.scenarios import concurrent, interleaved, pins
+from harness.scenarios.prefix import (
     decode_speed,
-    free_port,
     scenario_conversation,
     scenario_restart,
     scenario_system_prompt,
     ssd_write_cost,
 )
-from bench_prefix import report_lines as prefix_report_lines
+from harness.scenarios.prefix import report_lines as prefix_report_lines
+from harness.servers import server_env, start_servers, stop_servers
 
-from mlx_kvserve.blas import blas_in_use, mapped_blas, preload_env
+from mlx_kvserve.blas import blas_in_use, mapped_blas
 
 SCENARIOS = ["system", "restart", "conversation", "interleaved", "pins", "decode", "ssd", "concurrent"]
 SERVER_SCENARIOS = {"system", "restart", "conversation", "interleaved", "concurrent"}
-OURS, THEIRS = "mlx-kvserve", "mlx_lm.server"
 
 PARAMS = {
     "full": {
@@ -85,47 +82,6 @@ PARAMS = {
 
 
 # -- servers -------------------------------------------------------------------------------------
-
-
-def server_env() -> dict[str, str]:
-    return preload_env(dict(os.environ, PYTHONUNBUFFERED="1"))
-
-
-def start_servers(model_dir: Path | None = None) -> list[Server]:
-    """Our server (fresh MLX_KVSERVE_HOME, default budgets) and mlx_lm.server, ready and warmed up."""
-    model_dir = model_dir or default_model_dir()
-    env = server_env()
-    home = tempfile.mkdtemp(prefix="kvserve-bench-")
-    ours_port, theirs_port = free_port(), free_port()
-    ours = Server(
-        OURS,
-        [sys.executable, "-m", "mlx_kvserve", "run", "--model", str(model_dir), "--port", str(ours_port)],
-        ours_port,
-        dict(env, MLX_KVSERVE_HOME=home),
-        "/health",
-    )
-    theirs = Server(
-        THEIRS,
-        [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir), "--port", str(theirs_port)],
-        theirs_port,
-        env,
-        "/v1/models",
-    )
-    servers = [ours, theirs]
-    try:
-        for server in servers:
-            server.wait(server.ready_path)
-        for server in servers:
-            chat_ttft(server, [{"role": "user", "content": "warm up"}], 4)  # first-use kernel compilation
-    except BaseException:
-        stop_servers(servers)
-        raise
-    return servers
-
-
-def stop_servers(servers: list[Server]) -> None:
-    for server in servers:
-        server.stop()
 
 
 def process_blas(pid: int) -> str:
@@ -220,7 +176,7 @@ def run_suite(wanted: list[str], params: dict, out: Path, model_dir: Path) -> di
             if "interleaved" in wanted:
                 results["interleaved"] = timed(
                     "interleaved",
-                    bench_interleaved.scenario_interleaved,
+                    interleaved.scenario_interleaved,
                     servers,
                     params["interleaved_conversations"],
                     params["interleaved_turns"],
@@ -229,7 +185,7 @@ def run_suite(wanted: list[str], params: dict, out: Path, model_dir: Path) -> di
                 save()
             if "concurrent" in wanted:
                 results["concurrent"] = timed(
-                    "concurrent", bench_concurrent.scenario_concurrent, servers, *params["concurrent"].values()
+                    "concurrent", concurrent.scenario_concurrent, servers, *params["concurrent"].values()
                 )
                 save()
             if "restart" in wanted:  # last: it restarts both servers
@@ -240,7 +196,7 @@ def run_suite(wanted: list[str], params: dict, out: Path, model_dir: Path) -> di
     if "pins" in wanted:
         results["pins"] = timed(
             "pins",
-            bench_pins.run_pins,
+            pins.run_pins,
             model_dir,
             server_env(),
             params["pin_depths"],
@@ -354,16 +310,16 @@ def report_markdown(results: dict, charts: list[str]) -> str:
         lines += ["## System prompt, restart, conversation, decode", "", *prefix_report_lines(prefix), ""]
     if "interleaved" in results:
         lines += ["## Many interleaved conversations", ""]
-        lines += bench_interleaved.report_lines(results["interleaved"], [OURS, THEIRS]) + [""]
+        lines += interleaved.report_lines(results["interleaved"], [OURS, THEIRS]) + [""]
     if "concurrent" in results:
         lines += ["## Concurrent clients (continuous batching)", ""]
-        lines += bench_concurrent.report_lines(results["concurrent"], [OURS, THEIRS]) + [""]
+        lines += concurrent.report_lines(results["concurrent"], [OURS, THEIRS]) + [""]
     if "pins" in results:
         p = results["pins"]
         lines += [
             f"## Flood + pin ({p['flood_conversations']} flood conversations, {p['rules']} rules)",
             "",
-            *bench_pins.report_lines(p),
+            *pins.report_lines(p),
             "",
         ]
     if charts:

@@ -1,6 +1,6 @@
 """An agent conversation, mlx-kvserve vs mlx_lm.server over the OpenAI API, in one run (issue 13).
 
-SmolLM2 on the CPU, given a Qwen-style tool template (scripts/agent_workload.py) through `[model]
+SmolLM2 on the CPU, given a Qwen-style tool template (scripts/harness/agent_workload.py) through `[model]
 chat_template` for ours and `--chat-template` for mlx_lm.server, so both render the same prompts. The
 system turn, agent instructions plus 20 tool schemas, is ~6k tokens (SmolLM2's context is 8k, so the
 instructions take ~3.9k and the schemas ~2.1k). 10 turns: each appends the previous assistant turn (a
@@ -29,66 +29,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, NamedTuple
 
-import httpx
-from agent_workload import TOOL_TEMPLATE, agent_instructions, count_tokens, tool_schemas, turn_messages
-from bench import OURS, THEIRS, server_env
-from bench_common import ROOT, default_model_dir, write_report
-from bench_prefix import Server, free_port
-
-TARGET_COLD, TARGET_THEIRS = 5.0, 2.0
-
-
-class Params(NamedTuple):
-    instruction_words: int  # agent instructions; with 20 schemas the system turn is ~6k SmolLM2 tokens
-    num_tools: int
-    turns: int
-    restart_after: int  # the restart conversation restarts both servers after this many turns
-    max_tokens: int  # per reply
-
-
-FULL = Params(instruction_words=2900, num_tools=20, turns=10, restart_after=5, max_tokens=16)
-QUICK = Params(instruction_words=500, num_tools=6, turns=4, restart_after=2, max_tokens=8)
-
-
-class Reply(NamedTuple):
-    ttft_s: float  # request to the first delta with content, a tool call or reasoning
-    prompt_tokens: int
-    cached_tokens: int | None  # None when the server does not report them
-    first: str  # what that first delta carried: "content", "tool_calls", "reasoning_content" or "none"
-
-
-def stream_turn(server: Server, messages: list[dict], tools: list[dict], max_tokens: int) -> Reply:
-    """One streamed greedy chat completion with `tools`, timed from the request to its first delta."""
-    body: dict[str, Any] = {
-        "messages": messages,
-        "tools": tools,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    if server.name == OURS:
-        body["model"] = "default"
-    start = time.perf_counter()
-    ttft, first, usage = None, "none", {}
-    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=900) as resp:
-        resp.raise_for_status()
-        for line in resp.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            for choice in chunk.get("choices") or []:
-                delta = choice.get("delta") or {}
-                kind = next((k for k in ("content", "tool_calls", "reasoning_content") if delta.get(k)), None)
-                if kind and ttft is None:
-                    ttft, first = time.perf_counter() - start, kind
-            usage = chunk.get("usage") or usage
-    if ttft is None:  # nothing streamed before the end
-        ttft = time.perf_counter() - start
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-    return Reply(ttft, usage.get("prompt_tokens", 0), cached, first)
+from harness import OURS, ROOT, THEIRS, default_model_dir
+from harness.agent_summary import FULL, QUICK, Params, report_lines
+from harness.agent_workload import TOOL_TEMPLATE, agent_instructions, count_tokens, tool_schemas, turn_messages
+from harness.clients import stream_turn
+from harness.reports import write_report
+from harness.servers import Server, free_port, server_env
 
 
 def warm_up(server: Server) -> None:
@@ -123,7 +70,7 @@ def start_pair(model_dir: Path, work: Path) -> list[Server]:
 
 def run_conversation(servers: list[Server], p: Params, nonce: str, restart_after: int | None) -> list[dict]:
     """One conversation on every server, turn by turn (the servers take turns); both restarted before
-    turn `restart_after` + 1 when given. Returns per turn {server name: Reply as a dict}."""
+    turn `restart_after` + 1 when given. Returns per turn {server name: TurnReply as a dict}."""
     system, tools = agent_instructions(nonce, p.instruction_words), tool_schemas(p.num_tools)
     turns = []
     for turn in range(p.turns):
@@ -139,99 +86,6 @@ def run_conversation(servers: list[Server], p: Params, nonce: str, restart_after
             flush=True,
         )
     return turns
-
-
-def cold_reference(points: list[tuple[int, float]], tokens: int) -> float:
-    """Cold TTFT at `tokens` prompt tokens: the line through two measured (tokens, seconds) points
-    (through the origin when both have one length)."""
-    (a, ta), (b, tb) = points
-    if a == b:
-        return ta * tokens / a
-    return ta + (tb - ta) * (tokens - a) / (b - a)
-
-
-def summarize(turns: list[dict], full_cold: tuple[int, float]) -> dict:
-    """Per turn: our TTFT, mlx_lm.server's, the cold reference (turn 1: itself) and the two ratios;
-    over turns 2..N: the ratios of the TTFT sums; whether each target is met per turn and over the run."""
-    first = turns[0][OURS]
-    points = [(first["prompt_tokens"], first["ttft_s"]), full_cold]
-    rows = []
-    for i, row in enumerate(turns):
-        ours, theirs = row[OURS], row[THEIRS]
-        cold = first["ttft_s"] if i == 0 else cold_reference(points, ours["prompt_tokens"])
-        rows.append(
-            {
-                "turn": i + 1,
-                "prompt_tokens": ours["prompt_tokens"],
-                "same_prompt": ours["prompt_tokens"] == theirs["prompt_tokens"],
-                "cached": {OURS: ours["cached_tokens"], THEIRS: theirs["cached_tokens"]},
-                "ttft_s": {OURS: ours["ttft_s"], THEIRS: theirs["ttft_s"]},
-                "cold_s": cold,
-                "vs_cold": cold / ours["ttft_s"],
-                "vs_theirs": theirs["ttft_s"] / ours["ttft_s"],
-            }
-        )
-    later = rows[1:]
-    ours_sum = sum(r["ttft_s"][OURS] for r in later)
-    run = {
-        "vs_cold": sum(r["cold_s"] for r in later) / ours_sum,
-        "vs_theirs": sum(r["ttft_s"][THEIRS] for r in later) / ours_sum,
-    }
-    met = {
-        "per_turn_cold": all(r["vs_cold"] >= TARGET_COLD for r in later),
-        "per_turn_theirs": all(r["vs_theirs"] >= TARGET_THEIRS for r in later),
-        "run_cold": run["vs_cold"] >= TARGET_COLD,
-        "run_theirs": run["vs_theirs"] >= TARGET_THEIRS,
-    }
-    return {"rows": rows, "run": run, "met": met}
-
-
-def _yes(ok: bool) -> str:
-    return "met" if ok else "**missed**"
-
-
-def report_lines(results: dict) -> list[str]:
-    """The markdown report: one table per conversation, then its ratios against the targets."""
-    p = Params(**results["params"])
-    lines = [
-        f"System turn {results['system_tokens']} tokens ({p.num_tools} tool schemas), {p.turns} turns, "
-        f"{p.max_tokens} tokens per reply, greedy. TTFT in seconds; cold = our cold TTFT at the turn's prompt "
-        f"length, interpolated between turn 1 and a cold {results['full_cold'][0]}-token request "
-        f"({results['full_cold'][1]:.2f} s). Wall time {results['wall_s'] / 60:.1f} min.",
-    ]
-    for name, conv in results["conversations"].items():
-        s = summarize(conv["turns"], tuple(results["full_cold"]))
-        lines += [
-            "",
-            f"**{name}**",
-            "",
-            "| turn | prompt tokens | cached ours / theirs | mlx-kvserve | mlx_lm.server | cold | cold / ours "
-            "| theirs / ours |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
-        for r in s["rows"]:
-            cached = " / ".join("-" if r["cached"][n] is None else str(r["cached"][n]) for n in (OURS, THEIRS))
-            same = "" if r["same_prompt"] else " (prompts differ)"
-            lines.append(
-                f"| {r['turn']} | {r['prompt_tokens']}{same} | {cached} | {r['ttft_s'][OURS]:.2f} | "
-                f"{r['ttft_s'][THEIRS]:.2f} | {r['cold_s']:.2f} | {r['vs_cold']:.1f}x | {r['vs_theirs']:.2f}x |"
-            )
-        later = s["rows"][1:]
-        m, run = s["met"], s["run"]
-        lines += [
-            "",
-            f"Turns 2-{p.turns}: cold / ours {min(r['vs_cold'] for r in later):.1f}x at least "
-            f"(>= {TARGET_COLD:.0f}x per turn: {_yes(m['per_turn_cold'])}), {run['vs_cold']:.1f}x over the run "
-            f"({_yes(m['run_cold'])}); theirs / ours {min(r['vs_theirs'] for r in later):.2f}x at least "
-            f"(>= {TARGET_THEIRS:.0f}x per turn: {_yes(m['per_turn_theirs'])}), {run['vs_theirs']:.2f}x over the "
-            f"run ({_yes(m['run_theirs'])}).",
-        ]
-    firsts = {
-        r[n]["first"] for conv in results["conversations"].values() for r in conv["turns"] for n in (OURS, THEIRS)
-    }
-    if firsts != {"content"}:
-        lines += ["", f"First deltas carried: {sorted(firsts)} (not only text)."]
-    return lines
 
 
 def run(p: Params, model_dir: Path) -> dict:

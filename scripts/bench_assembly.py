@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-from bench_common import ROOT, write_report
+from harness import ROOT
+from harness.reports import write_report
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from mlx_kvserve.kv import blocks

@@ -11,16 +11,19 @@ import argparse
 import json
 import time
 
-from bench_common import QUESTIONS, default_model_dir, median, system_prompt
+from harness import default_model_dir
+from harness.prompts import QUESTIONS, system_prompt
+from harness.reports import median
 
 
 def run(sizes: list[int], reps: int) -> list[dict]:
     from mlx_lm.utils import load
 
+    from mlx_kvserve.chain import BlockHasher
     from mlx_kvserve.engine.generate import Generator
     from mlx_kvserve.engine.prefix_cache import PrefixCache
     from mlx_kvserve.engine.request import GenerationRequest, SamplingParams
-    from mlx_kvserve.kv.hashing import BlockHasher, namespace_hash
+    from mlx_kvserve.kv.hashing import namespace_hash
     from mlx_kvserve.kv.manager import KVManager
     from mlx_kvserve.kv.ram import RAMStore
 

@@ -34,11 +34,12 @@ from pathlib import Path
 from typing import NamedTuple
 
 import httpx
-from agent_workload import agent_instructions, tool_schemas
-from bench import server_env
-from bench_agent import stream_turn
-from bench_common import ROOT, write_report
-from bench_prefix import Server, free_port
+from harness import ROOT
+from harness.agent_model import build_model
+from harness.agent_workload import agent_instructions, tool_schemas
+from harness.clients import stream_turn
+from harness.reports import write_report
+from harness.servers import Server, free_port, server_env
 
 OURS, VLLM, MLX_LM = "mlx-kvserve", "vllm-mlx", "mlx_lm.server"
 CC_VERSION = "2.1.197.123"
@@ -410,8 +411,6 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "claude_session")
     args = ap.parse_args()
     if args.model is None:
-        from try_clients import build_model
-
         folder = (
             Path.home()
             / ".cache"

@@ -24,11 +24,14 @@ import time
 from pathlib import Path
 
 import httpx
-from bench_common import ROOT, median, system_prompt, write_report
-from bench_prefix import Server, free_port, stream_chat
+from harness import ROOT
+from harness.clients import stream_chat
+from harness.prompts import system_prompt
+from harness.reports import median, write_report
+from harness.servers import Server, free_port
+from harness.synthetic import base_vocab_size, random_model, write_model_folder
 
 from mlx_kvserve.blas import preload_env
-from mlx_kvserve.models.synthetic import base_vocab_size, random_model, write_model_folder
 
 MODELS = {
     # name: (config, mode). The tiny llama splits by heads; a SmolLM2-shaped qwen2 (9 heads: no

@@ -15,17 +15,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import default_model_dir, median  # noqa: E402
-from bench_ssd_io import CAN_DROP, read_file  # noqa: E402
-from bench_ssd_io import drop_cache as drop_file  # noqa: E402
+from harness import default_model_dir
+from harness.diskio import CAN_DROP, drop_file, read_file
+from harness.reports import median
 
-from mlx_kvserve.kv.hashing import model_fingerprint  # noqa: E402
+from mlx_kvserve.kv.hashing import model_fingerprint
 
 
 def weight_files(folder: Path) -> list[Path]:

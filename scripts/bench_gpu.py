@@ -41,7 +41,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench_common import median, write_report
+from harness.reports import median, write_report
+from harness.synthetic import kv_bytes_per_token
 
 QUESTION_TOKENS = 32
 KV_DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -49,7 +50,7 @@ KV_DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", default="llama3-8b", help="llama3-8b | tiny (mlx_kvserve.models.synthetic.SHAPES)")
+    p.add_argument("--shape", default="llama3-8b", help="llama3-8b | tiny (harness/synthetic.py SHAPES)")
     p.add_argument("--bits", type=int, default=4, help="weight bits (0: unquantized)")
     p.add_argument("--dtype", default="float16", help="activation and KV dtype: float16 | bfloat16 | float32")
     p.add_argument("--lengths", default="2048,8192,16384", help="comma-separated prompt lengths in tokens")
@@ -133,10 +134,10 @@ def reference_ttft(loaded, tokens: list[int]) -> float:
 
 def build_model(args: argparse.Namespace, folder: Path):
     import mlx.core as mx
+    from harness.synthetic import llama_config, random_llama, write_model_folder
     from mlx_lm.utils import load_tokenizer
 
     from mlx_kvserve.models.loader import LoadedModel, context_length
-    from mlx_kvserve.models.synthetic import llama_config, random_llama, write_model_folder
 
     overrides = {"quantization": {"group_size": 64, "bits": args.bits}} if args.bits else {}
     longest = max(int(n) for n in args.lengths.split(","))
@@ -166,11 +167,6 @@ def raw_read_bps(folder: Path) -> float:
             continue
     elapsed = time.perf_counter() - start
     return total / elapsed if elapsed > 0 and total else 0.0
-
-
-def kv_bytes_per_token(config: dict, dtype_bytes: int) -> int:
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * dtype_bytes
 
 
 def measure_length(bench: Bench, loaded, length: int, reps: int, rng: np.random.Generator) -> dict:

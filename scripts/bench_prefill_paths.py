@@ -19,29 +19,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 from statistics import median
 
+import harness  # noqa: F401  (puts the repository on sys.path)
 import numpy as np
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def build(args: argparse.Namespace, folder: Path):
     import mlx.core as mx
+    from harness.synthetic import llama_config, random_llama, write_model_folder
     from mlx_lm.utils import load_tokenizer
 
     from mlx_kvserve.models.loader import LoadedModel, context_length
-
-    try:
-        from harness.synthetic import llama_config, random_llama, write_model_folder
-    except ImportError:
-        from mlx_kvserve.models.synthetic import llama_config, random_llama, write_model_folder
 
     overrides = {"quantization": {"group_size": 64, "bits": args.bits}} if args.bits else {}
     config = llama_config(args.shape, **overrides)
@@ -136,10 +129,9 @@ def main() -> None:
     for length in (int(n) for n in args.lengths.split(",")):
         rows: dict[str, list[float]] = {}
 
-        def time_it(name: str, fn, *a) -> None:
-            fn(*a, ids(length))  # warm-up: kernels for this shape
-            for _ in range(args.reps):
-                rows.setdefault(name, []).append(fn(*a, ids(length)))
+        def time_it(name: str, fn, rows=rows, length=length) -> None:
+            fn(ids(length))  # warm-up: kernels for this shape
+            rows[name] = [fn(ids(length)) for _ in range(args.reps)]
             print(f"{length} {name}: {[round(x, 3) for x in rows[name]]}", flush=True)
 
         for step in (2048, 512):

@@ -17,62 +17,15 @@ Usage: .venv/bin/python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import default_model_dir, median, system_prompt, write_report  # noqa: E402
-from bench_ssd_io import CAN_DROP  # noqa: E402
-from bench_ssd_io import drop_cache as drop_file  # noqa: E402
-
-
-def block_files(folder: Path) -> list[Path]:
-    return [p for p in folder.rglob("*.safetensors") if p.is_file() and ".tmp" not in p.name]  # not saves in progress
-
-
-def drop_cache(paths: list[Path]) -> None:
-    for path in paths:
-        drop_file(path)
-
-
-def raw_read_s(paths: list[Path], cold: bool) -> float:
-    """Seconds to read `paths` with plain sequential reads (the disk's floor for these bytes)."""
-    if cold:
-        drop_cache(paths)
-    buf = memoryview(bytearray(8 << 20))
-    start = time.perf_counter()
-    for path in paths:
-        with open(path, "rb", buffering=0) as f:
-            while f.readinto(buf):
-                pass
-    return time.perf_counter() - start
-
-
-def ttft(engine, prompt: list[int]) -> tuple[float, int]:
-    """(seconds to the first token, cached tokens) of a one-token greedy request."""
-    from mlx_kvserve.engine.request import Finished, GenerationRequest, SamplingParams
-
-    events: list = []
-    req = GenerationRequest("bench", list(prompt), SamplingParams(max_tokens=1, temperature=0.0), events.append)
-    start = time.perf_counter()
-    engine.generator.run(req)
-    elapsed = time.perf_counter() - start
-    done = events[-1]
-    assert isinstance(done, Finished), events
-    return elapsed, done.usage.cached_tokens
-
-
-def make_engine(loaded, folder: Path, block_size: int, split: bool):
-    from mlx_kvserve.config import load_config
-    from mlx_kvserve.engine.engine import Engine
-
-    overrides = {
-        "cache": {"block_size": block_size},
-        "ssd": {"cache_dir": str(folder), "compute_while_loading": split, "write_hold_s": 0.0},
-    }
-    return Engine(loaded, load_config(overrides=overrides))
+from harness import default_model_dir
+from harness.diskio import CAN_DROP, block_files, drop_files, raw_read_s
+from harness.prompts import system_prompt
+from harness.reports import median, write_report
+from harness.restart import make_engine, restart_report_lines, ttft
 
 
 def run(words: int, reps: int, block_size: int, folder: Path) -> dict:
@@ -104,7 +57,7 @@ def run(words: int, reps: int, block_size: int, folder: Path) -> dict:
                 engine = make_engine(loaded, folder, block_size, split)
                 ttft(engine, warm)
                 if drop:
-                    drop_cache(files)
+                    drop_files(files)
                 elapsed, cached_by_kind[kind] = ttft(engine, prompt)
                 computed[kind] = engine.local_cache_stats()["kv_split_computed_blocks"]
                 times.setdefault(f"{kind}_{mode}", []).append(elapsed)
@@ -126,31 +79,6 @@ def run(words: int, reps: int, block_size: int, folder: Path) -> dict:
     return out
 
 
-def report_lines(r: dict) -> list[str]:
-    lines = [
-        f"# First request after a restart: SmolLM2-135M f32, {r['prompt_tokens']} prompt tokens, "
-        f"{r['kv_mib']:.0f} MiB of KV on disk, median of {r['reps']}",
-        "",
-        f"Cold TTFT {r['cold_s']:.2f} s; RAM hit {r['ram_hit_s']:.3f} s. "
-        f"Cached tokens after restart: {r['cached_tokens']}; blocks computed by the split: "
-        f"{r['split_computed_blocks']}.",
-        "",
-        "| after restart | TTFT s | cold / TTFT | floor s (raw read + RAM hit) | TTFT / floor |",
-        "|---|---|---|---|---|",
-    ]
-    for mode in ("page_cache", "cold"):
-        if f"read_{mode}" not in r:
-            continue
-        floor = r[f"floor_{mode}"]
-        for kind in ("read", "split"):
-            t = r[f"{kind}_{mode}"]
-            lines.append(
-                f"| {kind}, files {mode.replace('_', ' ')} | {t:.3f} | {r['cold_s'] / t:.1f}x | {floor:.3f} | "
-                f"{t / floor:.2f}x |"
-            )
-    return lines
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--words", type=int, default=4400, help="system prompt words (4400: ~6k tokens)")
@@ -163,7 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
     words, reps = (440, 1) if args.quick else (args.words, args.reps)
     with tempfile.TemporaryDirectory(prefix="kvserve-restart-", dir=args.dir) as tmp:
         results = run(words, reps, args.block_size, Path(tmp) / "kv")
-    write_report(results, args.out, report_lines(results))
+    write_report(results, args.out, restart_report_lines(results))
     return results
 
 

@@ -23,8 +23,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 import httpx
-from bench_common import QUESTIONS, ROOT, default_model_dir, system_prompt, write_report
-from bench_prefix import Server
+from harness import ROOT, default_model_dir
+from harness.prompts import QUESTIONS, system_prompt
+from harness.reports import write_report
+from harness.servers import Server
 
 POLICIES = ("round_robin", "load_only", "sticky", "lmetric", "unified")
 

@@ -30,13 +30,13 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from bench_common import median, write_report
 from blake3 import blake3
+from harness.diskio import CAN_DROP, drop_file, read_file
+from harness.reports import median, write_report
 from xxhash import xxh3_128
 
-from mlx_kvserve.kv.fsmode import create_private
-from mlx_kvserve.kv.ssd import SaveResult, SSDStore
-from mlx_kvserve.kv.ssd_index import (
+from mlx_kvserve.fsmode import create_private
+from mlx_kvserve.kv.ssd.format import (
     FORMAT_VERSION,
     BlockHeader,
     block_checksum,
@@ -46,13 +46,13 @@ from mlx_kvserve.kv.ssd_index import (
     fsync_path,
     parse_metadata,
 )
-from mlx_kvserve.kv.writer import WriteJob
+from mlx_kvserve.kv.ssd.store import SaveResult, SSDStore
+from mlx_kvserve.kv.ssd.writer import WriteJob
 
 GIB = 1024**3
 NS = b"\x01" * 32
 PARENT = b"\x00" * 32
 WRITER_BATCH_BYTES = 64 * 2**20  # the SSD writer's default max_batch_bytes
-CAN_DROP = hasattr(os, "posix_fadvise")  # Linux; macOS has no posix_fadvise
 
 
 @dataclass(frozen=True)
@@ -75,25 +75,6 @@ def timed(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
-
-
-def drop_cache(path: Path) -> None:
-    """Evict a file's pages from the page cache (after an fsync: dirty pages cannot be dropped)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def read_file(path: Path, buf: memoryview) -> int:
-    """Read a whole file sequentially in len(buf) chunks with plain os reads; returns the bytes read."""
-    total = 0
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            total += n
-    return total
 
 
 def make_payloads(shape: Shape, count: int) -> list[dict[str, mx.array]]:
@@ -131,7 +112,7 @@ def read_pass(paths: list[Path], cold: bool, read: Callable[[Path], object]) -> 
     """Seconds to read every path with `read`; a cold pass drops each file from the page cache first."""
     if cold:
         for path in paths:
-            drop_cache(path)
+            drop_file(path)
     return timed(lambda: [read(path) for path in paths])
 
 
@@ -201,7 +182,7 @@ def io_bandwidth(folder: Path, shape: Shape, num_blocks: int, reps: int) -> tupl
             times[f"store_load_{mode}"].append(read_pass(paths, mode == "cold", load))
             if mode == "cold":
                 for path in paths:
-                    drop_cache(path)
+                    drop_file(path)
             times[f"store_load_chain_{mode}"].append(timed(lambda: load_chain(paths[0])))
     raw_path.unlink()
     result = {"total_gib": total / GIB, "num_blocks": num_blocks, "reps": reps}
@@ -239,12 +220,12 @@ def load_stages(blocks: list[tuple[bytes, Path]], cold: bool) -> dict[str, float
     for block_hash, path in blocks:
         buf = memoryview(bytearray(path.stat().st_size))
         if cold:
-            drop_cache(path)
+            drop_file(path)
         laps.start()
         read_file(path, buf)
         laps.lap("file_read")
         if cold:
-            drop_cache(path)  # mx.load reads the file cold too
+            drop_file(path)  # mx.load reads the file cold too
         laps.start()
         arrays, meta = mx.load(str(path), return_metadata=True)
         laps.lap("mx_load_header")

@@ -20,14 +20,12 @@ import argparse
 import importlib
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import mlx.core as mx
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from bench_common import QUESTIONS, ROOT, system_prompt  # noqa: E402
+from harness import ROOT, default_model_dir
+from harness.prompts import QUESTIONS, system_prompt
 
 STAGES = {  # (module, class, method) -> stage name
     ("mlx_kvserve.engine.prefix_cache", "PrefixCache", "prepare"): "assemble prefix",
@@ -161,8 +159,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "results" / "turn_breakdown"))
     args = parser.parse_args()
 
-    from bench import default_model_dir
-    from kvharness import make_generator
+    from harness.kvstack import make_generator
     from mlx_lm.utils import load
 
     model, tokenizer = load(str(args.model or default_model_dir()))

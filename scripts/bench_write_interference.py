@@ -17,33 +17,15 @@ Usage: .venv/bin/python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import default_model_dir, median, system_prompt, write_report  # noqa: E402
-from bench_restart_hit import make_engine, ttft  # noqa: E402
-
-
-def raw_write_bps(folder: Path, nbytes: int) -> float:
-    """Bytes per second of one sequential write of `nbytes` in 8 MiB chunks, then fsync."""
-    chunk = memoryview(os.urandom(8 << 20))
-    path = folder / "raw-write.bin"
-    start = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        left = nbytes
-        while left > 0:
-            left -= os.write(fd, chunk[: min(len(chunk), left)])
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    elapsed = time.perf_counter() - start
-    path.unlink()
-    return nbytes / elapsed
+from harness import default_model_dir
+from harness.diskio import raw_write_bps
+from harness.prompts import system_prompt
+from harness.reports import median, write_report
+from harness.restart import interference_report_lines, make_engine, ttft
 
 
 def run(long_words: int, words: int, reps: int, folder: Path, holds: list[float]) -> dict:
@@ -89,23 +71,6 @@ def run(long_words: int, words: int, reps: int, folder: Path, holds: list[float]
     return out
 
 
-def report_lines(r: dict) -> list[str]:
-    lines = [
-        f"# A cold prefill while the SSD writer writes the previous request's blocks (median of {r['reps']})",
-        "",
-        "| write_hold_s | queued at B's start MiB | B busy TTFT s | C idle TTFT s | slowdown | writer MiB/s | "
-        "raw write MiB/s | writer / raw |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for hold, h in r["holds"].items():
-        lines.append(
-            f"| {hold} | {h['queued_mib']:.0f} | {h['busy_s']:.2f} | {h['idle_s']:.2f} | "
-            f"{(h['slowdown'] - 1) * 100:+.0f}% | {h['writer_mib_s']:.0f} | {h['raw_write_mib_s']:.0f} | "
-            f"{h['writer_vs_raw']:.2f}x |"
-        )
-    return lines
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--long-words", type=int, default=4400, help="words of request A (~6k tokens)")
@@ -120,7 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
     holds = [float(h) for h in args.holds.split(",")]
     with tempfile.TemporaryDirectory(prefix="kvserve-writes-", dir=args.dir) as tmp:
         results = run(long_words, words, reps, Path(tmp), holds)
-    write_report(results, args.out, report_lines(results))
+    write_report(results, args.out, interference_report_lines(results))
     return results
 
 

@@ -64,8 +64,8 @@ def draw(out: Path) -> None:
 
     # Worker thread
     ax.add_patch(FancyBboxPatch((0.1, 3.55), 8.2, 3.05, boxstyle="round,pad=0.02", fc=BG, ec="#999", lw=0.8))
-    ax.text(0.25, 6.5, 'the one MLX thread ("mlx-worker"): one request at a time', fontsize=8, style="italic", va="top")
-    box(ax, 0.3, 4.95, 2.4, 1.3, "InferenceWorker", "bounded queue\n(full: 429)", WORKER)
+    ax.text(0.25, 6.5, 'the one MLX thread ("mlx-worker"): continuous batching', fontsize=8, style="italic", va="top")
+    box(ax, 0.3, 4.95, 2.4, 1.3, "InferenceWorker", "bounded queue\n(full: 429)\ncached-first order", WORKER)
     box(ax, 0.3, 3.7, 2.4, 1.05, "kv/blocks.py", "mlx-lm cache <-> blocks:\nslice, assemble", WORKER, size=8)
     box(
         ax,
@@ -73,12 +73,13 @@ def draw(out: Path) -> None:
         3.7,
         4.9,
         2.55,
-        "Generator  (engine/generate.py)",
-        "1. PrefixCache.prepare: lookup, assemble the match\n"
-        "    into a fresh prompt cache (writes held)\n"
-        "2. mlx-lm generate_step: prefill the uncached rest,\n"
+        "Scheduler  (engine/scheduler.py)",
+        "1. start order: fewest uncached tokens first, waits bounded\n"
+        "2. PrefixCache.prepare: lookup, assemble the match\n"
+        "    (block hashes computed once per request)\n"
+        "3. mlx-lm BatchGenerator: prefill chunks + batched\n"
         "    decode; stop strings, eos, cancel\n"
-        "3. PrefixCache.finish: new full blocks and tails\n"
+        "4. PrefixCache.register / finish: new blocks and tails\n"
         "    -> KVManager; release the request's blocks",
         WORKER,
     )
@@ -128,9 +129,9 @@ def draw(out: Path) -> None:
         0.6,
         4.6,
         2.3,
-        "SSDStore  (kv/ssd.py, kv/ssd_index.py)",
+        "SSDStore  (kv/ssd/store.py, kv/ssd/index.py)",
         "<cache_dir>/<namespace>/<hh>/<hash>.safetensors\n+ tails/, index.json, pins.json, shutdown.json\n"
-        "blake3 checksum; temp + fsync + rename\ncorrupt, foreign, truncated -> miss + deleted\n"
+        "xxh3-128 checksum; temp + fsync + rename\ncorrupt, foreign, truncated -> miss + deleted\n"
         "disk budget, TTL, free-space floor",
         DISK,
     )
@@ -151,7 +152,7 @@ def draw(out: Path) -> None:
         0.6,
         4.85,
         1.55,
-        "SSDTier  (kv/tiering.py)",
+        "SSDTier  (kv/ssd/tier.py)",
         "write_through | evict_only\nreads on the worker thread, verified, promoted",
         DISK,
     )

@@ -218,9 +218,8 @@ def table(shapes: dict[str, dict[str, Any]]) -> None:
 def check_against_tiny() -> None:
     """The formula against the real cache of each tiny family model with bf16 weights."""
     import mlx.core as mx
+    from harness.synthetic import random_model
     from mlx_lm.models.cache import ArraysCache, make_prompt_cache
-
-    from mlx_kvserve.models.synthetic import random_model
 
     for family, config in tiny_configs().items():
         model = random_model(config, dtype=mx.bfloat16)
@@ -235,7 +234,7 @@ def check_against_tiny() -> None:
 
 
 def tiny_configs() -> dict[str, dict[str, Any]]:
-    from mlx_kvserve.models.synthetic import FAMILY_CONFIGS, family_config
+    from harness.synthetic import FAMILY_CONFIGS, family_config
 
     configs = {family: family_config(family) for family in FAMILY_CONFIGS}
     pattern = configs["nemotron_h"]["hybrid_override_pattern"]

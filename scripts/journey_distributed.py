@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import httpx
+from harness.servers import free_port
 
 BIN = Path(sys.executable).parent
 CHAT = [{"role": "user", "content": "Name three rivers of Europe and one town on each."}]
@@ -41,12 +41,6 @@ EXIT_TIMEOUT_S = 30
 class Reply(NamedTuple):
     text: str
     cached_tokens: int
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_config(folder: Path, name: str, port: int) -> Path:

@@ -1,6 +1,6 @@
 """Probe mlx-lm's BatchGenerator on the tiny family models (issue 12 groundwork).
 
-For each family (mlx_kvserve.models.synthetic.FAMILY_CONFIGS), on the CPU in float32, greedy:
+For each family (harness.synthetic.FAMILY_CONFIGS), on the CPU in float32, greedy:
   a. one prompt alone vs. batched with two others of different lengths (at once, arriving while
      the others decode, and joining one mid-prefill);
   b. prefill chunkings (prefill_step_size 512 vs 16, insert_segments at 64/128) and resuming from
@@ -21,10 +21,9 @@ import sys
 from dataclasses import dataclass
 
 import mlx.core as mx
+from harness.synthetic import FAMILY_CONFIGS, family_config, random_model
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
-
-from mlx_kvserve.models.synthetic import FAMILY_CONFIGS, family_config, random_model
 
 MAX_TOKENS = 20
 BOUNDARIES = (64, 128, 149)  # 149: all but the last prompt token, so the resume decodes at once

@@ -8,7 +8,7 @@ settings of docs/agent-clients.md. Per client it prints: works / first failure (
 server's error, the request body saved under <work>/requests/) / cached tokens on the second turn.
 
 Gibberish answers are expected: the weights are random, the protocol is what is tested. The model
-ends its replies after a few tokens (see `bias_eos`), so a client asking for 32000 tokens finishes.
+ends its replies after a few tokens (see `bias_eos` in harness/agent_model.py), so a client asking for 32000 tokens finishes.
 Needs node/npm and network access to the npm registry and PyPI on the first run; not part of the
 test suite.
 
@@ -33,12 +33,10 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import httpx
+from harness import ROOT
+from harness.agent_model import build_model
+from harness.servers import free_port
 
-SCRIPTS = Path(__file__).resolve().parent
-ROOT = SCRIPTS.parent
-sys.path.insert(0, str(SCRIPTS))
-
-MODEL_VERSION = "try-clients-1"  # bump when the model recipe below changes
 NPM_PACKAGES = ["@anthropic-ai/claude-code", "@openai/codex"]
 PIP_PACKAGES = ["aider-chat", "llm", "openai-agents", "langchain-openai"]
 CLIENTS = ["claude", "codex", "aider", "llm", "agents", "langchain"]
@@ -48,93 +46,7 @@ LOG_LINE = re.compile(
 )
 
 
-# -- the model -------------------------------------------------------------------------------------
-
-
-def bias_eos(model: Any, config: dict, eos_id: int, boost: float) -> None:
-    """Make the random model end its replies after a few tokens: the residual stream's dimension 0
-    holds the constant `boost` (set by the embedding; no layer reads or writes it) and the lm_head
-    maps it to the end-of-turn token only, so that token's logit gets a constant lift."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten, tree_unflatten
-
-    params = dict(tree_flatten(model.parameters()))
-
-    def zero_row(w: mx.array) -> mx.array:
-        return mx.concatenate([mx.zeros((1, *w.shape[1:]), w.dtype), w[1:]], axis=0)
-
-    emb = params["model.embed_tokens.weight"]
-    update = {
-        "model.embed_tokens.weight": mx.concatenate([mx.full((emb.shape[0], 1), boost, emb.dtype), emb[:, 1:]], 1)
-    }
-    for i in range(config["num_hidden_layers"]):
-        for name in (
-            "self_attn.o_proj.weight",
-            "mlp.down_proj.weight",
-            "input_layernorm.weight",
-            "post_attention_layernorm.weight",
-        ):
-            update[f"model.layers.{i}.{name}"] = zero_row(params[f"model.layers.{i}.{name}"])
-    head = params["lm_head.weight"]
-    column = mx.zeros((head.shape[0], 1), head.dtype)
-    column[eos_id, 0] = 1.0
-    update["lm_head.weight"] = mx.concatenate([column, head[:, 1:]], 1)
-    model.update(tree_unflatten(list(update.items())))
-    mx.eval(model.parameters())
-
-
-def build_model(folder: Path, context: int, boost: float, num_layers: int = 1, num_heads: int = 1) -> Path:
-    """A random llama (float32; 64 dimensions per head) with SmolLM2's tokenizer and a Qwen-style tool
-    template (scripts/agent_workload.py), reused when `folder` already holds this recipe. CPU
-    attention cost grows with heads x layers x tokens^2, so one head and one layer keep 30k tokens fast."""
-    recipe = {"version": MODEL_VERSION, "context": context, "boost": boost}
-    if (num_layers, num_heads) != (1, 1):  # the default recipe keeps its marker: built folders stay valid
-        recipe.update(num_layers=num_layers, num_heads=num_heads)
-    marker = folder / "try_clients.json"
-    if marker.exists() and json.loads(marker.read_text()) == recipe:
-        return folder
-    import mlx.core as mx
-    from agent_workload import TOOL_TEMPLATE
-    from bench_common import default_model_dir
-    from mlx.utils import tree_flatten
-
-    from mlx_kvserve.models.synthetic import llama_config, random_llama
-
-    smollm = default_model_dir()
-    config = llama_config(
-        "tiny",
-        vocab_size=49152,
-        hidden_size=64 * num_heads,
-        intermediate_size=128 * num_heads,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
-        max_position_embeddings=context,
-        bos_token_id=1,
-        eos_token_id=[2],
-    )
-    model = random_llama(config, dtype=mx.float32, scale=4.0)  # spread logits: greedy is not always EOS
-    bias_eos(model, config, eos_id=2, boost=boost)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
-    shutil.copy(smollm / "tokenizer.json", folder / "tokenizer.json")
-    tokenizer_config = json.loads((smollm / "tokenizer_config.json").read_text())
-    tokenizer_config["chat_template"] = TOOL_TEMPLATE
-    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
-    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    marker.write_text(json.dumps(recipe))
-    return folder
-
-
 # -- the server and a logging proxy in front of it ---------------------------------------------------
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Exchange(NamedTuple):

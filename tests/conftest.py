@@ -1,5 +1,4 @@
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -8,22 +7,24 @@ from pathlib import Path
 import httpx
 import pytest
 
+ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
+# scripts/harness is the support package the benches and the tests share (servers, free_port, the
+# synthetic models, the engine stack); tests import `harness`, never a bench script module.
+sys.path.insert(0, str(ROOT / "scripts"))
 
 import tinymodel  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
+from harness.kvstack import OPEN_TIERS  # noqa: E402
+from harness.servers import free_port  # noqa: E402  (re-exported: tests import it from conftest)
 
 
 @pytest.fixture(autouse=True)
 def _close_ssd_tiers():
     """SSD writer threads are non-daemon (by design): a failing test must not leave one running,
     or the test process would never exit."""
-    import kvharness
-
     yield
-    while kvharness.OPEN_TIERS:
-        tier = kvharness.OPEN_TIERS.pop()
+    while OPEN_TIERS:
+        tier = OPEN_TIERS.pop()
         if tier.writer.is_alive:
             tier.writer.stop(5)
 
@@ -40,12 +41,6 @@ def smollm_dir() -> Path:
     from mlx_kvserve.models.default import ensure_default_model
 
     return ensure_default_model(default_home() / "models", "float32")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:

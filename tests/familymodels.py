@@ -2,14 +2,14 @@
 
 Each is written as an MLX folder with the byte tokenizer (see tinymodel.py), so tests of sliding
 windows (RotatingKVCache) and recurrent layers (ArraysCache) need no download. The shapes live in
-mlx_kvserve.models.synthetic.FAMILY_CONFIGS.
+harness.synthetic.FAMILY_CONFIGS (scripts/harness/synthetic.py).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from mlx_kvserve.models.synthetic import FAMILY_CONFIGS, family_config, random_model, write_model_folder
+from harness.synthetic import FAMILY_CONFIGS, family_config, random_model, write_model_folder
 
 FAMILIES: tuple[str, ...] = tuple(FAMILY_CONFIGS)
 

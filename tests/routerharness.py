@@ -7,19 +7,21 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import uvicorn
+from harness.servers import free_port
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from mlx_kvserve.kv.hashing import BlockHasher, namespace_hash
+from mlx_kvserve.chain import BlockHasher
+from mlx_kvserve.engine.engine import Engine
+from mlx_kvserve.kv.hashing import namespace_hash
 from mlx_kvserve.kv.manager import KVManager
 from mlx_kvserve.kv.ram import RAMStore
 from mlx_kvserve.server.router_routes import router_routes
@@ -27,10 +29,10 @@ from mlx_kvserve.server.router_routes import router_routes
 BS = 4
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class FakeEngine(SimpleNamespace):
+    """The real Engine front (what the router routes read) over fake internals."""
+
+    model_path, cache_reason, router_view = Engine.model_path, Engine.cache_reason, Engine.router_view
 
 
 class ByteTokenizer:
@@ -94,7 +96,7 @@ class FakeBackend:
         self.kept: dict[str, dict] = {}  # stored Responses API responses, by id
         self.hasher = BlockHasher(ns or namespace_hash("fake-model", "float32", BS), BS)
         self.manager = KVManager(self.hasher, RAMStore(10**9))
-        self.engine = engine = SimpleNamespace(
+        self.engine = engine = FakeEngine(
             model_name="fake",
             loaded=SimpleNamespace(path=Path(model_path or "/nonexistent/fake")),
             prefix_cache=SimpleNamespace(manager=self.manager, reason=""),

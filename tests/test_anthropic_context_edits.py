@@ -9,8 +9,8 @@ from test_api_anthropic import plain_client, plain_engine  # noqa: F401  (fixtur
 from test_api_tools import _loaded, scripted, tool_client, tool_engine, tool_loaded  # noqa: F401  (fixtures)
 
 from mlx_kvserve.errors import KVServeError
-from mlx_kvserve.server import anthropic as an
-from mlx_kvserve.server.anthropic_context import PLACEHOLDER, PromptSize
+from mlx_kvserve.server.anthropic import parse as an
+from mlx_kvserve.server.anthropic.context import PLACEHOLDER, PromptSize
 
 BIG, SMALL = PromptSize(200_000, len), PromptSize(1_000, len)  # len: a character counts as a token
 

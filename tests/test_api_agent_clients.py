@@ -16,10 +16,10 @@ from test_api_anthropic import SYSTEM, TOOL, USER, plain_client, plain_engine, s
 from test_api_tools import _loaded, scripted, tool_client, tool_engine, tool_loaded  # noqa: F401  (fixtures)
 
 from mlx_kvserve.engine.request import Finished, TextDelta, Usage
-from mlx_kvserve.server import anthropic as an
-from mlx_kvserve.server import openai as oa
 from mlx_kvserve.server import sse
+from mlx_kvserve.server.anthropic import parse as an
 from mlx_kvserve.server.messages import merge_system_turns
+from mlx_kvserve.server.openai import parse as oa
 
 OFF = {"enable_thinking": False}
 BILLING = "x-anthropic-billing-header: cc_version=2.1.9.a1b; cc_entrypoint=cli; cch={};"

@@ -23,8 +23,8 @@ from test_api_tools import (  # noqa: F401  (fixtures)
 from test_hardening_wire import make_engine
 
 from mlx_kvserve.config import ApiKeys
-from mlx_kvserve.server import openai as oa
 from mlx_kvserve.server.app import create_app
+from mlx_kvserve.server.openai import parse as oa
 
 SYSTEM = "You are a terse assistant. " * 8  # several 16-token blocks: the second turn reads them from the cache
 USER = [{"role": "user", "content": "Say hello to the world."}]
@@ -320,3 +320,32 @@ def test_output_config_holds_the_reply_to_the_schema(plain_client, stream):
     (block,) = reply.content  # the random model's reply, held to the schema
     assert block.type == "text" and reply.stop_reason == "end_turn"
     jsonschema.validate(json.loads(block.text), BALL)
+
+
+def test_cache_control_marks_become_checkpoints_and_the_hashes_come_computed(tiny_model_dir, tmp_path):
+    """A cache_control mark's prefix end reaches the engine as a checkpoint position (hybrid and
+    sliding-window models keep their state there), and the request arrives with its prompt's block
+    hashes already computed (once, at the edge)."""
+    from mlx_kvserve.engine.request import Finished, Usage
+
+    engine = make_engine(_loaded(tiny_model_dir, "tiny"), tmp_path)
+    seen = []
+
+    def submit(req):
+        seen.append(req)
+        req.emit(Finished("stop", Usage(len(req.prompt_tokens), 0), 0.01))
+
+    engine.submit = submit
+    system = [{"type": "text", "text": "You answer about orchards. " * 40, "cache_control": {"type": "ephemeral"}}]
+    body = {"model": "tiny", "max_tokens": 4, "system": system, "messages": USER}
+    try:
+        with TestClient(create_app(engine, ApiKeys("", ""))) as client:
+            assert client.post("/v1/messages", json=body).status_code == 200
+            plain = dict(body, system=[{"type": "text", "text": system[0]["text"]}])
+            assert client.post("/v1/messages", json=plain).status_code == 200
+    finally:
+        engine.stop(5)
+    marked, unmarked = seen
+    assert len(marked.checkpoint_at) == 1 and 0 < marked.checkpoint_at[0] < len(marked.prompt_tokens)
+    assert unmarked.checkpoint_at == ()
+    assert marked.block_hashes == engine.block_hashes(marked.prompt_tokens) and len(marked.block_hashes) > 0

@@ -21,9 +21,10 @@ from toolmodel import build_tool_model
 from mlx_kvserve.config import ApiKeys
 from mlx_kvserve.engine.request import Finished, TextDelta, Usage
 from mlx_kvserve.errors import NotFoundError
-from mlx_kvserve.server import responses as rs
 from mlx_kvserve.server.app import create_app
-from mlx_kvserve.server.responses_routes import LEASE_TTL_S, ResponseStore
+from mlx_kvserve.server.responses import parse as rs
+from mlx_kvserve.server.responses.routes import LEASE_TTL_S
+from mlx_kvserve.server.responses.store import ResponseStore
 
 INSTRUCTIONS = "You are a terse assistant. Answer in one short sentence, and never use lists. " * 3
 QUESTION = "What colour is the sky on a clear day?"

@@ -3,7 +3,7 @@ parsed by mlx-lm's parser for the model and returned as `tool_calls` (streamed a
 without tool support gets a 400, and no request field is dropped silently.
 
 A random-weight model never writes a valid call, so the parsing path is tested on given text: as a
-unit (server/output.py, server/tools.py) and end to end with a scripted engine that sends that text
+unit (formats/output.py, formats/tool_calls.py) and end to end with a scripted engine that sends that text
 as its deltas, through the official `openai` client.
 """
 
@@ -22,11 +22,12 @@ from toolmodel import build_tool_model
 from mlx_kvserve.config import ApiKeys
 from mlx_kvserve.engine.request import Finished, TextDelta, Usage
 from mlx_kvserve.errors import InvalidRequestError, ValidationError
+from mlx_kvserve.formats import tool_calls as tl
+from mlx_kvserve.formats.output import CONTENT, ChatOutput, MarkerSplitter, collect
 from mlx_kvserve.models.loader import LoadedModel
-from mlx_kvserve.server import openai as oa
-from mlx_kvserve.server import tools as tl
 from mlx_kvserve.server.app import create_app
-from mlx_kvserve.server.output import CONTENT, ChatOutput, MarkerSplitter, collect
+from mlx_kvserve.server.openai import parse as oa
+from mlx_kvserve.server.openai.tools import call_grammar
 
 WEATHER = {
     "type": "function",
@@ -150,7 +151,7 @@ def test_a_named_choice_must_name_an_offered_tool():
 def test_required_calls_and_a_response_format_contradict():
     req = parse(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"})
     with pytest.raises(InvalidRequestError, match="response_format"):
-        tl.call_grammar(req.tools, req.json_schema)
+        call_grammar(req.tools, req.json_schema)
 
 
 @pytest.mark.parametrize(

@@ -152,10 +152,10 @@ def test_a_failing_request_fails_alone(tiny):
     cache = gen.prefix_cache
     prepare = cache.prepare
 
-    def failing_prepare(tokens):  # request 3's lookup breaks (a damaged tier, say)
+    def failing_prepare(tokens, *args):  # request 3's lookup breaks (a damaged tier, say)
         if tokens == prompts[3]:
             raise RuntimeError("lookup failed")
-        return prepare(tokens)
+        return prepare(tokens, *args)
 
     cache.prepare = failing_prepare
     outs = [Outcome([]) for _ in prompts]
@@ -197,7 +197,7 @@ def test_worker_batches_at_most_max_batch(tiny):
     step = gen.scheduler.step
 
     def counting_step():
-        peak[0] = max(peak[0], gen.scheduler.num_running)
+        peak[0] = max(peak[0], gen.scheduler.num_started)
         step()
 
     gen.scheduler.step = counting_step

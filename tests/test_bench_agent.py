@@ -1,22 +1,17 @@
 """scripts/bench_agent.py without servers: its tools, instructions and scripted conversation, the tool
-template they render through, the streamed reply it times, and its summary arithmetic and report."""
+template they render through, the streamed reply it times, and its summary arithmetic and report
+(scripts/harness: agent_workload.py, clients.py, agent_summary.py)."""
 
 from __future__ import annotations
 
 import json
-import sys
 from contextlib import contextmanager
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-import agent_workload  # noqa: E402
-import bench_agent  # noqa: E402
-from agent_workload import ASSISTANT_TURNS, USER_TURNS, agent_instructions, tool_schemas, turn_messages  # noqa: E402
-from bench_agent import FULL, OURS, THEIRS  # noqa: E402
+from harness import OURS, THEIRS, agent_summary, agent_workload, clients
+from harness.agent_summary import FULL
+from harness.agent_workload import ASSISTANT_TURNS, USER_TURNS, agent_instructions, tool_schemas, turn_messages
 
 
 @pytest.fixture(scope="module")
@@ -126,14 +121,14 @@ def test_stream_turn_times_the_first_delta_and_reads_usage(monkeypatch):
         "data: [DONE]",
     ]
     fake = _stream(lines)
-    monkeypatch.setattr(bench_agent.httpx, "stream", fake)
+    monkeypatch.setattr(clients.httpx, "stream", fake)
     server = SimpleNamespace(name=OURS, url="http://x")
-    reply = bench_agent.stream_turn(server, [{"role": "user", "content": "hi"}], tool_schemas(1), 4)
+    reply = clients.stream_turn(server, [{"role": "user", "content": "hi"}], tool_schemas(1), 4)
     assert reply.prompt_tokens == 120 and reply.cached_tokens == 96 and reply.first == "tool_calls"
     assert 0 <= reply.ttft_s < 1
     assert fake.body["model"] == "default" and fake.body["tools"] == tool_schemas(1) and fake.body["stream"]
-    monkeypatch.setattr(bench_agent.httpx, "stream", _stream(['data: {"choices": [], "usage": {"prompt_tokens": 5}}']))
-    reply = bench_agent.stream_turn(SimpleNamespace(name=THEIRS, url="http://x"), [], [], 4)
+    monkeypatch.setattr(clients.httpx, "stream", _stream(['data: {"choices": [], "usage": {"prompt_tokens": 5}}']))
+    reply = clients.stream_turn(SimpleNamespace(name=THEIRS, url="http://x"), [], [], 4)
     assert reply.first == "none" and reply.cached_tokens is None and reply.prompt_tokens == 5
 
 
@@ -143,14 +138,14 @@ def _turn(tokens: int, ours: float, theirs: float, cached: int | None = 0) -> di
 
 
 def test_cold_reference_is_the_line_through_the_two_measured_colds():
-    assert bench_agent.cold_reference([(1000, 10.0), (2000, 30.0)], 1500) == 20.0
-    assert bench_agent.cold_reference([(1000, 10.0), (2000, 30.0)], 2500) == 40.0  # extrapolated
-    assert bench_agent.cold_reference([(1000, 10.0), (1000, 12.0)], 1500) == 15.0  # one length: through 0
+    assert agent_summary.cold_reference([(1000, 10.0), (2000, 30.0)], 1500) == 20.0
+    assert agent_summary.cold_reference([(1000, 10.0), (2000, 30.0)], 2500) == 40.0  # extrapolated
+    assert agent_summary.cold_reference([(1000, 10.0), (1000, 12.0)], 1500) == 15.0  # one length: through 0
 
 
 def test_summary_ratios_per_turn_and_over_the_run():
     turns = [_turn(1000, 10.0, 15.0), _turn(1100, 1.0, 3.0, 1000), _turn(1200, 2.0, 2.0, 1100)]
-    s = bench_agent.summarize(turns, (2000, 20.0))
+    s = agent_summary.summarize(turns, (2000, 20.0))
     rows = s["rows"]
     assert [r["cold_s"] for r in rows] == [10.0, pytest.approx(11.0), pytest.approx(12.0)]
     assert rows[0]["vs_cold"] == 1.0 and rows[0]["vs_theirs"] == 1.5
@@ -158,7 +153,7 @@ def test_summary_ratios_per_turn_and_over_the_run():
     assert rows[2]["vs_cold"] == pytest.approx(6.0) and rows[2]["vs_theirs"] == 1.0
     assert s["run"]["vs_cold"] == pytest.approx(23.0 / 3) and s["run"]["vs_theirs"] == pytest.approx(5.0 / 3)
     assert s["met"] == {"per_turn_cold": True, "per_turn_theirs": False, "run_cold": True, "run_theirs": False}
-    slow = bench_agent.summarize([*turns[:2], _turn(1200, 3.0, 20.0)], (2000, 20.0))
+    slow = agent_summary.summarize([*turns[:2], _turn(1200, 3.0, 20.0)], (2000, 20.0))
     assert slow["met"] == {"per_turn_cold": False, "per_turn_theirs": True, "run_cold": True, "run_theirs": True}
 
 
@@ -172,7 +167,7 @@ def test_report_rows_and_target_lines():
         "wall_s": 600.0,
         "conversations": {"no restart": {"turns": turns}},
     }
-    report = "\n".join(bench_agent.report_lines(results))
+    report = "\n".join(agent_summary.report_lines(results))
     assert "System turn 990 tokens (20 tool schemas), 10 turns" in report and "Wall time 10.0 min" in report
     assert "| 1 | 1000 | 0 / 0 | 10.00 | 15.00 | 10.00 | 1.0x | 1.50x |" in report
     assert "| 2 | 1100 (prompts differ) | 1000 / 1000 | 1.00 | 3.00 | 11.00 | 11.0x | 3.00x |" in report

@@ -1,19 +1,15 @@
 """scripts/bench_families.py without servers: its prompts, its summary of a scenario, its report and
-the checkpoint sizes it measures, on tiny models of the two families it benchmarks."""
+the checkpoint sizes it measures (scripts/harness/families.py), on tiny models of the two families it
+benchmarks."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-import bench_families  # noqa: E402
-from bench_families import FULL, QUICK, Hit  # noqa: E402
-
-from mlx_kvserve.models.synthetic import family_config, random_model, write_model_folder  # noqa: E402
+from harness import families
+from harness.families import FULL, QUICK, Hit
+from harness.synthetic import family_config, random_model, write_model_folder
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +25,9 @@ def folders(tmp_path_factory) -> dict[str, Path]:
 def test_system_prompts_are_about_the_asked_size_and_unique(folders):
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    client = bench_families.Client(None, load_tokenizer(folders["qwen3_5"]), 8)
+    client = families.Client(None, load_tokenizer(folders["qwen3_5"]), 8)
     for p in (QUICK, FULL):
-        a, b = bench_families.system_text("a", p.system_tokens), bench_families.system_text("b", p.system_tokens)
+        a, b = families.system_text("a", p.system_tokens), families.system_text("b", p.system_tokens)
         assert a != b
         tokens = client.count([{"role": "system", "content": a}])
         assert 0.95 * p.system_tokens <= tokens <= 1.05 * p.system_tokens + 20, tokens  # template + a few merges
@@ -39,12 +35,12 @@ def test_system_prompts_are_about_the_asked_size_and_unique(folders):
 
 def test_summary_means_ratio_and_targets():
     result = {"cold_s": [2.0, 4.0], "hits": [Hit(0.2, 95, 100), Hit(0.4, 190, 200)]}
-    s = bench_families.summarize(result)
+    s = families.summarize(result)
     assert s["cold_s"] == 3.0 and s["hit_s"] == pytest.approx(0.3) and s["speedup"] == pytest.approx(10.0)
     assert s["shared"] == 150 and s["cached"] == 142.5 and s["share"] == pytest.approx(0.95) and s["meets"]
-    assert not bench_families.summarize({"cold_s": [2.0], "hits": [[0.2, 80, 100]]})["meets"]  # 80% cached
-    assert not bench_families.summarize({"cold_s": [1.0], "hits": [[0.3, 100, 100]]})["meets"]  # 3.3x
-    unreported = bench_families.summarize({"cold_s": [2.0], "hits": [[0.1, None, 100]]})
+    assert not families.summarize({"cold_s": [2.0], "hits": [[0.2, 80, 100]]})["meets"]  # 80% cached
+    assert not families.summarize({"cold_s": [1.0], "hits": [[0.3, 100, 100]]})["meets"]  # 3.3x
+    unreported = families.summarize({"cold_s": [2.0], "hits": [[0.1, None, 100]]})
     assert unreported["cached"] is None and unreported["share"] is None and not unreported["meets"]
 
 
@@ -68,7 +64,7 @@ def test_report_rows_and_checkpoint_figures():
             },
         }
     }
-    report = "\n".join(bench_families.report_lines(results, QUICK, 4096))
+    report = "\n".join(families.report_lines(results, QUICK, 4096))
     assert "| m | repeat | mlx-kvserve | 100 | 99 | 99% | 3.00 | 0.100 | 30.0x | met |" in report
     assert "| m | repeat | mlx_lm.server | 100 | n/a | n/a | 3.00 | 0.100 | 30.0x | missed |" in report
     assert "mlx_lm.server reported no cached tokens (m, repeat)" in report
@@ -83,12 +79,12 @@ def test_report_rows_and_checkpoint_figures():
 
 
 def test_shared_prefix_is_the_longest_common_prefix_with_what_came_before(folders, monkeypatch):
-    from bench_prefix import ChatReply
+    from harness.clients import ChatReply
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     replies = iter(["abc", "de", "fg"])
-    monkeypatch.setattr(bench_families, "stream_chat", lambda *a: ChatReply(0.5, next(replies), 7, 2))
-    client = bench_families.Client(None, load_tokenizer(folders["qwen3_5"]), 2)
+    monkeypatch.setattr(families, "stream_chat", lambda *a: ChatReply(0.5, next(replies), 7, 2))
+    client = families.Client(None, load_tokenizer(folders["qwen3_5"]), 2)
     system = {"role": "system", "content": "Rules."}
     history = [system]
     first = client.turn(history, "One?")
@@ -100,11 +96,11 @@ def test_shared_prefix_is_the_longest_common_prefix_with_what_came_before(folder
 
 
 def test_checkpoint_bytes_of_a_hybrid_and_a_window_model(folders):
-    hybrid = bench_families.checkpoint_bytes(folders["qwen3_5"], positions=64)
+    hybrid = families.checkpoint_bytes(folders["qwen3_5"], positions=64)
     assert hybrid["state_bytes_per_checkpoint"] > 0 and hybrid["window_bytes_per_checkpoint"] == 0
     config = family_config("qwen3_5")  # 2 full-attention layers of 2 KV heads x 16 dims, float32
     assert hybrid["kv_bytes_per_token"] == 2 * 2 * config["num_key_value_heads"] * config["head_dim"] * 4
-    window = bench_families.checkpoint_bytes(folders["gemma3_text"], positions=64)
+    window = families.checkpoint_bytes(folders["gemma3_text"], positions=64)
     assert window["state_bytes_per_checkpoint"] == 0 and window["kv_bytes_per_token"] > 0
     # 4 window layers of 24 positions (the window's last positions) x (keys + values) x 2 heads x 16 dims x 4 bytes
     assert window["window_bytes_per_checkpoint"] == 4 * 24 * 2 * 2 * 16 * 4

@@ -3,41 +3,25 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
-from pathlib import Path
 
-from mlx_kvserve.models.synthetic import llama_config
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-import bench_gpu  # noqa: E402
+from conftest import ROOT
+from harness.synthetic import kv_bytes_per_token, llama_config
 
 
 def test_llama3_8b_shape_has_the_reference_kv_size():
     # ../shared/DEVICE.md: 128 KiB per token in fp16 for the Llama-3-8B shape.
-    assert bench_gpu.kv_bytes_per_token(llama_config("llama3-8b"), 2) == 128 * 1024
+    assert kv_bytes_per_token(llama_config("llama3-8b"), 2) == 128 * 1024
 
 
 def test_cold_ram_and_ssd_after_restart(tmp_path):
     out = tmp_path / "out"
-    results = bench_gpu.main(
-        [
-            "--shape",
-            "tiny",
-            "--bits",
-            "0",
-            "--dtype",
-            "float32",
-            "--lengths",
-            "128,192",
-            "--reps",
-            "1",
-            "--work-dir",
-            str(tmp_path / "work"),
-            "--out",
-            str(out),
-        ]
-    )
+    args = ["--shape", "tiny", "--bits", "0", "--dtype", "float32", "--lengths", "128,192", "--reps", "1"]
+    args += ["--work-dir", str(tmp_path / "work"), "--out", str(out)]
+    proc = subprocess.run([sys.executable, "scripts/bench_gpu.py", *args], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
     assert [row["prompt_tokens"] for row in results["lengths"]] == [160, 224]
     for row, length in zip(results["lengths"], (128, 192), strict=True):
         (rep,) = row["reps"]
@@ -45,6 +29,6 @@ def test_cold_ram_and_ssd_after_restart(tmp_path):
         assert rep["cached_tokens"] == {"cold": 0, "ram": length, "ssd": length, "split": length}
         assert row["cold_s"] > 0 and row["ssd_hit_s"] > 0 and row["ssd_split_s"] > 0
         assert row["floor_s"] > row["ram_hit_s"] and row["raw_read_gib_s"] > 0
-    assert json.loads((out / "results.json").read_text())["machine"]["shape"] == "tiny"
+    assert results["machine"]["shape"] == "tiny"
     report = (out / "report.md").read_text()
     assert "| 160 |" in report and "| 224 |" in report and "split / floor" in report

@@ -1,16 +1,12 @@
 """The pieces of scripts/bench_restart_hit.py and bench_write_interference.py that need no model:
-the raw-read floor and the reports' arithmetic (full runs: docs/benchmarks.md)."""
+the raw-read floor and the reports' arithmetic (scripts/harness: diskio.py, restart.py; full runs:
+docs/benchmarks.md)."""
 
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-import bench_restart_hit  # noqa: E402
-import bench_write_interference  # noqa: E402
+from harness import diskio, restart
 
 
 def test_the_raw_read_floor_reads_every_file(tmp_path):
@@ -20,9 +16,9 @@ def test_the_raw_read_floor_reads_every_file(tmp_path):
         path.parent.mkdir()
         path.write_bytes(os.urandom(100_000))
         files.append(path)
-    assert sorted(bench_restart_hit.block_files(tmp_path)) == files
-    for cold in (False, True) if bench_restart_hit.CAN_DROP else (False,):
-        assert bench_restart_hit.raw_read_s(files, cold) > 0
+    assert sorted(diskio.block_files(tmp_path)) == files
+    for cold in (False, True) if diskio.CAN_DROP else (False,):
+        assert diskio.raw_read_s(files, cold) > 0
 
 
 def test_the_restart_report_compares_each_hit_with_cold_and_the_floor():
@@ -38,7 +34,7 @@ def test_the_restart_report_compares_each_hit_with_cold_and_the_floor():
         "split_page_cache": 1.5,
         "floor_page_cache": 1.0,
     }
-    lines = bench_restart_hit.report_lines(r)
+    lines = restart.restart_report_lines(r)
     assert "| read, files page cache | 2.000 | 30.0x | 1.000 | 2.00x |" in lines
     assert "| split, files page cache | 1.500 | 40.0x | 1.000 | 1.50x |" in lines
     assert not any("files cold" in line for line in lines)
@@ -54,10 +50,10 @@ def test_the_write_report_gives_the_slowdown_and_the_writer_share():
         "raw_write_mib_s": 500.0,
         "writer_vs_raw": 0.7,
     }
-    lines = bench_write_interference.report_lines({"reps": 2, "holds": {"2.0": h}})
+    lines = restart.interference_report_lines({"reps": 2, "holds": {"2.0": h}})
     assert lines[-1] == "| 2.0 | 200 | 11.00 | 10.00 | +10% | 350 | 500 | 0.70x |"
 
 
 def test_raw_write_measures_a_positive_bandwidth_and_leaves_nothing(tmp_path):
-    assert bench_write_interference.raw_write_bps(tmp_path, 1 << 20) > 0
+    assert diskio.raw_write_bps(tmp_path, 1 << 20) > 0
     assert list(tmp_path.iterdir()) == []

@@ -71,7 +71,7 @@ def test_agreement_takes_the_shortest_prefix_any_rank_has(single):
 
 def _qwen2(folder: Path) -> Path:
     """A tiny qwen2 (a family mlx-lm can pipeline; its llama cannot)."""
-    from mlx_kvserve.models.synthetic import base_vocab_size, random_model, write_model_folder
+    from harness.synthetic import base_vocab_size, random_model, write_model_folder
 
     config = {
         "model_type": "qwen2",
@@ -150,11 +150,20 @@ def test_tensor_parallel_refuses_heads_that_do_not_divide_at_startup(tmp_path):
 def test_a_dead_rank_makes_health_a_503_with_the_reason():
     from types import SimpleNamespace
 
+    from mlx_kvserve.engine.engine import Engine
     from mlx_kvserve.server.health import HealthMonitor
+
+    class FakeEngine(SimpleNamespace):  # the real front over fake internals
+        failure, is_alive, ssd_problem, cache_enabled = (
+            Engine.failure,
+            Engine.is_alive,
+            Engine.ssd_problem,
+            Engine.cache_enabled,
+        )
 
     worker = SimpleNamespace(failed="", is_alive=True)
     config = SimpleNamespace(ssd=SimpleNamespace(enabled=False))
-    engine = SimpleNamespace(worker=worker, config=config, health=lambda: {"cache": {"enabled": True}})
+    engine = FakeEngine(worker=worker, config=config, health=lambda: {"cache": {"enabled": True}})
     monitor = HealthMonitor(engine)
     assert monitor.report()[1] == 200
     worker.failed = "distributed worker stopped: [ring] connection to a peer was lost"

@@ -8,10 +8,10 @@ import mlx.core as mx
 
 from mlx_kvserve.kv.base import Block
 from mlx_kvserve.kv.hashing import namespace_hash
-from mlx_kvserve.kv.ssd import SaveResult, SSDStore
-from mlx_kvserve.kv.ssd_index import INDEX_NAME
-from mlx_kvserve.kv.tiering import SHUTDOWN_FILE, SSDTier, read_shutdown_record
-from mlx_kvserve.kv.writer import SSDWriterThread
+from mlx_kvserve.kv.ssd.index import INDEX_NAME
+from mlx_kvserve.kv.ssd.store import SaveResult, SSDStore
+from mlx_kvserve.kv.ssd.tier import SHUTDOWN_FILE, SSDTier, read_shutdown_record
+from mlx_kvserve.kv.ssd.writer import SSDWriterThread
 
 BS = 8
 NS = namespace_hash("budget-model", "float32", BS)
@@ -144,7 +144,7 @@ def test_wait_idle_returns_once_queued_writes_are_done(tmp_path):
     """An admin flush with ssd=true waits for writes queued before it (else they land after it)."""
     import threading
 
-    from mlx_kvserve.kv.writer import WriteJob
+    from mlx_kvserve.kv.ssd.writer import WriteJob
 
     gate = threading.Event()
     saved = []

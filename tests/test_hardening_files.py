@@ -20,14 +20,16 @@ from hypothesis import strategies as st
 from kvharness import close_ssd, greedy, make_generator
 from mlx_lm.utils import load
 
+from mlx_kvserve.chain import BlockHasher
 from mlx_kvserve.checked_json import KEEP_DAMAGED, Hex, Int, MapOf, Obj, load_json
 from mlx_kvserve.cli import cli
-from mlx_kvserve.kv.hashing import MEMO_SCHEMA, BlockHasher, model_fingerprint, namespace_hash
+from mlx_kvserve.kv.hashing import MEMO_SCHEMA, model_fingerprint, namespace_hash
 from mlx_kvserve.kv.pins import PINS_SCHEMA, PinRegistry
-from mlx_kvserve.kv.ssd import SSDStore, store_dir
-from mlx_kvserve.kv.ssd_index import INDEX_NAME, INDEX_SCHEMA
-from mlx_kvserve.kv.ssd_tails import SSDTailStore, tail_key
-from mlx_kvserve.kv.tiering import SHUTDOWN_FILE, SHUTDOWN_SCHEMA, read_shutdown_record
+from mlx_kvserve.kv.ssd.format import tail_key
+from mlx_kvserve.kv.ssd.index import INDEX_NAME, INDEX_SCHEMA
+from mlx_kvserve.kv.ssd.store import SSDStore, store_dir
+from mlx_kvserve.kv.ssd.tails import SSDTailStore
+from mlx_kvserve.kv.ssd.tier import SHUTDOWN_FILE, SHUTDOWN_SCHEMA, read_shutdown_record
 from mlx_kvserve.models.gguf import MARKER_FILE, MARKER_SCHEMA, _source_stamp, is_converted
 
 NS = namespace_hash("hardening", "float32", 16)

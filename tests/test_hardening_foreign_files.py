@@ -31,12 +31,13 @@ from mlx_kvserve.engine.front_prefill import SPEEDS_FILE, FrontPrefill
 from mlx_kvserve.kv.hashing import model_fingerprint
 from mlx_kvserve.kv.leases import LEASES_FILE, PinLeases
 from mlx_kvserve.kv.pins import PinRegistry
-from mlx_kvserve.kv.safe_files import NotRegularFileError, create_new, open_regular
-from mlx_kvserve.kv.ssd import SSDStore
-from mlx_kvserve.kv.ssd_index import INDEX_NAME, atomic_write, block_relpath, read_header
-from mlx_kvserve.kv.ssd_tails import SSDTailStore, tail_key
-from mlx_kvserve.kv.tiering import SHUTDOWN_FILE, write_shutdown_record
+from mlx_kvserve.kv.ssd.format import atomic_write, block_relpath, read_header, tail_key
+from mlx_kvserve.kv.ssd.index import INDEX_NAME
+from mlx_kvserve.kv.ssd.store import SSDStore
+from mlx_kvserve.kv.ssd.tails import SSDTailStore
+from mlx_kvserve.kv.ssd.tier import SHUTDOWN_FILE, write_shutdown_record
 from mlx_kvserve.models.loader import LoadedModel
+from mlx_kvserve.safe_files import NotRegularFileError, create_new, open_regular
 
 ONE_HOUR = 3600.0  # the longest cache_control TTL
 LIMIT_S = 10.0  # far above any of these calls; the unblocker acts only after it

@@ -25,12 +25,12 @@ from mlx_kvserve.cli import _overrides, cli
 from mlx_kvserve.config import load_api_keys, load_config
 from mlx_kvserve.engine.engine import Engine
 from mlx_kvserve.errors import ConfigError, ConflictError
-from mlx_kvserve.kv.folder_lock import LOCK_NAME, FolderBusyError, FolderLock
-from mlx_kvserve.kv.fsmode import ensure_private_root
+from mlx_kvserve.fsmode import ensure_private_root
 from mlx_kvserve.kv.hashing import namespace_hash
-from mlx_kvserve.kv.ssd import SaveResult, SSDStore, store_dir
-from mlx_kvserve.kv.ssd_index import TEMP_SUFFIX
-from mlx_kvserve.kv.ssd_tails import SSDTailStore
+from mlx_kvserve.kv.ssd.folder_lock import LOCK_NAME, FolderBusyError, FolderLock
+from mlx_kvserve.kv.ssd.format import TEMP_SUFFIX
+from mlx_kvserve.kv.ssd.store import SaveResult, SSDStore, store_dir
+from mlx_kvserve.kv.ssd.tails import SSDTailStore
 from mlx_kvserve.models.loader import LoadedModel
 from mlx_kvserve.service import commands
 
@@ -219,7 +219,7 @@ def _wait_for(condition, timeout_s: float = 60.0) -> bool:
 
 
 def _relpath(block_hash: bytes) -> str:
-    from mlx_kvserve.kv.ssd_index import block_relpath
+    from mlx_kvserve.kv.ssd.format import block_relpath
 
     return block_relpath(block_hash)
 
@@ -232,7 +232,7 @@ def test_the_lock_dies_with_its_holder_even_under_kill_9(tmp_path):
             sys.executable,
             "-c",
             "import sys, time\n"
-            "from mlx_kvserve.kv.folder_lock import FolderLock\n"
+            "from mlx_kvserve.kv.ssd.folder_lock import FolderLock\n"
             f"lock = FolderLock.acquire({str(folder)!r}, 'server')\n"
             "print('locked', flush=True)\n"
             "time.sleep(120)\n",

@@ -1,7 +1,8 @@
 """A hybrid model restarted the way a user restarts it (issue 23, first step 1): `mlx-kvserve run`
 as a process, a system prompt + question asked cold, again, and another question; SIGTERM; a new
 process on the same folders; the first question again must hit the system prompt and give the cold
-reply. The journey is scripts/journey_hybrid_restart.py's (run it for SmolLM2's tokenizer).
+reply. The journey is scripts/journey_hybrid_restart.py's (scripts/harness/journey.py; run the script for
+SmolLM2's tokenizer).
 
 Each request takes up to four checkpoints after the system prompt's last full block (where the
 user's message starts, where the assistant's turn starts, one short of the prompt's end, at the
@@ -11,15 +12,9 @@ keep the same ones, or the restart finds none it can use."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 from familymodels import build_family_model
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-from journey_hybrid_restart import run_journey  # noqa: E402
+from harness.journey import run_journey
 
 # Two server processes per family (~10 s each on a laptop's CPU); tests/test_ssd_tails.py checks the
 # same without servers.

@@ -4,7 +4,8 @@ import random
 
 import pytest
 
-from mlx_kvserve.kv.hashing import BlockHasher, framed, namespace_hash
+from mlx_kvserve.chain import BlockHasher, framed
+from mlx_kvserve.kv.hashing import namespace_hash
 from mlx_kvserve.kv.manager import KVManager
 from mlx_kvserve.kv.ram import RAMStore
 from mlx_kvserve.kv.tails import TailStore
@@ -123,7 +124,7 @@ def test_referenced_blocks_are_never_evicted():
 class ConstantHasher(BlockHasher):
     """Every block of every prompt gets the same hash: forces collisions."""
 
-    def hash_blocks(self, tokens, num_blocks=None):
+    def hash_blocks(self, tokens, num_blocks=None, known=()):
         n = len(tokens) // self.block_size if num_blocks is None else min(num_blocks, len(tokens) // self.block_size)
         return [b"\x01" * 32] * n
 

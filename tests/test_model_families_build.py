@@ -6,10 +6,9 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 from familymodels import EXPECTED_CACHES, FAMILIES, build_family_model, cache_kinds
+from harness.synthetic import family_config, random_model, write_model_folder
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load
-
-from mlx_kvserve.models.synthetic import family_config, random_model, write_model_folder
 
 
 def _greedy(model, prompt: list[int], num_tokens: int) -> list[int]:

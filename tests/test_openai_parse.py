@@ -4,8 +4,8 @@ import pytest
 
 from mlx_kvserve.engine.request import SamplingParams, Usage
 from mlx_kvserve.errors import InvalidRequestError, ValidationError
-from mlx_kvserve.server import openai as oa
-from mlx_kvserve.server import openai_reply as oar
+from mlx_kvserve.server.openai import parse as oa
+from mlx_kvserve.server.openai import reply as oar
 
 DEFAULTS = oa.Defaults(max_tokens=512, temperature=0.7, top_p=0.9)
 USER = [{"role": "user", "content": "hi"}]

@@ -1,6 +1,7 @@
 """Pins in the KV manager, without a model: fake payloads and a fake next tier."""
 
-from mlx_kvserve.kv.hashing import BlockHasher, namespace_hash
+from mlx_kvserve.chain import BlockHasher
+from mlx_kvserve.kv.hashing import namespace_hash
 from mlx_kvserve.kv.manager import KVManager
 from mlx_kvserve.kv.pins import PinRegistry
 from mlx_kvserve.kv.ram import RAMStore

@@ -1,6 +1,7 @@
 """Router-side backend state: block set from events/snapshots, hit estimate, load counters."""
 
-from mlx_kvserve.kv.hashing import BlockHasher, namespace_hash
+from mlx_kvserve.chain import BlockHasher
+from mlx_kvserve.kv.hashing import namespace_hash
 from mlx_kvserve.router.backends import BackendState
 
 BS = 4

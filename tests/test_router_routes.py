@@ -10,6 +10,7 @@ from starlette.applications import Starlette
 from starlette.testclient import TestClient
 from test_pins_unit import BS, FakeTier, insert_all, manager
 
+from mlx_kvserve.engine.engine import Engine
 from mlx_kvserve.errors import KVServeError
 from mlx_kvserve.kv.events import BlockEventLog
 from mlx_kvserve.server.gate import error_response, is_admin_path
@@ -84,8 +85,14 @@ def test_snapshot_then_later_events_rebuild_the_state():
     assert replay(mgr, seq, snapshot) == resident(mgr)
 
 
+class FakeEngine(SimpleNamespace):
+    """The real Engine front (what the routes read) over fake internals."""
+
+    model_path, cache_reason, router_view = Engine.model_path, Engine.cache_reason, Engine.router_view
+
+
 def app_for(mgr, reason="") -> TestClient:
-    engine = SimpleNamespace(
+    engine = FakeEngine(
         model_name="m",
         loaded=SimpleNamespace(path=Path("/models/m")),
         prefix_cache=SimpleNamespace(manager=mgr, reason=reason),

@@ -16,6 +16,7 @@ from starlette.testclient import TestClient
 from test_server_e2e import build_endless_model, wait_until, write_config
 
 from mlx_kvserve.config import ApiKeys, Config, load_config
+from mlx_kvserve.engine.engine import Engine
 from mlx_kvserve.server.app import create_app
 from mlx_kvserve.server.health import ERROR_WINDOW_S, HealthMonitor
 from mlx_kvserve.service import stop_timeout_s, writer_drain_s
@@ -154,7 +155,10 @@ def test_one_structured_log_line_per_request(server):
 
 
 class FakeEngine:
-    """Just what the app, /health and /metrics read from an Engine."""
+    """Just what the app, /health and /metrics read from an Engine: the real front over fake internals."""
+
+    is_alive, failure, queue_depth, is_busy = Engine.is_alive, Engine.failure, Engine.queue_depth, Engine.is_busy
+    cache_enabled, leases_active, ssd_problem = Engine.cache_enabled, Engine.leases_active, Engine.ssd_problem
 
     def __init__(self):
         self.config = Config()

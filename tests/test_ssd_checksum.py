@@ -11,9 +11,9 @@ import pytest
 from blake3 import blake3
 from test_ssd_store import NS, block, make_store
 
-from mlx_kvserve.kv import ssd_index
-from mlx_kvserve.kv.hashing import framed
-from mlx_kvserve.kv.ssd_index import BlockHeader, FormatError, block_checksum, block_relpath, read_block_file
+from mlx_kvserve.chain import framed
+from mlx_kvserve.kv.ssd import format as ssd_format
+from mlx_kvserve.kv.ssd.format import BlockHeader, FormatError, block_checksum, block_relpath, read_block_file
 
 
 def header_of(block_hash=b"\x01" * 32, parent=b"\x02" * 32, tokens=(1, 2, 3, 4)) -> BlockHeader:
@@ -22,7 +22,7 @@ def header_of(block_hash=b"\x01" * 32, parent=b"\x02" * 32, tokens=(1, 2, 3, 4))
 
 def v1_checksum(namespace: bytes, header: BlockHeader, arrays) -> str:
     """The checksum of format version 1 (blake3, descriptors interleaved with the bytes)."""
-    ids = ssd_index.encode_tokens(header.token_ids).encode()
+    ids = ssd_format.encode_tokens(header.token_ids).encode()
     hasher = blake3(framed(namespace, header.block_hash, header.parent_hash, ids))
     for name in sorted(arrays):
         arr = arrays[name]

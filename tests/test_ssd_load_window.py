@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 from test_ssd_store import NS, make_store
 
-from mlx_kvserve.kv import ssd
-from mlx_kvserve.kv.hashing import BlockHasher
-from mlx_kvserve.kv.ssd_index import block_relpath
+from mlx_kvserve.chain import BlockHasher
+from mlx_kvserve.kv.ssd.format import block_relpath
+from mlx_kvserve.kv.ssd.reads import LOAD_WINDOW
 
 BS = 4
-NUM_BLOCKS = 3 * ssd.LOAD_WINDOW // 2 + 1  # spans two windows and part of a third
+NUM_BLOCKS = 3 * LOAD_WINDOW // 2 + 1  # spans two windows and part of a third
 
 
 def chain(num_blocks: int = NUM_BLOCKS) -> list[tuple[bytes, bytes, list[int], dict[str, mx.array]]]:
@@ -67,7 +67,7 @@ def test_loading_stops_at_the_first_block_not_on_disk(saved):
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
-@pytest.mark.parametrize("victim", [3, ssd.LOAD_WINDOW, NUM_BLOCKS - 1])  # inside, first of, last of a window
+@pytest.mark.parametrize("victim", [3, LOAD_WINDOW, NUM_BLOCKS - 1])  # inside, first of, last of a window
 def test_damage_in_the_middle_misses_only_the_damaged_block(saved, tmp_path, damage, victim):
     store, blocks = saved
     path = tmp_path / block_relpath(blocks[victim][0])

@@ -166,11 +166,11 @@ def test_writes_wait_while_a_request_prefills(tiny, tmp_path):
         time.sleep(0.02)  # ~0.25 s of writes for the first request's blocks: still going at the second
         return save_job(*job)
 
-    def timed_prepare(tokens):
+    def timed_prepare(tokens, *args):
         tier.hold_writes()  # what prepare does first, here before the window opens
         windows.append((time.monotonic(), float("inf")))
         time.sleep(0.05)  # a save already running when the hold began may finish meanwhile
-        return prepare(tokens)
+        return prepare(tokens, *args)
 
     def timed_first_token():
         if windows and windows[-1][1] == float("inf"):

@@ -8,10 +8,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_kvserve.kv import fsmode, ssd_index
-from mlx_kvserve.kv.hashing import BlockHasher, namespace_hash
-from mlx_kvserve.kv.ssd import SaveResult, SSDStore
-from mlx_kvserve.kv.ssd_index import INDEX_NAME, block_relpath
+from mlx_kvserve import fsmode
+from mlx_kvserve.chain import BlockHasher
+from mlx_kvserve.kv.hashing import namespace_hash
+from mlx_kvserve.kv.ssd import format as ssd_format
+from mlx_kvserve.kv.ssd.format import block_relpath
+from mlx_kvserve.kv.ssd.index import INDEX_NAME
+from mlx_kvserve.kv.ssd.store import SaveResult, SSDStore
 
 BS = 4
 NS = namespace_hash("m", "float32", BS)
@@ -116,7 +119,7 @@ def test_collision_isolates_the_hash_for_an_hour(tmp_path, caplog):
     h, parent, tokens, arrays = block(1)
     other = [7, 7, 7, 7]
     store.save_block(h, parent, tokens, arrays)
-    with caplog.at_level(logging.WARNING, logger="mlx_kvserve.kv.ssd"):
+    with caplog.at_level(logging.WARNING, logger="mlx_kvserve.kv.ssd.store"):
         assert store.save_block(h, parent, other, arrays) is SaveResult.COLLISION
         assert store.save_block(h, parent, other, arrays) is SaveResult.COLLISION
     assert sum("collision" in r.getMessage() for r in caplog.records) == 1  # warned once
@@ -149,7 +152,7 @@ DAMAGE = {
     "truncated": lambda p: p.write_bytes(p.read_bytes()[:-10]),
     "wrong_version": lambda p: _rewrite_metadata(p, version="99"),
     "wrong_namespace": lambda p: _rewrite_metadata(p, namespace=namespace_hash("x", "float32", BS).hex()),
-    "tokens_edited": lambda p: _rewrite_metadata(p, token_ids=ssd_index.encode_tokens([0, 1, 2, 3])),
+    "tokens_edited": lambda p: _rewrite_metadata(p, token_ids=ssd_format.encode_tokens([0, 1, 2, 3])),
     "garbage": lambda p: p.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all"),
 }
 
@@ -313,8 +316,8 @@ def _raise(exc):
 @pytest.mark.parametrize(
     "target, name, fail",
     [
-        (ssd_index, "fsync_path", _raise(OSError(errno.ENOSPC, "No space left on device"))),
-        (ssd_index.os, "replace", _raise(OSError(errno.ENOSPC, "No space left on device"))),
+        (ssd_format, "fsync_path", _raise(OSError(errno.ENOSPC, "No space left on device"))),
+        (ssd_format.os, "replace", _raise(OSError(errno.ENOSPC, "No space left on device"))),
         (fsmode.os, "mkdir", _raise(PermissionError(errno.EACCES, "Permission denied"))),
         (mx, "save_safetensors", _raise(RuntimeError("[save_safetensors] read-only file system"))),
     ],

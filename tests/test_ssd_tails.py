@@ -6,15 +6,15 @@ import time
 import mlx.core as mx
 from kvharness import OPEN_TIERS
 
-from mlx_kvserve.kv.hashing import BlockHasher
+from mlx_kvserve.chain import BlockHasher
 from mlx_kvserve.kv.manager import KVManager
 from mlx_kvserve.kv.ram import RAMStore
-from mlx_kvserve.kv.ssd import SaveResult, SSDStore, store_dir
-from mlx_kvserve.kv.ssd_index import read_header
-from mlx_kvserve.kv.ssd_tails import SSDTailStore
+from mlx_kvserve.kv.ssd.format import read_header
+from mlx_kvserve.kv.ssd.store import SaveResult, SSDStore, store_dir
+from mlx_kvserve.kv.ssd.tails import SSDTailStore
+from mlx_kvserve.kv.ssd.tier import SSDTier
+from mlx_kvserve.kv.ssd.writer import SSDWriterThread
 from mlx_kvserve.kv.tails import TailStore
-from mlx_kvserve.kv.tiering import SSDTier
-from mlx_kvserve.kv.writer import SSDWriterThread
 
 NS = b"\x05" * 32
 PARENT = b"\x09" * 32

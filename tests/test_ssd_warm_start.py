@@ -76,7 +76,7 @@ def test_a_drain_given_the_time_it_asks_for_writes_everything(tiny, tmp_path, ca
     engine.config = dataclasses.replace(
         engine.config, ssd=dataclasses.replace(engine.config.ssd, drain_timeout_s=estimate.asked_s)
     )
-    with caplog.at_level(logging.INFO, logger="mlx_kvserve.kv.writer"):
+    with caplog.at_level(logging.INFO, logger="mlx_kvserve.kv.ssd.writer"):
         engine.stop()
     assert f"draining {estimate.num_jobs} blocks" in caplog.text
 

@@ -16,13 +16,14 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from mlx_kvserve.kv import ssd_index
-from mlx_kvserve.kv.hashing import BlockHasher, namespace_hash
-from mlx_kvserve.kv.ssd import BlockToSave, SaveResult, SSDStore
-from mlx_kvserve.kv.ssd_index import TEMP_SUFFIX, block_relpath
-from mlx_kvserve.kv.tiering import SSDTier
-from mlx_kvserve.kv.write_queue import JobValue, WriteQueue
-from mlx_kvserve.kv.writer import SSDWriterThread, WriteJob
+from mlx_kvserve.chain import BlockHasher
+from mlx_kvserve.kv.hashing import namespace_hash
+from mlx_kvserve.kv.ssd import format as ssd_format
+from mlx_kvserve.kv.ssd.format import TEMP_SUFFIX, block_relpath
+from mlx_kvserve.kv.ssd.store import BlockToSave, SaveResult, SSDStore
+from mlx_kvserve.kv.ssd.tier import SSDTier
+from mlx_kvserve.kv.ssd.write_queue import JobValue, WriteQueue
+from mlx_kvserve.kv.ssd.writer import SSDWriterThread, WriteJob
 
 BS = 4
 NS = namespace_hash("m", "float32", BS)
@@ -74,7 +75,7 @@ def test_a_batch_saves_every_new_block_and_answers_each_in_order(tmp_path):
 def test_a_failed_fsync_fails_only_its_own_block(tmp_path, monkeypatch):
     store = SSDStore(tmp_path, NS)
     blocks = chain(5)
-    real_fsync = ssd_index.fsync_path
+    real_fsync = ssd_format.fsync_path
     doomed = blocks[2].block_hash.hex()
 
     def fsync(path):
@@ -82,7 +83,7 @@ def test_a_failed_fsync_fails_only_its_own_block(tmp_path, monkeypatch):
             raise OSError(5, "Input/output error")
         real_fsync(path)
 
-    monkeypatch.setattr(ssd_index, "fsync_path", fsync)
+    monkeypatch.setattr(ssd_format, "fsync_path", fsync)
     results = store.save_blocks(blocks)
     assert results == [SaveResult.SAVED] * 2 + [SaveResult.ERROR] + [SaveResult.SAVED] * 2
     assert store.stats()["ssd_errors"] == 1 and not store.contains(blocks[2].block_hash)
@@ -94,7 +95,7 @@ def test_no_block_enters_the_index_before_every_file_of_its_batch_is_fsyncd(tmp_
     store = SSDStore(tmp_path, NS)
     blocks = chain(4)
     seen: list[tuple[str, int]] = []
-    real_fsync, real_replace = ssd_index.fsync_path, os.replace
+    real_fsync, real_replace = ssd_format.fsync_path, os.replace
 
     def fsync(path):
         seen.append(("fsync", store.stats()["ssd_blocks"]))
@@ -104,8 +105,8 @@ def test_no_block_enters_the_index_before_every_file_of_its_batch_is_fsyncd(tmp_
         seen.append(("rename", len(store._index)))  # called under the store's lock: read the index itself
         real_replace(src, dst)
 
-    monkeypatch.setattr(ssd_index, "fsync_path", fsync)
-    monkeypatch.setattr(ssd_index.os, "replace", replace)
+    monkeypatch.setattr(ssd_format, "fsync_path", fsync)
+    monkeypatch.setattr(ssd_format.os, "replace", replace)
     assert store.save_blocks(blocks) == [SaveResult.SAVED] * 4
     kinds = [kind for kind, _ in seen]
     assert kinds[:4] == ["fsync"] * 4 and kinds[4:8] == ["rename"] * 4  # then the folder fsyncs
@@ -117,12 +118,12 @@ _CHILD = textwrap.dedent(
     import os, signal, sys
     sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
     from test_ssd_write_batches import chain, NS
-    from mlx_kvserve.kv import ssd_index
-    from mlx_kvserve.kv.ssd import SSDStore
+    from mlx_kvserve.kv.ssd import format as ssd_format
+    from mlx_kvserve.kv.ssd.store import SSDStore
     store = SSDStore({folder!r}, NS)
     blocks = chain(6)
     phase, count = {phase!r}, {{"n": 0}}
-    real_fsync, real_replace = ssd_index.fsync_path, os.replace
+    real_fsync, real_replace = ssd_format.fsync_path, os.replace
 
     def maybe_die(kind):
         if kind == phase:
@@ -138,7 +139,7 @@ _CHILD = textwrap.dedent(
         maybe_die("rename")
         real_replace(src, dst)
 
-    ssd_index.fsync_path, ssd_index.os.replace = fsync, replace
+    ssd_format.fsync_path, ssd_format.os.replace = fsync, replace
     store.save_blocks(blocks)
     """
 )
@@ -346,7 +347,7 @@ def test_the_drain_logs_its_estimate_and_writes_everything_in_the_time_it_asked_
         writer.enqueue(job(b, depth))
     estimate = writer.drain_estimate()
     assert estimate.num_jobs == 20 and estimate.nbytes == sum(b.arrays["0.k"].nbytes * 4 for b in blocks[4:])
-    with caplog.at_level(logging.INFO, logger="mlx_kvserve.kv.writer"):
+    with caplog.at_level(logging.INFO, logger="mlx_kvserve.kv.ssd.writer"):
         assert writer.stop(estimate.asked_s)
     assert "draining 20 blocks" in caplog.text and "estimated" in caplog.text
     assert all(loads(store, b) for b in blocks)

@@ -7,10 +7,11 @@ import time
 import mlx.core as mx
 import pytest
 
-from mlx_kvserve.kv.hashing import BlockHasher, namespace_hash
-from mlx_kvserve.kv.ssd import SaveResult, SSDStore
-from mlx_kvserve.kv.ssd_index import INDEX_NAME
-from mlx_kvserve.kv.writer import SSDWriterThread, WriteJob
+from mlx_kvserve.chain import BlockHasher
+from mlx_kvserve.kv.hashing import namespace_hash
+from mlx_kvserve.kv.ssd.index import INDEX_NAME
+from mlx_kvserve.kv.ssd.store import SaveResult, SSDStore
+from mlx_kvserve.kv.ssd.writer import SSDWriterThread, WriteJob
 
 BS = 4
 NS = namespace_hash("m", "float32", BS)
@@ -253,7 +254,7 @@ def test_writer_thread_runs_at_lower_priority_than_requests():
     import os
     import threading as th
 
-    from mlx_kvserve.kv.writer import WRITER_NICENESS
+    from mlx_kvserve.kv.ssd.writer import WRITER_NICENESS
 
     seen = []
 

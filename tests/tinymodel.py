@@ -9,8 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-
-from mlx_kvserve.models.synthetic import (  # noqa: F401  (re-exported for the tests)
+from harness.synthetic import (  # noqa: F401  (re-exported for the tests)
     CHATML,
     SPECIALS,
     base_vocab_size,
@@ -19,7 +18,7 @@ from mlx_kvserve.models.synthetic import (  # noqa: F401  (re-exported for the t
     tokenizer_meta,
     write_model_folder,
 )
-from mlx_kvserve.models.synthetic import llama_config as synthetic_config
+from harness.synthetic import llama_config as synthetic_config
 
 TINY = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "ffn": 128, "context": 2048}
 

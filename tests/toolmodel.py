@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from harness.synthetic import write_model_folder
 from tinymodel import base_vocab_size, llama_config, random_llama, tokenizer_meta
 
 from mlx_kvserve.models.gguf_tokenizer import write_tokenizer_files
-from mlx_kvserve.models.synthetic import write_model_folder
 
 EXTRA = ["<tool_call>", "</tool_call>", "<think>", "</think>"]
 

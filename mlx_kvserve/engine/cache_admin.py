@@ -23,9 +23,11 @@ class CacheAdmin:
             raise InvalidRequestError(f"the block cache is off: {self.prefix_cache.reason}", code="cache_disabled")
         return self.prefix_cache.manager
 
-    def block_hashes(self, tokens: Sequence[int]) -> list[bytes]:
-        """Chained hashes of the full blocks of `tokens` (what a request with them would cache)."""
-        return self.manager.hasher.hash_blocks(tokens)
+    def block_hashes(self, tokens: Sequence[int], known: Sequence[bytes] = ()) -> list[bytes]:
+        """Chained hashes of the full blocks of `tokens` (what a request with them would cache);
+        `known`: the chain of a prompt `tokens` is a prefix of (or that is a prefix of `tokens`),
+        when the caller has it."""
+        return self.manager.hasher.hash_blocks(tokens, known=known)
 
     def missing(self, hashes: Sequence[bytes]) -> bool:
         """True when some of these blocks are in no tier (the prompt must be prefilled first)."""
@@ -66,7 +68,7 @@ class CacheAdmin:
             return {"unpinned_count": 1}
         return {"unpinned_count": self.manager.unpin(hashes)}
 
-    def lease(self, tokens: Sequence[int], ttl_s: float) -> int:
+    def lease(self, tokens: Sequence[int], ttl_s: float, known: Sequence[bytes] = ()) -> int:
         """Pin the full blocks of `tokens` for `ttl_s` (cache_control), or push out their lease.
         Returns the tokens leased (0 when leases are off or `tokens` holds no full block)."""
         leases = self.manager.pins.leases
@@ -74,12 +76,12 @@ class CacheAdmin:
             return 0
         stats = self.manager.stats()
         block_bytes = stats["kv_ram_bytes"] // stats["kv_ram_blocks"] if stats["kv_ram_blocks"] else 0
-        return leases.grant(self.block_hashes(tokens), ttl_s, block_bytes) * self.manager.block_size
+        return leases.grant(self.block_hashes(tokens, known), ttl_s, block_bytes) * self.manager.block_size
 
-    def touch_leases(self, tokens: Sequence[int]) -> int:
+    def touch_leases(self, tokens: Sequence[int], known: Sequence[bytes] = ()) -> int:
         """A request with this prompt: the leases it uses live their TTL again."""
         leases = self.manager.pins.leases
-        return leases.touch(self.block_hashes(tokens)) if leases is not None else 0
+        return leases.touch(self.block_hashes(tokens, known)) if leases is not None else 0
 
     def leases(self) -> list[dict[str, Any]]:
         leases = self.manager.pins.leases

@@ -167,7 +167,7 @@ class DistributedWorker(InferenceWorker):
             update = self.world.share(self._collect(stopping) if self.world.rank == 0 else None)
             stopping = stopping or update.stop
             self._apply(update)
-            busy = self.scheduler.num_running > 0
+            busy = self.scheduler.has_work
             if busy:
                 self._step()
             elif stopping:
@@ -177,7 +177,7 @@ class DistributedWorker(InferenceWorker):
     def _collect(self, stopping: bool) -> Update:
         """Rank 0: what to share now. Blocks up to IDLE_POLL_S when nothing runs."""
         update = Update(stop=stopping)
-        busy = self.scheduler.num_running > 0
+        busy = self.scheduler.has_work
         room = self.scheduler.max_batch - self.scheduler.num_running
         while not stopping and room > 0:
             try:
@@ -310,12 +310,12 @@ class BroadcastAdmin(CacheAdmin):
     def prune(self, *args: Any) -> dict[str, Any]:
         return self._everywhere("prune", *args)
 
-    def lease(self, tokens: Any, ttl_s: float) -> int:
-        return self._everywhere("lease", list(tokens), ttl_s)
+    def lease(self, tokens: Any, ttl_s: float, known: Any = ()) -> int:
+        return self._everywhere("lease", list(tokens), ttl_s, list(known))
 
-    def touch_leases(self, tokens: Any) -> int:
+    def touch_leases(self, tokens: Any, known: Any = ()) -> int:
         # Every request calls this: the other ranks hear of it only when rank 0 refreshed a lease.
-        refreshed = super().touch_leases(tokens)
+        refreshed = super().touch_leases(tokens, known)
         if refreshed:
-            self._everywhere("touch_leases", list(tokens))
+            self._everywhere("touch_leases", list(tokens), list(known))
         return refreshed

@@ -7,42 +7,30 @@ GenerationRequests; everything that touches MLX happens on the worker thread.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-from blake3 import blake3
-
 from ..checked_json import DamagedFile
-from ..config import Config, default_home
+from ..config import Config
 from ..errors import ModelLoadError
 from ..kv import blocks
-from ..kv.folder_lock import FolderLock
-from ..kv.fsmode import ensure_private_root, private_mkdir
-from ..kv.hashing import BlockHasher, model_fingerprint, namespace_hash
-from ..kv.leases import LEASES_FILE, PinLeases
-from ..kv.manager import KVManager
-from ..kv.pins import PINS_FILE, PinRegistry
-from ..kv.ram import RAMStore
-from ..kv.ssd import SSDStore, store_dir
-from ..kv.tails import TailStore
-from ..kv.tiering import SSDTier
-from ..kv.writer import SSDWriterThread
 from ..models.loader import LoadedModel
+from ..vision.runtime import build_runtime
 from . import tool_grammar
+from .build import build_stack, prefill_step
 from .cache_admin import CacheAdmin
 from .constrain import grammars_for
 from .distributed import BroadcastAdmin, DistributedWorker, World
-from .front_prefill import SPEEDS_FILE, FrontPrefill
+from .front_prefill import SPEEDS_FILE
 from .generate import Generator
+from .order import StartOrder
 from .prefetch import Prefetcher
-from .prefix_cache import PrefixCache
-from .request import Failed, GenerationRequest, SamplingParams
-from .scheduler import SchedulerStats
-from .turns import turn_start_token
+from .request import Failed, GenerationRequest, SamplingParams, request_hashes
+from .router_view import RouterView
+from .speculative import build_speculator
 from .worker import InferenceWorker
 
 log = logging.getLogger(__name__)
@@ -50,203 +38,6 @@ log = logging.getLogger(__name__)
 RANKS_TIMEOUT_S = 10.0  # distributed: how long /health waits for every rank's cache statistics
 # Of each rank's cache statistics, what /health lists per rank.
 RANK_KEYS = ("enabled", "kv_ram_blocks", "kv_ram_bytes", "kv_tails", "kv_pinned_blocks", "kv_hits", "ssd_blocks")
-
-
-def physical_memory_bytes() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 8 * 1024**3
-
-
-def lock_store_folder(config: Config, namespace: bytes) -> FolderLock | None:
-    """This namespace's folder under the SSD cache root (pins.json, blocks, tails, index), created
-    private and locked for this server until Engine.stop: as its owner, or as a guest when another
-    server owns it (kv/folder_lock.py). None when it cannot be created or locked (logged; pins then
-    stay in memory and the SSD tier is off). Raises ConfigError when the root is a folder other
-    users may read, FolderBusyError when an offline command (cache verify) holds the folder."""
-    root = config.ssd_path()
-    folder = store_dir(root, namespace)
-    try:
-        ensure_private_root(root, "ssd.cache_dir")
-        private_mkdir(folder)
-        lock = FolderLock.acquire_server(folder)
-    except OSError as exc:
-        log.error("SSD tier off: cannot use %s (%s); pins will not persist", folder, exc)
-        return None
-    if not lock.is_owner:
-        owner = f"pid {lock.owner.pid}" if lock.owner else "another server"
-        log.warning(
-            "the cache folder %s is owned by %s: this server shares it as a guest (reads and adds blocks; "
-            "pins, eviction and pruning stay with the owner)",
-            folder,
-            owner,
-        )
-    return lock
-
-
-def build_ssd_tier(
-    config: Config,
-    namespace: bytes,
-    pins: PinRegistry,
-    layout: blocks.CacheLayout,
-    folder_lock: FolderLock | None = None,
-) -> SSDTier | None:
-    """The SSD tier for this namespace, validated and pruned, with its writer running; None when
-    [ssd] is off or its folder cannot be used (the server then runs on RAM alone, logged). A guest
-    (see folder_lock) only reads the folder's state and adds blocks."""
-    is_owner = folder_lock is None or folder_lock.is_owner
-    ssd = config.ssd
-    if not ssd.enabled:
-        return None
-    try:
-        store = SSDStore(
-            store_dir(config.ssd_path(), namespace),
-            namespace,
-            max_bytes=ssd.max_bytes,
-            min_free_bytes=ssd.min_free_bytes,
-            ttl_s=ssd.ttl_days * 86400.0,
-            is_pinned=pins.is_pinned,
-            is_owner=is_owner,
-        )
-    except OSError as exc:
-        log.error("SSD tier off: cannot use %s (%s)", config.ssd_path(), exc)
-        return None
-    report = store.validate_index(others_write=folder_lock is not None and folder_lock.has_guests())
-    pruned = store.prune_expired()
-    log.info(
-        "SSD tier at %s: %d blocks kept, %d adopted, %d missing dropped, %d invalid deleted, %d temp deleted, "
-        "%d pruned (%.2fs)",
-        store.cache_dir,
-        report.kept,
-        report.adopted,
-        report.dropped_missing,
-        report.deleted_invalid,
-        report.deleted_temp,
-        pruned,
-        report.elapsed_s,
-    )
-    holder: list[SSDTier] = []
-    writer = SSDWriterThread(
-        save_batch=lambda jobs: holder[0].save_jobs(jobs),
-        queue_size=ssd.writer_queue_size,
-        durability=ssd.durability,
-        max_retries=ssd.persistent_max_retries,
-        after_job=lambda: holder[0].after_write() if holder else None,
-        when_full=ssd.writer_when_full,
-        value=lambda job: holder[0].job_value(job),
-        on_shed=lambda job: holder[0].forget_job(job),
-    )
-    tier = SSDTier(
-        store,
-        writer,
-        ssd.policy,
-        layout.to_arrays,
-        layout.from_arrays,
-        ssd.flush_interval_s,
-        ssd.async_writes,
-        ssd.write_hold_s,
-        exact_tails=layout.exact_tails,
-    )
-    holder.append(tier)
-    tier.validation = report._asdict()
-    return tier
-
-
-def build_prefix_cache(
-    loaded: LoadedModel, config: Config, damaged: list[DamagedFile] | None = None, world: World | None = None
-) -> tuple[PrefixCache, FolderLock | None]:
-    """The block cache for this model, or a disabled one with the reason (logged once), and the
-    lock on its cache folder (None when it uses none), which the caller releases at shutdown. A
-    damaged fingerprint memo is appended to `damaged` (the stores keep their own damaged files).
-    Raises ConfigError or FolderBusyError (see lock_store_folder).
-
-    Distributed (`world`), each rank caches its own shard: the block hashes are the same on every
-    rank (their namespace names the sharding, so one layout's blocks are never read under another),
-    while each rank's files live in their own folder and carry the rank in their namespace."""
-    if not config.cache.enabled:
-        return PrefixCache(loaded.model, None, "disabled by configuration ([cache] enabled = false)", layout=None), None
-    layout = blocks.cache_layout(loaded.model, config.cache.block_size, config.cache.kv_bits)
-    # One hash chain on every rank (pins and lengths are compared across ranks): rank 0's layout
-    # names it, whatever share of the layers this rank runs.
-    signature = world.share(layout.signature) if world is not None else layout.signature
-    if not layout.supported:
-        log.warning("block caching is off for this model: %s", layout.reason)
-        return PrefixCache(loaded.model, None, layout.reason, layout=layout), None
-    fingerprint = model_fingerprint(loaded.path, default_home() / "fingerprints.json", damaged)
-    sharding = f"|{world.tag}" if world is not None else ""
-    namespace = namespace_hash(fingerprint, layout.kv_dtype, config.cache.block_size, cache_layout=signature + sharding)
-    store_namespace = blake3(namespace + f"rank{world.rank}".encode()).digest() if world is not None else namespace
-    budget = config.cache.ram_max_bytes or physical_memory_bytes() // 4
-    # Tails (partial last blocks) get an eighth of the RAM budget, full blocks the rest; for models
-    # with recurrent layers tails carry the checkpoints, without which no block is usable: half.
-    tails = TailStore(budget // 2 if layout.has_state else budget // 8, exact=layout.exact_tails)
-    folder_lock = lock_store_folder(config, store_namespace)  # before anything reads or writes the folder
-    try:
-        owns = folder_lock is not None and folder_lock.is_owner  # a guest keeps pins and leases in memory
-        pins = PinRegistry(folder_lock.folder / PINS_FILE if owns else None, _leases(config, budget, folder_lock))
-        ssd_tier = build_ssd_tier(config, store_namespace, pins, layout, folder_lock) if folder_lock else None
-    except BaseException:
-        if folder_lock is not None:
-            folder_lock.release()
-        raise
-    hasher = BlockHasher(namespace, config.cache.block_size)
-    ram = RAMStore(budget - tails.max_bytes)
-    rules = layout if layout.needs_checkpoints else None
-    manager = KVManager(hasher, ram, tails, ssd_tier, pins, config.cache.pinned_ram_share, rules)
-    log.info(
-        "block cache on: %d-token blocks, RAM budget %.2f GiB, SSD %s, model %s",
-        config.cache.block_size,
-        budget / 2**30,
-        "on" if ssd_tier else "off",
-        fingerprint[:12],
-    )
-    prefix_cache = PrefixCache(
-        loaded.model,
-        manager,
-        ssd_tier=ssd_tier,
-        layout=layout,
-        checkpoint_every=config.cache.checkpoint_every,
-        turn_marker=turn_start_token(loaded.tokenizer) if layout.needs_checkpoints else None,
-        folder_owner=_owner_name(folder_lock),
-    )
-    return prefix_cache, folder_lock
-
-
-def _owner_name(folder_lock: FolderLock | None) -> str | None:
-    """None when this server owns its folder (or has none), else who does ("pid N")."""
-    if folder_lock is None or folder_lock.is_owner:
-        return None
-    return f"pid {folder_lock.owner.pid}" if folder_lock.owner else "another server"
-
-
-def _leases(config: Config, ram_budget: int, folder_lock: FolderLock | None) -> PinLeases | None:
-    """cache_control pins: at most [cache] cache_control_share of the RAM budget (and of the disk
-    budget, when there is one); None when the share is 0."""
-    share = config.cache.cache_control_share
-    if share <= 0:
-        return None
-    budgets = [ram_budget] + ([config.ssd.max_bytes] if config.ssd.enabled and config.ssd.max_bytes > 0 else [])
-    owns = folder_lock is not None and folder_lock.is_owner
-    return PinLeases(folder_lock.folder / LEASES_FILE if owns else None, int(share * min(budgets)))
-
-
-def _front_prefill(prefix_cache: PrefixCache, config: Config, stats: SchedulerStats) -> FrontPrefill | None:
-    """Compute an SSD hit's first blocks while the rest are read ([ssd] compute_while_loading),
-    for plain-KV layouts; the split follows the measured read and prefill speeds."""
-    tier = prefix_cache.ssd_tier
-    if tier is None or prefix_cache.layout.needs_checkpoints or not config.ssd.compute_while_loading:
-        return None
-    front = FrontPrefill(
-        prefix_cache.model,
-        prefix_cache.layout,
-        config.cache.block_size,
-        config.generation.prefill_step_size,
-        tier.block_reads.bytes_per_s,
-        lambda: stats.prefill_tokens / stats.prefill_s if stats.prefill_s else None,
-    )
-    front.remember(tier.store.cache_dir / SPEEDS_FILE)
-    return front
 
 
 class Engine:
@@ -260,21 +51,41 @@ class Engine:
         reason = blocks.unbatchable(loaded.model)
         if reason:  # every request would fail: refuse to start instead
             raise ModelLoadError(f"model {loaded.name} cannot be served: {reason}")
-        self._memo_damage: list[DamagedFile] = []  # a fingerprint memo set aside at startup
         # The folder lock is held from here to stop(): one process per cache folder.
-        self.prefix_cache, self.folder_lock = build_prefix_cache(loaded, config, self._memo_damage, world)
+        stack = build_stack(loaded, config, world)
+        self.prefix_cache, self.folder_lock = stack.prefix_cache, stack.folder_lock
+        self._memo_damage = stack.damaged  # a fingerprint memo set aside at startup
         self.generator = Generator(
             loaded.model,
             loaded.tokenizer,
             self.prefix_cache,
-            config.generation.prefill_step_size,
+            prefill_step(config),
             config.server.batch_limit(),
+            stack.stats,
+            StartOrder("fifo") if world is not None else StartOrder(config.server.scheduling, config.server.max_wait_s),
+            config.server.prefill_batch_size,
+            config.server.max_queue,
         )
-        self.prefix_cache.front = _front_prefill(self.prefix_cache, config, self.generator.scheduler.stats)
+        # A vision-language model's images (vision/runtime.py): prompts built here, prefilled by the scheduler.
+        self.vision = build_runtime(loaded.vision, config) if getattr(loaded, "vision", None) is not None else None
+        self.generator.scheduler.vision = self.vision
+        # Speculative decoding (engine/speculative.py): text models on one machine (ranks measure
+        # their own pass times, and their adaptive choices must not differ).
+        self.speculation = (
+            build_speculator(
+                loaded.model,
+                loaded.tokenizer,
+                self.prefix_cache.layout,
+                config.speculative.mode,
+                config.speculative.max_draft_tokens,
+            )
+            if world is None and self.vision is None
+            else None
+        )
+        self.generator.scheduler.speculation = self.speculation
         if world is None:
             self.worker = InferenceWorker(self.generator, config.server.max_queue)
         else:
-            self.prefix_cache.agree = world.all_lengths
             self.worker = DistributedWorker(self.generator, config.server.max_queue, world, self._execute)
         self.started_at = time.time()
         self.prefetcher: Prefetcher | None = None  # set by start() with [ssd] prefetch_on_start
@@ -302,6 +113,64 @@ class Engine:
     @property
     def model_name(self) -> str:
         return self.loaded.name
+
+    @property
+    def model_path(self) -> Path:
+        return self.loaded.path
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer (thread-safe to encode and decode with; no MLX)."""
+        return self.loaded.tokenizer
+
+    @property
+    def cache_enabled(self) -> bool:
+        return self.prefix_cache.manager is not None
+
+    @property
+    def cache_reason(self) -> str:
+        """Why block caching is off ("" while it is on)."""
+        return self.prefix_cache.reason
+
+    @property
+    def leases_active(self) -> bool:
+        """Whether any cache_control lease is held now (then prompts refresh their TTLs)."""
+        manager = self.prefix_cache.manager
+        return manager is not None and manager.pins.leases is not None and manager.pins.leases.active
+
+    def router_view(self) -> RouterView | None:
+        """What a router follows of this cache; None while block caching is off."""
+        manager = self.prefix_cache.manager
+        return RouterView(manager) if manager is not None else None
+
+    @property
+    def is_alive(self) -> bool:
+        """Whether the worker thread runs."""
+        return self.worker.is_alive
+
+    @property
+    def failure(self) -> str:
+        """Why no request can be served any more ("" while the worker serves; distributed: a rank died)."""
+        return getattr(self.worker, "failed", "")
+
+    @property
+    def queue_depth(self) -> int:
+        return self.worker.queue_depth
+
+    @property
+    def is_busy(self) -> bool:
+        return self.worker.is_busy
+
+    def ssd_problem(self) -> str:
+        """What is wrong with the SSD tier now, in a sentence ("" when it works or is off by config)."""
+        if not (self.config.ssd.enabled and self.cache_enabled):
+            return ""
+        tier = self.prefix_cache.ssd_tier
+        if tier is None:
+            return "the SSD tier is off: its folder could not be used at startup (see the log)"
+        if not tier.writer.is_alive:
+            return "the SSD writer thread is not running; new blocks are not saved"
+        return ""
 
     @property
     def context_length(self) -> int:
@@ -344,7 +213,18 @@ class Engine:
             self.folder_lock.release()
 
     def submit(self, req: GenerationRequest) -> None:
+        """Queue `req` for the worker (OverloadedError when the queue is full); its prompt's
+        block hashes are computed here if the caller has not asked for them yet."""
+        manager = self.prefix_cache.manager
+        if manager is not None and self.world is None:
+            request_hashes(req, manager.hasher)
         self.worker.submit(req)
+
+    def block_hashes(self, tokens: list[int]) -> list[bytes]:
+        """The chain of `tokens`' full blocks in this model's cache namespace ([] when the
+        block cache is off). Any thread."""
+        manager = self.prefix_cache.manager
+        return manager.hasher.hash_blocks(tokens) if manager is not None else []
 
     def prefill(self, tokens: list[int], timeout: float | None = None) -> None:
         """Run `tokens` through the worker (one generated token, discarded) and block until its KV
@@ -374,7 +254,7 @@ class Engine:
             try:
                 text = Path(path).expanduser().read_text()
                 tokens = self.chat_tokens([{"role": "system", "content": text}], add_generation_prompt=False)
-                hashes = manager.hasher.hash_blocks(tokens) if manager is not None else []
+                hashes = self.block_hashes(tokens)
                 if not hashes:
                     log.warning("pin_on_start: %s is shorter than one block; not pinned", path)
                     continue
@@ -492,6 +372,10 @@ class Engine:
             "decode_s": round(s.decode_s, 3),
             "decode_tokens_per_s": round(s.decode_tokens / s.decode_s, 1) if s.decode_s else 0.0,
             "shared_prefix_waits": s.shared_prefix_waits,
+            "scheduling": scheduler.order.policy,
+            "max_wait_s": round(s.max_wait_s, 3),
+            "overdue_starts": s.overdue_starts,
+            "speculative": self.speculation.describe() if self.speculation is not None else {"mode": "off"},
         }
 
     def health(self) -> dict[str, Any]:
@@ -504,4 +388,5 @@ class Engine:
             "batch": self.batch_stats(),
             "context_length": self.context_length,
             "cache": self.cache_stats(),
+            **({"vision": self.vision.stats()} if self.vision is not None else {}),
         }

@@ -25,7 +25,7 @@ import mlx.core as mx
 
 from ..checked_json import DamagedFile, Float, Obj, load_json
 from ..kv.blocks import CacheLayout
-from ..kv.ssd_index import atomic_write
+from ..kv.ssd import atomic_write
 
 log = logging.getLogger(__name__)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .batch_state import SchedulerStats
+from .order import StartOrder
 from .prefix_cache import PrefixCache
 from .request import GenerationRequest
 from .scheduler import Scheduler
@@ -14,13 +16,24 @@ class Generator:
     """A loaded mlx-lm model and tokenizer, the block cache, and the batch that runs requests."""
 
     def __init__(
-        self, model: Any, tokenizer: Any, prefix_cache: PrefixCache, prefill_step_size: int = 512, max_batch: int = 8
+        self,
+        model: Any,
+        tokenizer: Any,
+        prefix_cache: PrefixCache,
+        prefill_step_size: int = 512,
+        max_batch: int = 8,
+        stats: SchedulerStats | None = None,
+        order: StartOrder | None = None,
+        prefill_batch_size: int = 0,
+        max_pending: int = 0,
     ):
         self.model = model
         self.tokenizer = tokenizer
         self.prefix_cache = prefix_cache
         self.prefill_step_size = prefill_step_size
-        self.scheduler = Scheduler(model, tokenizer, prefix_cache, prefill_step_size, max_batch)
+        self.scheduler = Scheduler(
+            model, tokenizer, prefix_cache, prefill_step_size, max_batch, stats, order, prefill_batch_size, max_pending
+        )
 
     def run(self, req: GenerationRequest) -> None:
         """Generate for `req` alone, sending TextDelta events and one Finished (or Failed) event

@@ -18,8 +18,7 @@ from typing import Any
 
 from ..kv.base import Block
 from ..kv.manager import KVManager
-from ..kv.ssd_index import BlockHeader
-from ..kv.tiering import SSDTier
+from ..kv.ssd import BlockHeader, SSDTier
 
 log = logging.getLogger(__name__)
 

@@ -35,6 +35,7 @@ class Prepared:
     registered_blocks: int = 0  # full blocks before this index are registered (or were cached)
     deferred: list[Block] = field(default_factory=list)  # registered, not yet handed to the SSD tier
     deferred_at_flush: int = 0  # manager.num_flushes when they were registered
+    prompt_hashes: list[bytes] = field(default_factory=list)  # the prompt's chain (GenerationRequest.block_hashes)
 
 
 class PrefixCache:
@@ -48,10 +49,13 @@ class PrefixCache:
         checkpoint_every: int = 0,
         turn_marker: int | None = None,
         folder_owner: str | None = None,
+        front: FrontPrefill | None = None,
+        agree: Any = None,
+        room_for_prefill: bool = True,
     ):
         self.model = model
         # Set when another server owns the cache folder and this one is its guest ("pid N"): pins
-        # and the SSD flush belong to the owner (kv/folder_lock.py).
+        # and the SSD flush belong to the owner (kv/ssd/folder_lock.py).
         self.folder_owner = folder_owner
         self.manager = manager
         bs = manager.block_size if manager is not None else 1
@@ -63,23 +67,23 @@ class PrefixCache:
         self.turn_marker = turn_marker  # the token opening each chat message (engine/turns.py)
         # Distributed: every rank's cached length for a lookup (a collective; engine/distributed.py).
         # Set, the ranks agree on the shortest before prefill.
-        self.agree: Any = None
+        self.agree = agree
         self.reason = reason
-        # An SSD hit's first blocks computed while the rest are read (engine/front_prefill.py);
-        # set by the engine for plain-KV layouts with an SSD tier.
-        self.front: FrontPrefill | None = None
-        self.ssd_tier = ssd_tier  # kv.tiering.SSDTier or None; the engine closes it at shutdown
+        # An SSD hit's first blocks computed while the rest are read (engine/front_prefill.py),
+        # for plain-KV layouts with an SSD tier.
+        self.front = front
+        self.ssd_tier = ssd_tier  # kv.ssd.SSDTier or None; the engine closes it at shutdown
         self._hold_lock = threading.Lock()  # guards _num_holding
         self._num_holding = 0  # requests between lookup and first token: writes resume when none is left
-        # Spare room after the prefix lets a lone prefill write in place; the batch scheduler turns it
+        # Spare room after the prefix lets a lone prefill write in place; the engine's stack turns it
         # off, since mlx-lm's BatchKVCache.merge copies the prefix into a buffer of its own anyway.
-        self.room_for_prefill = True
+        self.room_for_prefill = room_for_prefill
 
     @property
     def enabled(self) -> bool:
         return self.manager is not None
 
-    def prepare(self, prompt: Sequence[int]) -> Prepared:
+    def prepare(self, prompt: Sequence[int], hashes: Sequence[bytes] | None = None) -> Prepared:
         """A prompt cache holding the longest cached prefix of `prompt`, always leaving at least
         one token to prefill (its logits pick the first generated token). Background SSD writes
         are held from here until `first_token` (or `finish` / `release`)."""
@@ -90,7 +94,7 @@ class PrefixCache:
         if self.manager is None:
             return Prepared(self.layout.assemble([]), MatchResult([], 0))
         front = self.front if self.agree is None else None  # ranks must read the same blocks in step
-        match = self.manager.lookup(prompt, max_tokens=len(prompt) - 1, front=front)
+        match = self.manager.lookup(prompt, max_tokens=len(prompt) - 1, front=front, hashes=hashes)
         if self.agree is not None:
             match = self._agree(prompt, match)
         try:
@@ -105,7 +109,7 @@ class PrefixCache:
             self.manager.release(match.blocks)
             self.first_token()
             raise
-        return Prepared(cache, match)
+        return Prepared(cache, match, prompt_hashes=list(hashes or ()))
 
     def _agree(self, prompt: Sequence[int], match: MatchResult) -> MatchResult:
         """The longest prefix every rank has: while the ranks' cached lengths differ, those above
@@ -213,7 +217,7 @@ class PrefixCache:
         tokens = list(kv_tokens[:length])
         num_full = length // bs
         first = max(len(prepared.match.blocks), prepared.registered_blocks)
-        hashes = manager.hasher.hash_blocks(tokens, num_full)  # once, for blocks and tails
+        hashes = manager.hasher.hash_blocks(tokens, num_full, known=prepared.prompt_hashes)  # for blocks and tails
         todo = manager.new_blocks(tokens, first, num_full, hashes)
         added = 0
         if todo:

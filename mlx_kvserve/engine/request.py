@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    speculative: str = ""  # the kvserve extension's speculative mode; "" = the server's [speculative] mode
 
     @property
     def constrained(self) -> bool:
@@ -92,7 +94,31 @@ class GenerationRequest:
     # Prompt positions worth a checkpoint for hybrid / sliding-window models (where the last message
     # starts: the prefix the next request in the conversation or with the same system prompt shares).
     checkpoint_at: tuple[int, ...] = ()
+    # The prompt's full-block hash chain, computed once (Engine.block_hashes, at submit at the
+    # latest) and read by every stage after: leases, shared-prefix waits, lookup, registration.
+    block_hashes: list[bytes] | None = None
+    # A prompt with images (vision/runtime.py): each image's placeholder span (vision.families.ImageSpan),
+    # and the ids the block cache keys the prompt by, where each image's placeholder ids are replaced by
+    # keys derived from its pixel digest (None: the prompt's own ids).
+    images: tuple[Any, ...] = ()
+    cache_tokens: list[int] | None = None
 
     def cancel(self) -> None:
         """Ask the worker to stop this request at the next token (safe from any thread)."""
         self.cancelled.set()
+
+    def cache_keys(self, tokens: list[int]) -> list[int]:
+        """`tokens` (this prompt's, then generated ones) as the block cache keys them: the prompt's
+        part replaced by `cache_tokens`."""
+        if self.cache_tokens is None:
+            return tokens
+        n = min(len(tokens), len(self.prompt_tokens))
+        return list(self.cache_tokens[:n]) + list(tokens[n:])
+
+
+def request_hashes(req: GenerationRequest, hasher: Any) -> list[bytes]:
+    """The prompt's full-block chain (`hasher`: chain.BlockHasher), computed once and kept on the
+    request; later calls return the same list."""
+    if req.block_hashes is None:
+        req.block_hashes = hasher.hash_blocks(req.cache_keys(req.prompt_tokens))
+    return req.block_hashes

@@ -19,7 +19,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, categorical_sampling
 
-from .request import SamplingParams
+from .request import SamplingParams, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -161,3 +161,16 @@ def repair_random_state() -> bool:
         mx.random.seed(secrets.randbits(63))  # fresh entropy: unseeded draws stay unpredictable
         log.warning("MLX's global random key was left unusable by a failed sampler; re-seeded it")
         return True
+
+
+def token_logprobs(params: SamplingParams, token: int, logprobs: mx.array) -> tuple[TokenLogprob, ...]:
+    """The sampled token's logprob and the `top_logprobs` most likely alternatives, when asked for."""
+    if not (params.logprobs or params.top_logprobs):
+        return ()
+    top: tuple[tuple[int, float], ...] = ()
+    if params.top_logprobs > 0:
+        n = min(params.top_logprobs, logprobs.shape[-1])
+        ids = mx.argpartition(-logprobs, kth=n - 1)[:n]
+        values = logprobs[ids]
+        top = tuple(sorted(zip(ids.tolist(), values.tolist(), strict=True), key=lambda p: -p[1]))
+    return (TokenLogprob(token, logprobs[token].item(), top),)

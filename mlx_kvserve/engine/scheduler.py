@@ -13,62 +13,22 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
-import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
+from .batch_state import Pending, Running, SchedulerStats, Waiting
 from .constrain import grammars_for
+from .order import StartOrder
 from .prefill import cached_blocks, pick_leader
-from .prefix_cache import PrefixCache, Prepared
-from .request import Failed, Finished, GenerationRequest, TextDelta, TokenLogprob, Usage
-from .sampling import RequestFault, make_request_processors, make_request_sampler, repair_random_state
+from .prefix_cache import PrefixCache
+from .request import Failed, Finished, GenerationRequest, TextDelta, Usage, request_hashes
+from .sampling import RequestFault, make_request_processors, make_request_sampler, repair_random_state, token_logprobs
+from .solo_path import speculate
+from .speculative import Speculator
 from .stops import StopMatcher
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(eq=False)
-class Running:
-    """One request in the batch (owned by the scheduler)."""
-
-    uid: int
-    req: GenerationRequest
-    prepared: Prepared
-    started: float
-    detok: Any
-    stops: StopMatcher
-    generated: list[int] = field(default_factory=list)  # every sampled token, eos included
-    num_generated: int = 0  # completion tokens sent to the client (eos not counted)
-    first_token_s: float = 0.0
-    prefill_done: bool = False  # the whole prompt's KV is in the batch cache
-    prompt_registered: bool = False
-    block_hashes: list[bytes] = field(default_factory=list)  # of the prompt's blocks a lookup may use
-    checkpoints: set[int] = field(default_factory=set)  # prompt positions to capture at (segment ends)
-    fault: RequestFault = field(default_factory=RequestFault)  # what its sampler or processors raised
-
-
-@dataclass(eq=False)
-class Waiting:
-    """A request waiting for another's prompt blocks (shared-prefix arrival)."""
-
-    req: GenerationRequest
-    started: float
-    leader: int  # uid of the request prefilling the shared prefix
-    block_hashes: list[bytes]
-
-
-@dataclass
-class SchedulerStats:
-    """Counters since start (read by /health and /metrics from other threads: plain ints)."""
-
-    prefill_tokens: int = 0  # prompt tokens run through the model (cached ones are not)
-    prefill_s: float = 0.0
-    decode_tokens: int = 0
-    decode_s: float = 0.0
-    steps: int = 0
-    shared_prefix_waits: int = 0  # requests that waited for another's prompt blocks
 
 
 class Scheduler:
@@ -82,28 +42,63 @@ class Scheduler:
     """
 
     def __init__(
-        self, model: Any, tokenizer: Any, prefix_cache: PrefixCache, prefill_step_size: int = 512, max_batch: int = 8
+        self,
+        model: Any,
+        tokenizer: Any,
+        prefix_cache: PrefixCache,
+        prefill_step_size: int = 512,
+        max_batch: int = 8,
+        stats: SchedulerStats | None = None,
+        order: StartOrder | None = None,
+        prefill_batch_size: int = 0,
+        max_pending: int = 0,
     ):
         self.model = model
         self.tokenizer = tokenizer
         self.prefix_cache = prefix_cache
-        prefix_cache.room_for_prefill = False  # the batch copies each prefix into its own cache
         self.prefill_step_size = prefill_step_size
         self.max_batch = max_batch
+        # Requests admitted and not yet started wait here (at most max_pending; 0 = max_batch)
+        # until a prefill slot frees up; `order` picks which one starts next.
+        self.max_pending = max_pending or max_batch
+        self.order = order or StartOrder()
         # Recurrent layers prefill one prompt at a time: mlx-lm right-pads prompts of different
         # lengths prefilled together, and some of its recurrent layers (nemotron_h's in 0.32.2)
         # let the padding into their state. Decoding stays batched.
-        self.prefill_batch_size = 1 if prefix_cache.layout.has_state else max_batch
-        self.stats = SchedulerStats()
+        # Otherwise up to prefill_batch_size prompts prefill together (0 = max_batch).
+        self.prefill_batch_size = (
+            1 if prefix_cache.layout.has_state else min(prefill_batch_size or max_batch, max_batch)
+        )
+        self.stats = stats if stats is not None else SchedulerStats()
         self._eos = StopSequences([[t] for t in tokenizer.eos_token_ids])
         self._batch: BatchGenerator | None = None
         self._running: dict[int, Running] = {}  # by BatchGenerator uid
         self._waiting: list[Waiting] = []
+        self._pending: list[Pending] = []
+        self._arrivals = 0
+        # Speculative decoding for a request that runs alone (engine/speculative.py); set by the engine.
+        self.speculation: Speculator | None = None
+        # A vision-language model's images (vision/runtime.py); set by the engine.
+        self.vision: Any = None
 
     @property
     def num_running(self) -> int:
-        """Requests admitted and not finished (in the batch, or waiting for a shared prefix)."""
+        """Requests admitted and not finished (pending, in the batch, or waiting for a shared prefix)."""
+        return len(self._running) + len(self._waiting) + len(self._pending)
+
+    @property
+    def num_started(self) -> int:
+        """Requests in the batch or waiting there for a shared prefix."""
         return len(self._running) + len(self._waiting)
+
+    @property
+    def num_pending(self) -> int:
+        """Requests admitted, waiting for their turn to start. Read from any thread."""
+        return len(self._pending)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._running or self._waiting or self._pending)
 
     @property
     def batch_size(self) -> int:
@@ -115,11 +110,17 @@ class Scheduler:
         return sum(1 for r in self._running.values() if not r.prefill_done)
 
     def is_running(self, req: GenerationRequest) -> bool:
-        return any(r.req is req for r in self._running.values()) or any(w.req is req for w in self._waiting)
+        """Whether `req` is admitted and not finished (pending, waiting or in the batch)."""
+        return (
+            any(r.req is req for r in self._running.values())
+            or any(w.req is req for w in self._waiting)
+            or any(p.req is req for p in self._pending)
+        )
 
     @property
     def is_full(self) -> bool:
-        return self.num_running >= self.max_batch
+        """No room for another admitted request (the worker keeps it in its queue)."""
+        return len(self._pending) >= self.max_pending
 
     def _generator(self) -> BatchGenerator:
         if self._batch is None:
@@ -132,10 +133,37 @@ class Scheduler:
         return self._batch
 
     def admit(self, req: GenerationRequest) -> None:
+        """Take `req`: it starts at a later step, when a prefill slot is free and `order` picks
+        it (never raises: a request that cannot start gets a Failed event)."""
+        self._arrivals += 1
+        self._pending.append(Pending(req, time.perf_counter(), self._arrivals))
+
+    def _start_pending(self) -> None:
+        """Start pending requests, in the order's choice, while the batch has room and fewer than
+        prefill_batch_size requests prefill."""
+        while self._pending and self.num_started < self.max_batch and self.num_prefilling < self.prefill_batch_size:
+            pick = self.order.pick(self._pending, self._uncached_tokens, time.perf_counter())
+            self._pending.remove(pick)
+            waited = time.perf_counter() - pick.started
+            self.stats.max_wait_s = max(self.stats.max_wait_s, waited)
+            self.stats.overdue_starts += waited >= self.order.max_wait_s
+            self._begin(pick.req, pick.started)
+
+    def _uncached_tokens(self, req: GenerationRequest) -> int:
+        """Prompt tokens `req` would prefill if it started now (its leading blocks in RAM or on
+        the SSD count as cached)."""
+        manager = self.prefix_cache.manager
+        if manager is None:
+            return len(req.prompt_tokens)
+        tier = manager.next_tier
+        hashes = request_hashes(req, manager.hasher)
+        held = cached_blocks(hashes, lambda h: manager.in_ram(h) or (tier is not None and tier.contains(h)))
+        return len(req.prompt_tokens) - held * manager.block_size
+
+    def _begin(self, req: GenerationRequest, started: float) -> None:
         """Assemble `req`'s cached prefix and put it in the batch (it prefills from the next step).
         When a request in the batch is prefilling more of `req`'s prompt than the cache holds,
         `req` waits until that request's prompt blocks are registered, then looks up again."""
-        started = time.perf_counter()
         if req.cancelled.is_set():
             self._emit_end(req, Finished("cancelled", Usage(len(req.prompt_tokens), 0), 0.0))
             return
@@ -144,7 +172,7 @@ class Scheduler:
         if manager is not None and self.prefix_cache.agree is None:  # distributed: no waits (rank-local)
             try:
                 usable = max(0, len(req.prompt_tokens) - 1)  # what a lookup may use
-                hashes = manager.hasher.hash_blocks(req.prompt_tokens, usable // manager.block_size)
+                hashes = request_hashes(req, manager.hasher)[: usable // manager.block_size]
                 prefilling = {u: r.block_hashes for u, r in self._running.items() if not r.prompt_registered}
                 leader = pick_leader(hashes, prefilling, cached_blocks(hashes, manager.in_ram)) if prefilling else None
             except Exception as exc:
@@ -158,7 +186,7 @@ class Scheduler:
 
     def _start(self, req: GenerationRequest, started: float, hashes: list[bytes]) -> None:
         try:
-            prepared = self.prefix_cache.prepare(req.prompt_tokens)
+            prepared = self.prefix_cache.prepare(req.cache_keys(req.prompt_tokens), req.block_hashes)
         except Exception as exc:
             self._emit_end(req, Failed(exc))
             return
@@ -166,6 +194,9 @@ class Scheduler:
             cached = prepared.match.num_tokens
             params = req.params
             points = self.prefix_cache.checkpoints(req.prompt_tokens, cached, req.checkpoint_at)
+            if req.images and self.vision is not None and self.vision.needs_prefill(req.images, cached):
+                cached = self._vision_prefill(req, prepared, cached, points)  # all but the last token
+                points = [p for p in points if p > cached]
             fault = RequestFault()
             processors = make_request_processors(params)
             if params.constrained:
@@ -214,12 +245,18 @@ class Scheduler:
             run.req.cancel()
         for w in self._waiting:
             w.req.cancel()
+        for p in self._pending:
+            p.req.cancel()
 
     def step(self) -> None:
         """One decode step for the running requests and one prefill chunk for the joining ones;
         then cancelled requests leave (their KV is registered)."""
+        if self.speculation is not None and speculate(self):
+            return
         if self._waiting:
             self._start_waiting()
+        if self._pending:
+            self._start_pending()
         if not self._running:
             return
         batch = self._generator()
@@ -278,7 +315,7 @@ class Scheduler:
         run.num_generated += 1
         run.detok.add_token(token)
         text = run.stops.feed(run.detok.last_segment)
-        logprobs = self._logprobs(req, token, r.logprobs)
+        logprobs = token_logprobs(req.params, token, r.logprobs)
         if text or logprobs:
             req.emit(TextDelta(text, 1, logprobs))
         if run.stops.stopped:
@@ -287,20 +324,12 @@ class Scheduler:
             return self._end(run, "length", r)
         return None
 
-    def _logprobs(self, req: GenerationRequest, token: int, logprobs: mx.array) -> tuple[TokenLogprob, ...]:
-        params = req.params
-        if not (params.logprobs or params.top_logprobs):
-            return ()
-        top: tuple[tuple[int, float], ...] = ()
-        if params.top_logprobs > 0:
-            n = min(params.top_logprobs, logprobs.shape[-1])
-            ids = mx.argpartition(-logprobs, kth=n - 1)[:n]
-            values = logprobs[ids]
-            top = tuple(sorted(zip(ids.tolist(), values.tolist(), strict=True), key=lambda p: -p[1]))
-        return (TokenLogprob(token, logprobs[token].item(), top),)
-
     def _take_cache(self, run: Running, r: Any = None) -> tuple[list[Any], list[int]]:
         """The request's (cache, tokens whose KV it holds), taking it out of the batch."""
+        spec = self.speculation
+        if spec is not None and spec.solo is not None and spec.solo.key is run:  # decoding alone
+            solo = spec.end()
+            return solo.cache, solo.kv_tokens
         if r is not None and r.finish_reason is not None:  # the batch already let it go
             return r.prompt_cache, list(r.all_tokens)
         caches = self._generator().remove([run.uid], return_prompt_caches=True)
@@ -325,7 +354,7 @@ class Scheduler:
             log.exception("request %s: its last text could not be sent", req.request_id)
         try:  # registers the new blocks and releases the request's references
             run.prepared.prompt_cache = cache
-            self.prefix_cache.finish(run.prepared, kv_tokens, len(req.prompt_tokens))
+            self.prefix_cache.finish(run.prepared, req.cache_keys(kv_tokens), len(req.prompt_tokens))
         except Exception:
             log.exception("request %s: its KV blocks could not be registered", req.request_id)
         try:
@@ -355,9 +384,30 @@ class Scheduler:
         try:
             cache, tokens = self._generator().extract_cache([run.uid])[run.uid]
             run.prepared.prompt_cache = cache
-            self.prefix_cache.register(run.prepared, list(tokens), prompt_len, write=False, upto=prompt_len)
+            keys = run.req.cache_keys(list(tokens))
+            self.prefix_cache.register(run.prepared, keys, prompt_len, write=False, upto=prompt_len)
         except Exception:  # the request goes on; its blocks are registered again when it ends
             log.exception("request %s: its prompt's blocks could not be registered", run.req.request_id)
+
+    def _vision_prefill(self, req: GenerationRequest, prepared: Any, cached: int, points: list[int]) -> int:
+        """Prefill all but the last prompt token from input embeddings (images merged in) on the
+        request's own cache, outside the batch, which takes the filled cache like a cached prefix;
+        checkpoints on the way are captured. Returns the position reached."""
+        started = time.perf_counter()
+        cache = prepared.prompt_cache
+        reached = self.vision.prefill(
+            self.model,
+            cache,
+            req.prompt_tokens,
+            req.images,
+            cached,
+            self.prefill_step_size,
+            points,
+            lambda position: self.prefix_cache.capture(prepared, cache, position),
+        )
+        self.stats.prefill_tokens += reached - cached
+        self.stats.prefill_s += time.perf_counter() - started
+        return reached
 
     def _drop(self, run: Running, exc: Exception) -> None:
         """Take a failed request out of the batch without registering anything."""

@@ -9,9 +9,9 @@
 
 A thinking model may reason first: a reasoning block the prompt leaves open (or one the model
 opens) is free text until its end marker. The call format is mlx-lm's, found from the chat
-template: json_tools (JSON between markers: Qwen2.5/Qwen3, Hermes and the like) and qwen3_coder
-(XML-style parameters: Qwen3-Coder, Qwen3.5) are served; for the others a forced choice is refused
-with the format's name, never faked.
+template; its text is read from formats/tool_calls.py. json_tools (JSON between markers: Qwen2.5/Qwen3,
+Hermes and the like) and qwen3_coder (XML-style parameters: Qwen3-Coder, Qwen3.5) are served; for the
+others a forced choice is refused with the format's name, never faked.
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from ..formats.reasoning import reasoning_state
+from ..formats.tool_calls import JSON_CALL, JSON_TOOLS, QWEN3_CODER, XML_FUNCTION, XML_PARAMETER, format_name
 
 COMPACT = {"x-guidance": {"whitespace_flexible": False}}  # no blank padding from weak models
 
@@ -42,12 +45,6 @@ class CallGrammar:
     answer_schema: dict[str, Any] | None = None
 
 
-def format_name(tokenizer: Any) -> str:
-    """mlx-lm's parser module for this tokenizer ("" when it has no tool calling)."""
-    parser = getattr(tokenizer, "tool_parser", None)
-    return getattr(parser, "__module__", "").rsplit(".", 1)[-1] if parser is not None else ""
-
-
 def check_format(tokenizer: Any) -> None:
     """UnsupportedCallFormat unless calls of this model can be constrained."""
     name = format_name(tokenizer)
@@ -58,23 +55,6 @@ def check_format(tokenizer: Any) -> None:
         )
 
 
-def reasoning_state(tokenizer: Any, prompt: Sequence[int]) -> str:
-    """ "open": the prompt ends inside a reasoning block (a template that opens `<think>`);
-    "closed": it ends right after one (a template that turns thinking off with an empty block);
-    "free": the model may open one; "none": the model has no reasoning markers."""
-    if not getattr(tokenizer, "has_thinking", False):
-        return "none"
-    opened, closed = tokenizer.rfind_think_start(prompt), tokenizer.rfind_think_end(prompt)
-    if opened >= 0 and opened > closed:
-        return "open"
-    if closed >= 0 and not tokenizer.decode(list(prompt[closed + 1 :])).strip():
-        return "closed"
-    template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, str) and tokenizer.think_start not in template:
-        return "none"  # markers in the vocabulary, but a template that never reasons (Qwen3-Coder)
-    return "free"
-
-
 def _special(tokenizer: Any, text: str) -> int | None:
     """The id of `text` when it is one special token of the vocabulary (llguidance keeps special
     tokens out of text, so free text can never contain one)."""
@@ -83,6 +63,11 @@ def _special(tokenizer: Any, text: str) -> int | None:
         if getattr(added, "special", False) and getattr(added, "content", None) == text:
             return int(token_id)
     return None
+
+
+def _lark(*parts: str) -> str:
+    """A Lark string of the format's text `parts` (names inside it are written as given)."""
+    return '"' + "".join(p.replace("\n", "\\n") for p in parts) + '"'
 
 
 def _literal(tokenizer: Any, text: str) -> str:
@@ -150,7 +135,7 @@ def _json_call_body(spec: CallGrammar) -> list[str]:
     """json_tools: `\n{"name": ..., "arguments": {...}}\n` between the markers."""
     options = [call_schema(fn, _held(spec, fn)) for fn in _functions(spec)]
     schema = {**(options[0] if len(options) == 1 else {"anyOf": options}), **COMPACT}
-    return [f'body: "\\n" %json {json.dumps(schema)} "\\n"']
+    return [f"body: {_lark(JSON_CALL[0])} %json {json.dumps(schema)} {_lark(JSON_CALL[1])}"]
 
 
 # qwen3_coder parameter values: strings are raw text, everything else JSON text (the template's tojson).
@@ -159,7 +144,7 @@ _RAW_STRING_KEYS = {"type", "enum", "const", "description", "title", "default", 
 
 def _xml_value(name: str, schema: dict[str, Any], rule: str) -> list[str]:
     """Rules for one parameter's value, ending with its closing tag."""
-    end = '"\\n</parameter>\\n"'
+    end = _lark(XML_PARAMETER.close)
     if schema.get("type") == "string":
         extra = sorted(set(schema) - _RAW_STRING_KEYS)
         if extra:
@@ -187,17 +172,18 @@ def _xml_call_body(spec: CallGrammar) -> list[str]:
             for j, (key, schema) in enumerate((params.get("properties") or {}).items()):
                 rule = f"v{i}_{j}"
                 rules += _xml_value(key, schema if isinstance(schema, dict) else {}, rule)
-                item = f'"<parameter={key}>\\n" {rule}'
+                item = f"{_lark(XML_PARAMETER.open, key, XML_PARAMETER.name_end)} {rule}"
                 parts.append(item if key in required else f"({item})?")
         else:
-            rules.append('any_param[lazy]: "<parameter=" /[^>\\n]+/ ">\\n" /(.|\\n)*/ "\\n</parameter>\\n"')
+            head = f"{_lark(XML_PARAMETER.open)} /[^>\\n]+/ {_lark(XML_PARAMETER.name_end)}"
+            rules.append(f"any_param[lazy]: {head} /(.|\\n)*/ {_lark(XML_PARAMETER.close)}")
             parts.append("any_param*")
-        rules.append(f'f{i}: "{fn["name"]}>\\n" {" ".join(parts)}')
+        rules.append(f"f{i}: {_lark(fn['name'], XML_FUNCTION.name_end)} {' '.join(parts)}")
         options.append(f"f{i}")
-    return [f'body: "\\n<function=" ({" | ".join(options)}) "</function>\\n"', *rules]
+    return [f"body: {_lark(XML_FUNCTION.open)} ({' | '.join(options)}) {_lark(XML_FUNCTION.close)}", *rules]
 
 
-CALL_BODIES = {"json_tools": _json_call_body, "qwen3_coder": _xml_call_body}
+CALL_BODIES = {JSON_TOOLS: _json_call_body, QWEN3_CODER: _xml_call_body}
 
 
 def build(tokenizer: Any, prompt: Sequence[int], spec: CallGrammar) -> str:

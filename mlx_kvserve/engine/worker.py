@@ -48,14 +48,14 @@ class InferenceWorker:
 
     @property
     def queue_depth(self) -> int:
-        """Requests waiting to join the batch."""
-        return self._queue.qsize()
+        """Requests waiting to join the batch (queued here, or admitted and not yet started)."""
+        return self._queue.qsize() + self.scheduler.num_pending
 
     @property
     def num_running(self) -> int:
-        """Requests in the batch (prefilling or decoding)."""
+        """Requests in the batch (prefilling or decoding; not those still pending in the scheduler)."""
         with self._lock:
-            return len(self._running)
+            return max(0, len(self._running) - self.scheduler.num_pending)
 
     @property
     def is_busy(self) -> bool:
@@ -67,6 +67,8 @@ class InferenceWorker:
             if self._closing:
                 raise ShuttingDownError("server is shutting down")
             try:
+                if self.queue_depth >= self._queue.maxsize:  # queued plus pending in the scheduler
+                    raise queue.Full
                 self._queue.put_nowait(req)
             except queue.Full:
                 raise OverloadedError(f"too many requests waiting ({self._queue.maxsize}); retry shortly") from None
@@ -96,7 +98,7 @@ class InferenceWorker:
     def _loop(self) -> None:
         stopping = False
         while True:
-            busy = self.scheduler.num_running > 0
+            busy = self.scheduler.has_work
             while not stopping and not self.scheduler.is_full:
                 try:  # block only when nothing runs and no idle work is left
                     item = self._queue.get_nowait() if busy or self._idle_task else self._queue.get()
@@ -106,7 +108,7 @@ class InferenceWorker:
                     stopping = True
                     break
                 self._admit(item)
-                busy = self.scheduler.num_running > 0
+                busy = self.scheduler.has_work
             if not busy and stopping:
                 self.scheduler.close()
                 return

@@ -26,6 +26,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from . import kvquant
+from .ssd.format import kv_names, quantized_kv_names, state_name
 
 KV, WINDOW, STATE, IDLE = "kv", "window", "state", "idle"
 Payload = list[Any]
@@ -280,18 +281,21 @@ class CacheLayout:
     # --- the SSD's named arrays -----------------------------------------------------------------
 
     def to_arrays(self, payload: Payload) -> dict[str, mx.array]:
-        """Named arrays for the SSD store: `<layer>.k` / `<layer>.v`, `<layer>.s<j>` for states."""
+        """Named arrays for the SSD store (names: kv/ssd/format.py): keys and values, quantized or
+        not, and the arrays of recurrent states."""
         out: dict[str, mx.array] = {}
         for i, (spec, entry) in enumerate(zip(self.specs, payload, strict=True)):
             if entry is None:
                 continue
             if spec.kind == STATE:
                 for j, a in enumerate(entry):
-                    out[f"{i}.s{j}"] = a
+                    out[state_name(i, j)] = a
             elif len(entry) == 4:  # quantized keys and values
-                out[f"{i}.kq"], out[f"{i}.ke"], out[f"{i}.vq"], out[f"{i}.ve"] = entry
+                kq, ke, vq, ve = quantized_kv_names(i)
+                out[kq], out[ke], out[vq], out[ve] = entry
             else:
-                out[f"{i}.k"], out[f"{i}.v"] = entry
+                k, v = kv_names(i)
+                out[k], out[v] = entry
         return out
 
     def from_arrays(self, arrays: dict[str, mx.array]) -> tuple[Payload, int]:
@@ -299,15 +303,16 @@ class CacheLayout:
         payload: Payload = []
         for i, spec in enumerate(self.specs):
             if spec.kind == KV and self.kv_bits:
-                payload.append(tuple(arrays[f"{i}.{n}"] for n in ("kq", "ke", "vq", "ve")))
+                payload.append(tuple(arrays[n] for n in quantized_kv_names(i)))
             elif spec.kind == KV:
-                payload.append((arrays[f"{i}.k"], arrays[f"{i}.v"]))
+                payload.append(tuple(arrays[n] for n in kv_names(i)))
             elif spec.kind == WINDOW:
-                payload.append((arrays[f"{i}.k"], arrays[f"{i}.v"]) if f"{i}.k" in arrays else None)
+                k, v = kv_names(i)
+                payload.append((arrays[k], arrays[v]) if k in arrays else None)
             elif spec.kind == IDLE:
                 payload.append(None)
             else:
-                names = [f"{i}.s{j}" for j in range(spec.state_size)]
+                names = [state_name(i, j) for j in range(spec.state_size)]
                 payload.append(tuple(arrays[n] for n in names) if names[0] in arrays else None)
         expected = sum(len(e) if e is not None else 0 for e in payload)
         if expected != len(arrays):

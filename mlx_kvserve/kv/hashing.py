@@ -1,7 +1,7 @@
-"""Chained blake3 block hashes and the namespace they live in.
+"""The namespace block hashes live in, and the model fingerprint that names it.
 
-h_0 = namespace hash; h_i = blake3(h_{i-1} || u32 count || token ids of block i as u32 LE).
-The namespace frames each of its parts with its length, so no two different namespaces (model
+The chain itself (h_i from h_{i-1} and block i's tokens) is mlx_kvserve/chain.py, which the router
+shares. The namespace frames each of its parts with its length, so no two different namespaces (model
 fingerprint, KV dtype, cache layout version, block size) can produce the same bytes.
 """
 
@@ -11,29 +11,21 @@ import contextlib
 import json
 import logging
 import os
-import struct
-from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
 from blake3 import blake3
 
+from ..chain import HASH_BYTES, framed
 from ..checked_json import DamagedFile, Hex, MapOf, Str, load_json
-from .fsmode import open_private, private_mkdir
+from ..fsmode import open_private, private_mkdir
 
 log = logging.getLogger(__name__)
 
-LAYOUT_VERSION = 1
-HASH_BYTES = 32
+LAYOUT_VERSION = 1  # the block layout (array names: kv/ssd/format.py; shapes: kv/blocks.py), a namespace part
 IGNORED_FILES = {"mlx_kvserve_conversion.json"}
 MAX_MEMO_BYTES = 16 * 1024 * 1024
 # "path|dev|inode|size|mtime_ns|ctime_ns" -> blake3 hex digest of the file's bytes
 MEMO_SCHEMA = MapOf(Str(4096), Hex(HASH_BYTES), max_items=50_000)
-
-
-def framed(*parts: bytes) -> bytes:
-    """Concatenate parts, each prefixed by its length (u64 LE), so boundaries are unambiguous."""
-    return b"".join(struct.pack("<Q", len(p)) + p for p in parts)
 
 
 def namespace_hash(
@@ -51,29 +43,6 @@ def namespace_hash(
     if cache_layout:
         parts.append(cache_layout.encode())
     return blake3(framed(*parts)).digest()
-
-
-class BlockHasher:
-    """Hashes the full blocks of a token sequence inside one namespace."""
-
-    def __init__(self, namespace: bytes, block_size: int):
-        if block_size < 1:
-            raise ValueError("block_size must be >= 1")
-        self.namespace = namespace
-        self.block_size = block_size
-
-    def hash_blocks(self, tokens: Sequence[int], num_blocks: int | None = None) -> list[bytes]:
-        """Chained hashes of the first `num_blocks` full blocks (default: all full blocks)."""
-        bs = self.block_size
-        n = len(tokens) // bs if num_blocks is None else min(num_blocks, len(tokens) // bs)
-        data = np.asarray(tokens[: n * bs], dtype="<u4").tobytes()
-        width = bs * 4
-        count = struct.pack("<I", bs)
-        hashes, parent = [], self.namespace
-        for i in range(n):
-            parent = blake3(parent + count + data[i * width : (i + 1) * width]).digest()
-            hashes.append(parent)
-        return hashes
 
 
 def _file_digest(path: Path) -> str:

@@ -25,9 +25,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..chain import HASH_BYTES
 from ..checked_json import Const, DamagedFile, Float, Hex, Int, MapOf, Obj, Str, load_json, remove_leftover_temps
-from .fsmode import open_private
-from .hashing import HASH_BYTES
+from ..fsmode import open_private
 
 log = logging.getLogger(__name__)
 

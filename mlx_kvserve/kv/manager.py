@@ -13,33 +13,17 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
+from ..chain import BlockHasher
 from .base import Block, FrontCompute, MatchResult, PrefixRules
 from .events import BlockEventLog
-from .hashing import BlockHasher
+from .next_tier import NextTier, NextTierReads
 from .pins import PinRegistry
 from .ram import RAMStore
 from .tails import Tail, TailMatch, TailStore
 
 log = logging.getLogger(__name__)
-
-
-class NextTier(Protocol):
-    """Where blocks go after RAM (the SSD tier). Called outside the manager's lock."""
-
-    def on_new_block(self, block: Block) -> None: ...
-    def on_evicted(self, blocks: list[Block]) -> None: ...
-    def load_many(self, wanted: Sequence[tuple[bytes, Sequence[int]]]) -> list[tuple[Any, int]]: ...
-    def begin_load(self, wanted: Sequence[tuple[bytes, Sequence[int]]]) -> Any: ...
-    def end_load(self, pending: Any) -> list[tuple[Any, int]]: ...
-    def stored_run(self, hashes: Sequence[bytes]) -> int: ...
-    def contains(self, block_hash: bytes) -> bool: ...
-    def persist(self, blocks: list[Block]) -> int: ...
-    def parent_of(self, block_hash: bytes) -> bytes | None: ...
-    def save_tail(self, parent_hash: bytes, token_ids: Sequence[int], payload: Any) -> None: ...
-    def load_tail(self, parent_hash: bytes, rest: Sequence[int]) -> tuple[tuple[int, ...], Any, int, int] | None: ...
-    def touch_tail(self, parent_hash: bytes, token_ids: Sequence[int]) -> None: ...
 
 
 class KVManager:
@@ -59,6 +43,7 @@ class KVManager:
         self.pinned_ram_share = pinned_ram_share
         self.block_size = hasher.block_size
         self.next_tier = next_tier
+        self._reads = NextTierReads(next_tier, hasher, self._count_split) if next_tier is not None else None
         self._lock = threading.Lock()  # guards _ram, _tails, _tick and _stats
         self._ram = ram
         self._tails = tails
@@ -87,27 +72,37 @@ class KVManager:
             0,
         )
 
+    def _count_split(self, computed: int) -> None:
+        with self._lock:
+            self._stats["split_loads"] += 1
+            self._stats["split_computed_blocks"] += computed
+
     def _next_tick(self) -> int:
         self._tick += 1
         return self._tick
 
     def lookup(
-        self, tokens: Sequence[int], max_tokens: int | None = None, front: FrontCompute | None = None
+        self,
+        tokens: Sequence[int],
+        max_tokens: int | None = None,
+        front: FrontCompute | None = None,
+        hashes: Sequence[bytes] | None = None,
     ) -> MatchResult:
         """Longest verified cached prefix of `tokens`, at most `max_tokens` long: full blocks from
         RAM, then from the next tier (loaded outside the lock and promoted into RAM), then a tail.
         With `rules`, the longest such prefix the rules accept: shorter chains (and the tails
         after them) are tried until one is usable (the empty prefix always is).
         With `front`, the next tier's blocks are read from the back while `front` computes the
-        first of them (as many as it asks for): the computed blocks join RAM like loaded ones."""
+        first of them (as many as it asks for): the computed blocks join RAM like loaded ones.
+        `hashes`: the chain of `tokens` (or of a prefix of it) when the caller has it already."""
         limit = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
         bs = self.block_size
-        hashes = self.hasher.hash_blocks(tokens, limit // bs)
+        hashes = self.hasher.hash_blocks(tokens, limit // bs, known=hashes or ())
         with self._lock:
             self._stats["lookups"] += 1
             found, missed = self._walk_ram(tokens, hashes)
         if missed and self.next_tier is not None:
-            loaded = self._load_next_tier(tokens, hashes, len(found), found, front)
+            loaded = self._reads.load(tokens, hashes, len(found), found, front)
             if loaded:
                 self._promote(loaded, found)
         num_blocks, tail = self._choose_end(tokens, found, limit)
@@ -294,76 +289,6 @@ class KVManager:
     def in_ram(self, block_hash: bytes) -> bool:
         with self._lock:
             return block_hash in self._ram
-
-    def _load_next_tier(
-        self,
-        tokens: Sequence[int],
-        hashes: list[bytes],
-        start: int,
-        found: Sequence[Block] = (),
-        front: FrontCompute | None = None,
-    ) -> list[Block]:
-        """Blocks start.. of the chain from the next tier, until its first miss (with `front`,
-        the first ones computed while the rest are read). No lock held."""
-        bs = self.block_size
-        wanted = [(hashes[i], tuple(tokens[i * bs : (i + 1) * bs])) for i in range(start, len(hashes))]
-        stored = self.next_tier.stored_run(hashes[start:]) if front is not None else 0
-        if stored > 2 and front.wants_a_read_sample():  # no read measured yet: read one block, then split the rest
-            first = self._blocks(hashes, wanted, start, self.next_tier.load_many(wanted[:1]), 0)
-            if not first:
-                return []
-            return first + self._load_next_tier(tokens, hashes, start + 1, [*found, *first], front)
-        computed = front.blocks_to_compute(start, stored) if stored > 1 else 0
-        if not 0 < computed < stored:  # all or nothing computed: read them
-            computed = 0
-        if computed:
-            payloads = self._compute_and_load(tokens, wanted[:stored], found, start, computed, front)
-        else:
-            payloads = self.next_tier.load_many(wanted)
-        return self._blocks(hashes, wanted, start, payloads, computed)
-
-    def _blocks(
-        self,
-        hashes: list[bytes],
-        wanted: list[tuple[bytes, tuple[int, ...]]],
-        start: int,
-        payloads: list[tuple[Any, int]],
-        computed: int,
-    ) -> list[Block]:
-        """Blocks start.. built from their payloads; the first `computed` were prefilled, not read."""
-        loaded = []
-        for i, ((block_hash, ids), (payload, nbytes)) in enumerate(zip(wanted, payloads, strict=False), start):
-            parent = hashes[i - 1] if i else self.hasher.namespace
-            meta = {"computed": True} if i < start + computed else {}  # by the split: not read (kv_promotions)
-            loaded.append(Block(block_hash, parent, ids, payload, nbytes, meta=meta))
-        return loaded
-
-    def _compute_and_load(
-        self,
-        tokens: Sequence[int],
-        wanted: list[tuple[bytes, tuple[int, ...]]],
-        found: Sequence[Block],
-        start: int,
-        computed: int,
-        front: FrontCompute,
-    ) -> list[tuple[Any, int]]:
-        """The payloads of `wanted`: the first `computed` blocks by `front` while the next tier
-        reads the rest (up to its first miss). A failed compute is a miss from `start` on (the
-        request prefills those tokens itself, where a real fault shows in the request's own path)."""
-        pending = self.next_tier.begin_load(wanted[computed:])
-        try:
-            front_payloads = front.compute(tokens, [b.payload for b in found], start, computed)
-        except Exception as exc:
-            log.warning("computing the front of an SSD hit failed (%s); its blocks are prefilled instead", exc)
-            front_payloads = None
-        finally:
-            back = self.next_tier.end_load(pending)  # collected even if the compute failed
-        if front_payloads is None:
-            return []
-        with self._lock:
-            self._stats["split_loads"] += 1
-            self._stats["split_computed_blocks"] += computed
-        return list(front_payloads) + back
 
     def _promote(self, loaded: list[Block], found: list[Block]) -> None:
         """Put blocks read from the next tier into RAM, referenced, after `found`."""

@@ -15,10 +15,10 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
+from ..chain import HASH_BYTES
 from ..checked_json import Const, DamagedFile, Hex, Int, MapOf, Obj, load_json, remove_leftover_temps
 from ..errors import InsufficientStorageError
-from .fsmode import open_private
-from .hashing import HASH_BYTES
+from ..fsmode import open_private
 from .leases import PinLeases
 
 log = logging.getLogger(__name__)

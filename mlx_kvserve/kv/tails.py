@@ -5,7 +5,7 @@ len(prompt) - 1 tokens, so a prompt ending on a block boundary loses its whole l
 A tail hangs off the hash of the full block before it (or the namespace, for prompts shorter
 than a block). Because the KV of position i depends only on tokens 0..i, any prefix of a tail's
 tokens is usable: a lookup takes the longest common prefix of the prompt's remainder with any
-tail under that parent. Tails are never pinned; the SSD tier keeps copies (kv/ssd_tails.py). Not
+tail under that parent. Tails are never pinned; the SSD tier keeps copies (kv/ssd/tails.py). Not
 thread-safe: KVManager's lock guards it.
 """
 

@@ -26,6 +26,7 @@ class LoadedModel:
     tokenizer: Any  # mlx_lm TokenizerWrapper
     config: dict[str, Any]
     context_length: int
+    vision: Any = None  # vision.families.*Family: the vision tower of a vision-language model (mlx-vlm)
 
 
 def _gguf_folder(src: Path, models_dir: Path, dtype: str) -> Path:
@@ -97,7 +98,22 @@ def load_model(
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot load model from {path}: {exc}") from exc
     config = json.loads((path / "config.json").read_text())
-    return LoadedModel(served_name or name, path, model, tokenizer, config, context_length(config))
+    vision = load_vision(path, config, tokenizer) if distributed is None else None
+    return LoadedModel(served_name or name, path, model, tokenizer, config, context_length(config), vision)
+
+
+def load_vision(path: Path, config: dict[str, Any], tokenizer: Any) -> Any:
+    """The vision tower of a vision-language model folder (None for a text model). A family not
+    served yet is logged and served as text: its image parts are then refused (400)."""
+    if "vision_config" not in config:
+        return None
+    try:
+        from ..vision.families import load_family
+
+        return load_family(path, config, tokenizer)
+    except (ImportError, ValueError, KeyError, OSError) as exc:
+        log.warning("model %s: images are not served (%s); serving it as a text model", path.name, exc)
+        return None
 
 
 MAX_TEMPLATE_BYTES = 1024 * 1024

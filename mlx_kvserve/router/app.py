@@ -27,8 +27,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..config import RouterConfig
 from ..errors import AuthenticationError, ConfigError, KVServeError, PayloadTooLargeError
-from ..server.anthropic_reply import error_response as anthropic_error
+from ..server.anthropic.reply import error_response as anthropic_error
 from ..server.gate import error_response as openai_error
+from ..server.ui_routes import mount_router_ui
 from .backends import BackendState
 from .follower import BackendFollower
 from .prompts import CHAT_PATH, MESSAGES_PATH, RESPONSES_PATH, TEXT_PATH, PromptInfo, PromptReader, load_tokenizer
@@ -209,6 +210,7 @@ def create_router_app(
     app.router.redirect_slashes = False  # a 307 would build its Location from the Host header
     app.state.router = router
     app.add_middleware(KeyCheck, key=client_key)
+    mount_router_ui(app)  # /ui: static files outside the key check; its data needs the key
     return app
 
 

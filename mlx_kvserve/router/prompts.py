@@ -12,9 +12,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from ..server import openai as oa
-from ..server import responses as rs
-from ..server.anthropic import to_openai
+from ..server.anthropic.parse import to_openai
+from ..server.openai import parse as oa
+from ..server.responses import parse as rs
 
 log = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from ..chain import BlockHasher
 from ..errors import KVServeError
-from ..kv.hashing import BlockHasher
 from .backends import BackendState
 from .metrics import RouterMetrics
 from .policies import DEFAULT_OVERLOAD_FACTOR, NoBackendError, Policy, PolicyState, RouteRequest, apply_decision, choose

@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 from typing import Any, NamedTuple
 
+from ..chain import HASH_BYTES
 from ..checked_json import Bool, DamagedFileError, Int, Obj, Schema, Str
-from ..kv.hashing import HASH_BYTES
 
 MAX_BLOCK_SIZE = 1 << 20  # tokens per block; far above any real one, and hashable (the count is a u32)
 MAX_SEQ = 2**62  # the server's event numbers, as its `since` parameter bounds them

@@ -14,7 +14,7 @@ template refuses pins nothing; the request is served all the same.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,7 +99,7 @@ async def render_cuts(handler: Any, found: list[Mark], render: Render) -> list[l
     """Each mark's cut as prompt tokens, by `render(cut)` (None for a mark on the whole prompt), to
     be done before the request is submitted. A cut `render` refuses (KVServeError) is [] and pins
     nothing; nothing is rendered while the cache is off."""
-    if handler.engine.prefix_cache.manager is None:
+    if not handler.engine.cache_enabled:
         return [[] for _ in found]
     out: list[list[int] | None] = []
     for mark in found:
@@ -114,14 +114,17 @@ async def render_cuts(handler: Any, found: list[Mark], render: Render) -> list[l
     return out
 
 
-async def apply(handler: Any, found: list[Mark], cuts: list[list[int] | None], prompt: list[int]) -> list[int]:
-    """Lease each marked prefix of `prompt`; `cuts` from render_cuts. Returns the tokens leased per
-    mark (0 where the cache is off or the prefix holds no full block)."""
-    if not found or handler.engine.prefix_cache.manager is None:
+async def apply(
+    handler: Any, found: list[Mark], cuts: list[list[int] | None], prompt: list[int], known: Sequence[bytes] = ()
+) -> list[int]:
+    """Lease each marked prefix of `prompt`; `cuts` from render_cuts; `known`: the prompt's block
+    chain. Returns the tokens leased per mark (0 where the cache is off or the prefix holds no full
+    block)."""
+    if not found or not handler.engine.cache_enabled:
         return [0] * len(found)
     admin = handler.engine.cache_admin()
     leased = []
     for mark, cut in zip(found, cuts, strict=True):
         upto = len(prompt) if cut is None else shared_prefix(cut, prompt)
-        leased.append(await run_in_threadpool(admin.lease, prompt[:upto], mark.ttl_s) if upto else 0)
+        leased.append(await run_in_threadpool(admin.lease, prompt[:upto], mark.ttl_s, known) if upto else 0)
     return leased

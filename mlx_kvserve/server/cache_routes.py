@@ -13,6 +13,7 @@ from ..engine.cache_admin import CacheAdmin, parse_hashes
 from ..engine.engine import Engine
 from ..errors import InvalidRequestError, ValidationError
 from . import prompts
+from .bodies import read_json
 from .messages import check_text, parse_messages
 
 
@@ -49,7 +50,7 @@ async def _target_hashes(
     return hashes, True
 
 
-def cache_routes(engine: Engine, read_json) -> list[Route]:
+def cache_routes(engine: Engine) -> list[Route]:
     admin = engine.cache_admin()
 
     async def body_of(request: Request, allow_empty: bool = False) -> dict[str, Any]:

@@ -86,7 +86,7 @@ class EventTracker:
         self.record_usage(ev.usage)
 
     def record_usage(self, usage: Usage) -> None:
-        """The request's token counts (several choices: their combined usage, server/choices.py)."""
+        """The request's token counts (several choices: their combined usage, server/openai/choices.py)."""
         self.record.prompt_tokens = usage.prompt_tokens
         self.record.cached_tokens = usage.cached_tokens
         self.record.completion_tokens = usage.completion_tokens

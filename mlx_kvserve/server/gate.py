@@ -26,8 +26,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..config import ApiKeys
 from ..errors import AuthenticationError, BodyTimeoutError, KVServeError, OverloadedError, PayloadTooLargeError
-from . import openai_reply as oar
 from .metrics import RequestRecord, ServerMetrics
+from .openai import reply as oar
 
 RECORD_KEY = "mlx_kvserve.record"  # the scope key under which handlers find their RequestRecord
 OPEN_PATHS = frozenset({"/health"})  # answered without a key: service managers and probes hold none

@@ -28,15 +28,11 @@ class HealthMonitor:
     def problems(self, cache: dict[str, Any]) -> list[str]:
         """What is wrong now, each in a sentence; [] when healthy. `cache` is engine.cache_stats()."""
         engine, found = self.engine, []
-        if not engine.worker.is_alive:
+        if not engine.is_alive:
             found.append("the inference worker thread is not running")
-        config = engine.config
-        if cache.get("enabled") and config.ssd.enabled:
-            tier = engine.prefix_cache.ssd_tier
-            if tier is None:
-                found.append("the SSD tier is off: its folder could not be used at startup (see the log)")
-            elif not tier.writer.is_alive:
-                found.append("the SSD writer thread is not running; new blocks are not saved")
+        ssd_problem = engine.ssd_problem()
+        if ssd_problem:
+            found.append(ssd_problem)
         # Each failed write attempt counts once: the store counts it (blocks and tails); the writer's
         # `writer_failures` counts the same failures again per job, so it is not added.
         num_errors = cache.get("ssd_errors", 0) + cache.get("ssd_tail_write_errors", 0)
@@ -74,7 +70,7 @@ class HealthMonitor:
     def fatal(self, cache: dict[str, Any]) -> list[str]:
         """Why no request can be served at all (distributed: a rank died or does not answer)."""
         found = []
-        failed = getattr(self.engine.worker, "failed", "")
+        failed = self.engine.failure
         if failed:
             found.append(failed)
         if cache.get("ranks_error"):

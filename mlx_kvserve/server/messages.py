@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from ..errors import InvalidRequestError, ValidationError
+from ..vision.images import ImageRef
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -24,14 +25,26 @@ def check_text(text: str, param: str) -> str:
     return text
 
 
-def _content_text(content: Any, where: str) -> str:
+IMAGE_MARK = "\ue000"  # stands for an image part in a message's text (vision/runtime.py expands it)
+IMAGES_KEY = "_images"  # a parsed message's image parts (ImageRef), taken out by take_images
+
+
+def _content_text(content: Any, where: str, images: list[ImageRef] | None = None) -> str:
+    """The text of a message's content; with `images`, each `image_url` part becomes IMAGE_MARK in
+    the text and its ImageRef is appended to `images`."""
     if isinstance(content, str):
         return check_text(content, f"{where}.content")
     if isinstance(content, list):
         parts = []
         for i, part in enumerate(content):
+            if images is not None and isinstance(part, dict) and part.get("type") == "image_url":
+                images.append(_image_ref(part, f"{where}.content[{i}]"))
+                parts.append(IMAGE_MARK)
+                continue
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValidationError(f"{where}.content[{i}] must be a text part", param=f"{where}.content")
+                raise ValidationError(
+                    f"{where}.content[{i}] must be a text or image_url part", param=f"{where}.content"
+                )
             parts.append(part["text"])
         return check_text("".join(parts), f"{where}.content")
     raise ValidationError(f"{where}.content must be a string or a list of text parts", param=f"{where}.content")
@@ -71,7 +84,10 @@ def _parse_message(msg: Any, where: str) -> dict[str, Any]:
     content = msg.get("content")
     if content is None and role == "assistant":
         content = ""
-    out: dict[str, Any] = {"role": role, "content": _content_text(content, where)}
+    images: list[ImageRef] = []
+    out: dict[str, Any] = {"role": role, "content": _content_text(content, where, images)}
+    if images:
+        out[IMAGES_KEY] = images
     if role == "assistant" and msg.get("tool_calls"):
         out["tool_calls"] = _tool_calls(msg["tool_calls"], where)
     if role == "assistant" and msg.get("reasoning_content") is not None:
@@ -90,6 +106,23 @@ def parse_messages(raw: Any) -> list[dict[str, Any]]:
     if not isinstance(raw, list) or not raw:
         raise ValidationError("'messages' must be a non-empty array", param="messages")
     return [_parse_message(msg, f"messages[{i}]") for i, msg in enumerate(raw)]
+
+
+def _image_ref(part: dict[str, Any], where: str) -> ImageRef:
+    """An OpenAI image_url part: {"type": "image_url", "image_url": {"url": ...}} (or the URL as a string)."""
+    image = part.get("image_url")
+    url = image.get("url") if isinstance(image, dict) else image
+    if not isinstance(url, str) or not url:
+        raise ValidationError(
+            f"{where}.image_url.url must be a string (a data URL or http(s))", param=where.rpartition("[")[0]
+        )
+    named = part.get("where")  # set by the Anthropic and Responses parsers: the part in their request
+    return ImageRef(url, named if isinstance(named, str) else where)
+
+
+def take_images(messages: list[dict[str, Any]]) -> tuple[ImageRef, ...]:
+    """The image parts of parsed messages, in order, removed from them (templates never see them)."""
+    return tuple(ref for msg in messages for ref in msg.pop(IMAGES_KEY, ()))
 
 
 def merge_system_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

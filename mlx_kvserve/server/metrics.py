@@ -53,9 +53,9 @@ class EngineCollector(Collector):
         self.engine = engine
 
     def collect(self) -> Iterator[Metric]:
-        worker = self.engine.worker
-        yield GaugeMetricFamily(PREFIX + "queue_depth", "Requests waiting for the worker", value=worker.queue_depth)
-        yield GaugeMetricFamily(PREFIX + "worker_busy", "1 while the worker generates", value=int(worker.is_busy))
+        engine = self.engine
+        yield GaugeMetricFamily(PREFIX + "queue_depth", "Requests waiting for the worker", value=engine.queue_depth)
+        yield GaugeMetricFamily(PREFIX + "worker_busy", "1 while the worker generates", value=int(engine.is_busy))
         yield from _batch_metrics(self.engine.batch_stats())
         stats = self.engine.cache_stats()
         enabled = bool(stats.get("enabled"))
@@ -76,6 +76,9 @@ def _batch_metrics(b: dict[str, Any]) -> Iterator[Metric]:
     yield CounterMetricFamily(
         PREFIX + "shared_prefix_waits", "Requests that waited for another's prompt blocks", b["shared_prefix_waits"]
     )
+    spec = b.get("speculative", {})
+    for key, what in (("drafted_tokens", "Draft tokens verified"), ("accepted_tokens", "Draft tokens accepted")):
+        yield CounterMetricFamily(PREFIX + f"speculative_{key}", f"{what} (speculative decoding)", spec.get(key, 0))
 
 
 def _by_tier(family: CounterMetricFamily | GaugeMetricFamily, values: dict[str, float]) -> Metric:

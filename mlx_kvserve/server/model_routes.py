@@ -14,7 +14,7 @@ from starlette.routing import Route
 
 from ..engine.engine import Engine
 from ..errors import NotFoundError
-from .anthropic_reply import error_response as anthropic_error
+from .anthropic.reply import error_response as anthropic_error
 from .gate import note_error
 
 

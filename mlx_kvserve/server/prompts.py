@@ -48,6 +48,6 @@ async def text_tokens(engine: Engine, prompt: str) -> list[int]:
 
 def check_token_ids(engine: Engine, tokens: Sequence[int]) -> None:
     """ValidationError (422) unless every id is in [0, vocab_size)."""
-    vocab = engine.loaded.config.get("vocab_size", 0) or MAX_TOKEN_ID
+    vocab = engine.vocab_size or MAX_TOKEN_ID
     if any(not 0 <= t < vocab for t in tokens):
         raise ValidationError(f"token ids in 'prompt' must be in [0, {vocab})", param="prompt")

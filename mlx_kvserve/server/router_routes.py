@@ -27,15 +27,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..engine.engine import Engine
+from ..engine.router_view import RouterView
 from ..errors import NotFoundError, ValidationError
-from ..kv.events import BlockEventLog
-from ..kv.manager import KVManager
 
 POLL_S = 0.02  # how often an open stream looks for new events: the router's view lags RAM by about this
 HEARTBEAT_S = 2.0  # a comment line this often keeps proxies from closing an idle stream
 DEFAULT_STREAM_S = 5.0
 MAX_STREAM_S = 60.0
-PAGE = 5_000  # events per message
 
 
 def _int_param(request: Request, name: str, default: int | None, low: int, high: int) -> int | None:
@@ -60,50 +58,17 @@ def _float_param(request: Request, name: str, default: float, low: float, high: 
     return value
 
 
-def snapshot_message(manager: KVManager) -> dict[str, Any]:
-    """Every hash in RAM, current from `seq`: the number is read before the hashes, so replaying the events
-    after it on top of the snapshot (set operations, in order) gives the state at any later point."""
-    log = manager.events
-    seq = log.last_seq
-    hashes = [b.block_hash.hex() for b in manager.resident_blocks()]
-    return {"type": "snapshot", "epoch": log.epoch, "seq": seq, "hashes": hashes}
-
-
-def _events_message(log: BlockEventLog, events) -> dict[str, Any]:
-    return {
-        "type": "events",
-        "epoch": log.epoch,
-        "seq": events[-1].seq,
-        "events": [[e.kind.value, e.block_hash.hex()] for e in events],
-    }
-
-
-def next_messages(manager: KVManager, since: int | None, epoch: str | None) -> tuple[list[dict[str, Any]], int]:
-    """The messages a follower at (`since`, `epoch`) needs now, and its position after them."""
-    log = manager.events
-    if since is None or epoch != log.epoch:
-        snap = snapshot_message(manager)
-        return [snap], snap["seq"]
-    page = log.since(since, PAGE)
-    if page.resync:
-        snap = snapshot_message(manager)
-        return [snap], snap["seq"]
-    if not page.events:
-        return [], since
-    return [_events_message(log, page.events)], page.events[-1].seq
-
-
 def _sse(message: dict[str, Any]) -> str:
     return f"event: {message['type']}\ndata: {json.dumps(message)}\n\n"
 
 
-async def _stream(manager: KVManager, since: int | None, epoch: str | None, max_s: float) -> AsyncIterator[str]:
+async def _stream(view: RouterView, since: int | None, epoch: str | None, max_s: float) -> AsyncIterator[str]:
     ends = time.monotonic() + max_s
     quiet_since = time.monotonic()
     epoch = epoch or None
     while time.monotonic() < ends:
-        messages, since = next_messages(manager, since, epoch)
-        epoch = manager.events.epoch
+        messages, since = view.next_messages(since, epoch)
+        epoch = view.epoch
         for message in messages:
             yield _sse(message)
         if messages:
@@ -117,33 +82,21 @@ async def _stream(manager: KVManager, since: int | None, epoch: str | None, max_
 
 
 def router_routes(engine: Engine) -> list[Route]:
-    def manager_or_404() -> KVManager:
-        manager = engine.prefix_cache.manager
-        if manager is None:
-            raise NotFoundError(
-                f"the block cache is off on this server: {engine.prefix_cache.reason}", code="cache_disabled"
-            )
-        return manager
+    def view_or_404() -> RouterView:
+        view = engine.router_view()
+        if view is None:
+            raise NotFoundError(f"the block cache is off on this server: {engine.cache_reason}", code="cache_disabled")
+        return view
 
     async def layout(request: Request) -> Response:
-        body: dict[str, Any] = {"model": engine.model_name, "model_path": str(engine.loaded.path)}
-        manager = engine.prefix_cache.manager
-        if manager is None:
-            return JSONResponse({**body, "enabled": False, "reason": engine.prefix_cache.reason})
-        log = manager.events
-        return JSONResponse(
-            {
-                **body,
-                "enabled": True,
-                "namespace": manager.hasher.namespace.hex(),
-                "block_size": manager.block_size,
-                "epoch": log.epoch,
-                "last_seq": log.last_seq,
-            }
-        )
+        body: dict[str, Any] = {"model": engine.model_name, "model_path": str(engine.model_path)}
+        view = engine.router_view()
+        if view is None:
+            return JSONResponse({**body, "enabled": False, "reason": engine.cache_reason})
+        return JSONResponse({**body, "enabled": True, **view.layout()})
 
     async def events(request: Request) -> Response:
-        manager = manager_or_404()
+        view = view_or_404()
         since = _int_param(request, "since", None, 0, 2**62)
         epoch = request.query_params.get("epoch")
         max_s = _float_param(request, "max_s", DEFAULT_STREAM_S, 0.0, MAX_STREAM_S)
@@ -151,10 +104,10 @@ def router_routes(engine: Engine) -> list[Route]:
         if stream not in ("true", "false"):
             raise ValidationError("'stream' must be true or false", param="stream")
         if stream == "false":
-            messages, _ = next_messages(manager, since, epoch)
-            return JSONResponse({"epoch": manager.events.epoch, "messages": messages})
+            messages, _ = view.next_messages(since, epoch)
+            return JSONResponse({"epoch": view.epoch, "messages": messages})
         return StreamingResponse(
-            _stream(manager, since, epoch, max_s),
+            _stream(view, since, epoch, max_s),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )

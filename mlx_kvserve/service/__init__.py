@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 from ..config import Config, default_home, load_config
 from ..errors import ConfigError
-from ..kv.fsmode import open_private, private_mkdir
+from ..fsmode import open_private, private_mkdir
 
 PLATFORMS = ("macos", "linux")
 # Seconds between the last phase of the server's shutdown and the service manager's SIGKILL.

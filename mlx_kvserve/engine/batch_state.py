@@ -1,0 +1,66 @@
+"""What the scheduler keeps per request (Running in the batch, Waiting for a shared prefix,
+Pending before it starts) and its counters. Plain data: engine/scheduler.py changes it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .prefix_cache import Prepared
+from .request import GenerationRequest
+from .sampling import RequestFault
+from .stops import StopMatcher
+
+
+@dataclass(eq=False)
+class Running:
+    """One request in the batch (owned by the scheduler)."""
+
+    uid: int
+    req: GenerationRequest
+    prepared: Prepared
+    started: float
+    detok: Any
+    stops: StopMatcher
+    generated: list[int] = field(default_factory=list)  # every sampled token, eos included
+    num_generated: int = 0  # completion tokens sent to the client (eos not counted)
+    first_token_s: float = 0.0
+    prefill_done: bool = False  # the whole prompt's KV is in the batch cache
+    prompt_registered: bool = False
+    block_hashes: list[bytes] = field(default_factory=list)  # of the prompt's blocks a lookup may use
+    checkpoints: set[int] = field(default_factory=set)  # prompt positions to capture at (segment ends)
+    fault: RequestFault = field(default_factory=RequestFault)  # what its sampler or processors raised
+
+
+@dataclass(eq=False)
+class Waiting:
+    """A request waiting for another's prompt blocks (shared-prefix arrival)."""
+
+    req: GenerationRequest
+    started: float
+    leader: int  # uid of the request prefilling the shared prefix
+    block_hashes: list[bytes]
+
+
+@dataclass(eq=False)
+class Pending:
+    """A request admitted to the scheduler, not yet in the batch (engine/order.py picks which
+    starts next)."""
+
+    req: GenerationRequest
+    started: float  # when it reached the scheduler (perf_counter)
+    seq: int  # arrival order
+
+
+@dataclass
+class SchedulerStats:
+    """Counters since start (read by /health and /metrics from other threads: plain ints)."""
+
+    prefill_tokens: int = 0  # prompt tokens run through the model (cached ones are not)
+    prefill_s: float = 0.0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    steps: int = 0
+    shared_prefix_waits: int = 0  # requests that waited for another's prompt blocks
+    overdue_starts: int = 0  # requests started first because they waited past the bound
+    max_wait_s: float = 0.0  # the longest any request waited to start (arrival to batch)

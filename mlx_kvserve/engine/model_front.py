@@ -1,0 +1,163 @@
+"""The engine front of a server with several models: one object the HTTP layer holds as it holds an
+Engine, answering each request from the engine of the model that request named.
+
+The server binds a request to its model before any route runs (server/model_select.py: the body's
+`model` is resolved, the model leased and loaded, `bind` called); from then on every attribute of this
+front read in that request's task (and in the thread-pool calls and streams it starts, which copy its
+context) is the bound engine's. Outside a request (the lifespan, /health, /metrics) the front answers
+for the registry as a whole, or for the default model when it is loaded.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from typing import Any
+
+from ..errors import ShuttingDownError
+from .registry import Lease, ModelRegistry
+
+_BOUND: contextvars.ContextVar[tuple[Any, str] | None] = contextvars.ContextVar("mlx_kvserve_model", default=None)
+
+
+def bind(lease: Lease, requested: str | None) -> contextvars.Token:
+    """Serve the rest of this request (its task and what it starts) with `lease`'s engine. The model
+    name replies carry is the id the client sent when it names this model (an alias too), else its id."""
+    entry = lease.slot.entry
+    name = requested if requested in (entry.name, *entry.aliases) else entry.name
+    return _BOUND.set((lease.engine, name))
+
+
+def unbind(token: contextvars.Token) -> None:
+    _BOUND.reset(token)
+
+
+class _Current:
+    """An object whose attributes are those of the one `get()` returns at each access."""
+
+    def __init__(self, get: Any):
+        self._get = get
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._get(), name)
+
+
+class RoutedEngine:
+    """Looks like engine.Engine to the server (see the module docstring)."""
+
+    def __init__(self, registry: ModelRegistry):
+        self.registry = registry
+        self.config = registry.config
+
+    def _engine(self) -> Any:
+        bound = _BOUND.get()
+        if bound is not None:
+            return bound[0]
+        slot = self.registry.default
+        engine = slot.engine
+        if engine is None:
+            raise ShuttingDownError(f"the default model {slot.entry.name!r} is not loaded")
+        return engine
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine(), name)
+
+    @property
+    def model_name(self) -> str:
+        bound = _BOUND.get()
+        return bound[1] if bound is not None else self.registry.default.entry.name
+
+    @property
+    def context_length(self) -> int:
+        bound = _BOUND.get()
+        engine = bound[0] if bound is not None else self.registry.default.engine
+        return engine.context_length if engine is not None else 0
+
+    def cache_admin(self) -> Any:
+        """The bound engine's cache admin, looked up at each use (routes keep what this returns)."""
+        return _Current(lambda: self._engine().cache_admin())
+
+    # --- the registry as a whole (outside a request) ------------------------------------------
+
+    def start(self) -> None:
+        self.registry.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        self.registry.stop(timeout)
+
+    def pin_files(self, paths: list[str]) -> None:
+        """[cache] pin_on_start: pinned in the default model's cache (loaded for it)."""
+        with self.registry.acquire(None) as lease:
+            lease.engine.pin_files(paths)
+
+    def _each(self) -> list[tuple[str, Any]]:
+        bound = _BOUND.get()
+        return [("", bound[0])] if bound is not None else self.registry.loaded_engines()
+
+    @property
+    def is_alive(self) -> bool:
+        return all(engine.is_alive for _, engine in self._each())
+
+    @property
+    def failure(self) -> str:
+        return "; ".join(f"{n}: {e.failure}" for n, e in self._each() if e.failure)
+
+    def ssd_problem(self) -> str:
+        return "; ".join(f"{n}: {p}" for n, e in self._each() if (p := e.ssd_problem()))
+
+    @property
+    def queue_depth(self) -> int:
+        return sum(engine.queue_depth for _, engine in self._each())
+
+    @property
+    def is_busy(self) -> bool:
+        return any(engine.is_busy for _, engine in self._each())
+
+    def batch_stats(self) -> dict[str, Any]:
+        """The loaded engines' batches: counts and work summed, rates from the sums."""
+        if _BOUND.get() is not None:
+            return self._engine().batch_stats()
+        total: dict[str, Any] = {}
+        for _, engine in self.registry.loaded_engines():
+            for key, value in engine.batch_stats().items():
+                if isinstance(value, (int, float)) and not key.endswith("_per_s"):
+                    total[key] = total.get(key, 0) + value
+        keys = ("running", "waiting", "batch_size", "max_batch", "prefill_tokens", "prefill_s", "decode_tokens")
+        for key in (*keys, "decode_s", "shared_prefix_waits"):
+            total.setdefault(key, 0)
+        for phase in ("prefill", "decode"):
+            s = total[f"{phase}_s"]
+            total[f"{phase}_tokens_per_s"] = round(total[f"{phase}_tokens"] / s, 1) if s else 0.0
+        return total
+
+    def cache_stats(self) -> dict[str, Any]:
+        """Bound: that engine's. Else the default model's when loaded (what /metrics reads), with
+        every loaded model's under "models"."""
+        if _BOUND.get() is not None:
+            return self._engine().cache_stats()
+        loaded = self.registry.loaded_engines()
+        default = self.registry.default.engine
+        stats = dict(default.cache_stats()) if default is not None else {"enabled": False}
+        stats["models"] = {name: engine.cache_stats() for name, engine in loaded}
+        return stats
+
+    def health(self) -> dict[str, Any]:
+        """/health: the default model's fields when it is loaded, and every model's state and figures."""
+        default = self.registry.default.engine
+        body: dict[str, Any] = {"status": "ok", "model": self.registry.default.entry.name}
+        if default is not None:
+            body = default.health()
+        described = self.registry.describe()
+        loaded = dict(self.registry.loaded_engines())
+        for row in described["models"]:
+            engine = loaded.get(row["id"])
+            if engine is not None:
+                row["batch"] = engine.batch_stats()
+                row["cache"] = engine.cache_stats()
+        body.update(
+            {
+                "memory_budget_bytes": described["memory_budget_bytes"],
+                "memory_used_bytes": described["memory_used_bytes"],
+                "models": described["models"],
+            }
+        )
+        return body

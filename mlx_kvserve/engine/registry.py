@@ -1,0 +1,451 @@
+"""The model registry: several models behind one server, each an Engine of its own (its model, its
+block cache in its own namespace, its SSD folder lock, its worker thread), loaded when a request names
+it and unloaded least-recently-used when the memory budget needs room, or after its keep-alive.
+
+Contract:
+- `resolve(name)` maps a model id, an alias, "default", "" or None (the default model: the first entry)
+  to its slot; NotFoundError (404) naming the registered ids for anything else.
+- `acquire(name)` blocks until the model is loaded and returns a Lease; while any lease on a model is
+  held ("in use") the model is never unloaded. Concurrent acquires of an unloaded model share one load;
+  when it fails, each of them raises its error. OverloadedError (429) when no room can be made within
+  `wait_s` because the other models are in use; ShuttingDownError after `stop`.
+- Room: before a load, loaded models that are idle (no lease) and not pinned are unloaded, least
+  recently used first, until the loaded models' footprints (weights + their KV blocks in RAM) plus the
+  new one's fit `[server] model_memory_bytes`. When waiting cannot help (the rest is pinned), the model
+  loads over the budget (logged).
+- Unloading stops the engine: its worker ends, its SSD writer drains (under `evict_only` the blocks still
+  in RAM are written first), its folder lock goes; a later load finds those blocks on the SSD.
+- One lock (`_cond`) guards every slot's state, leases and counters; loads and unloads run outside it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import gc
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from ..config import Config
+from ..errors import ModelLoadError, NotFoundError, OverloadedError, ShuttingDownError
+from ..model_entries import ModelEntry
+from .build import physical_memory_bytes
+
+log = logging.getLogger(__name__)
+
+UNLOADED, LOADING, LOADED, UNLOADING = "unloaded", "loading", "loaded", "unloading"
+REAP_INTERVAL_S = 1.0  # how often idle models are checked against their keep_alive
+
+
+class Loaded(NamedTuple):
+    """What a loader returns: the started engine and its weights' size in bytes."""
+
+    engine: Any  # engine.Engine (or a test double with stop())
+    weights_bytes: int
+
+
+@dataclass
+class ModelSlot:
+    """One registered model and its state; every field is guarded by ModelRegistry._cond."""
+
+    entry: ModelEntry
+    state: str = UNLOADED
+    engine: Any = None
+    in_use: int = 0  # leases held
+    last_used: float = 0.0  # clock() at the last acquire or release
+    weights_bytes: int = 0  # measured at its last load (0 before the first)
+    num_loads: int = 0
+    num_unloads: int = 0
+    load_s: float = 0.0  # how long its last load took
+    error: str = ""  # why its last load failed ("" when it did not)
+    failures: int = 0  # failed loads, so that waiters on a load can tell it failed
+
+
+class Lease:
+    """A model held for one request: `engine` serves it; `release()` (idempotent) lets it go."""
+
+    def __init__(self, registry: ModelRegistry, slot: ModelSlot):
+        self._registry, self.slot, self.engine = registry, slot, slot.engine
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._registry._release(self.slot)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def entry_config(config: Config, entry: ModelEntry) -> Config:
+    """The server's config with this entry's options in place ([model], [cache])."""
+    model = dataclasses.replace(
+        config.model,
+        path=entry.source,
+        served_name=entry.name,
+        chat_template=entry.chat_template or config.model.chat_template,
+        dtype=entry.dtype or config.model.dtype,
+    )
+    cache = dataclasses.replace(
+        config.cache,
+        kv_bits=config.cache.kv_bits if entry.kv_bits < 0 else entry.kv_bits,
+        ram_max_bytes=entry.ram_max_bytes or config.cache.ram_max_bytes,
+    )
+    return dataclasses.replace(config, model=model, cache=cache)
+
+
+def load_engine(entry: ModelEntry, config: Config) -> Loaded:
+    """Load the entry's model, build its Engine and start its worker (on the calling thread: MLX keeps
+    a default stream per thread, and the weights are evaluated before the worker uses them)."""
+    from mlx.utils import tree_flatten
+
+    from ..models.loader import load_model
+    from .engine import Engine
+
+    cfg = entry_config(config, entry)
+    loaded = load_model(cfg.model.path, cfg.models_path(), cfg.model.dtype, entry.name, None, cfg.model.chat_template)
+    if entry.context_length:
+        loaded.context_length = min(loaded.context_length, entry.context_length)
+    weights = sum(a.nbytes for _, a in tree_flatten(loaded.model.parameters()))
+    engine = Engine(loaded, cfg)
+    engine.start()
+    return Loaded(engine, weights)
+
+
+def free_engine(engine: Any, timeout: float) -> None:
+    """Stop an engine (worker, SSD writer drain, folder lock) and give its memory back."""
+    engine.stop(timeout)
+    del engine
+    gc.collect()  # the model's arrays are freed once nothing refers to them
+    try:
+        import mlx.core as mx
+
+        mx.clear_cache()  # MLX keeps freed buffers for reuse: hand them back to the system
+    except ImportError:  # pragma: no cover
+        pass
+    if sys.platform.startswith("linux"):  # glibc keeps freed heap pages: measured 438 -> 123 MiB RSS
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # another libc
+            pass
+
+
+def estimate_bytes(entry: ModelEntry) -> int:
+    """What loading `entry` will cost before it was ever loaded: its safetensors files (0 when unknown)."""
+    folder = Path(entry.source).expanduser()
+    if not folder.is_dir():
+        return 0
+    return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+
+
+def kv_ram_bytes(engine: Any) -> int:
+    """Bytes of KV blocks and tails `engine` holds in RAM now (0 while its cache is off)."""
+    manager = getattr(getattr(engine, "prefix_cache", None), "manager", None)
+    if manager is None:
+        return 0
+    stats = manager.stats()
+    return stats.get("kv_ram_bytes", 0) + stats.get("kv_tail_bytes", 0)
+
+
+class ModelRegistry:
+    """The registered models (see the module's contract). `single`: the one-model server of
+    `run --model M` (no [[models]]): ids other than its own and "default" stay a 404, as before."""
+
+    def __init__(
+        self,
+        config: Config,
+        entries: tuple[ModelEntry, ...],
+        single: bool = False,
+        loader: Callable[[ModelEntry, Config], Loaded] = load_engine,
+        unloader: Callable[[Any, float], None] = free_engine,
+        clock: Callable[[], float] = time.monotonic,
+        wait_s: float = 300.0,
+    ):
+        if not entries:
+            raise ValueError("a registry needs at least one model")
+        self.config, self.single = config, single
+        self.slots = [ModelSlot(e) for e in entries]
+        self._ids = {name: slot for slot in self.slots for name in (slot.entry.name, *slot.entry.aliases)}
+        self._loader, self._unloader, self._clock, self._wait_s = loader, unloader, clock, wait_s
+        self.budget_bytes = config.server.model_memory_bytes or physical_memory_bytes() // 2
+        self._cond = threading.Condition()  # guards every slot's fields and _closing
+        self._closing = False
+        self._reaper: threading.Thread | None = None
+
+    @property
+    def default(self) -> ModelSlot:
+        return self.slots[0]
+
+    @property
+    def names(self) -> list[str]:
+        return [slot.entry.name for slot in self.slots]
+
+    def resolve(self, name: str | None) -> ModelSlot:
+        if name in (None, "", "default"):
+            return self.default
+        slot = self._ids.get(name)  # type: ignore[arg-type]
+        if slot is None:
+            served = ", ".join(repr(n) for n in self.names)
+            raise NotFoundError(
+                f"model {name!r} not found; this server serves {served}", param="model", code="model_not_found"
+            )
+        return slot
+
+    def keep_alive_s(self, slot: ModelSlot) -> float:
+        ka = slot.entry.keep_alive_s
+        return self.config.server.model_keep_alive_s if ka < 0 else ka
+
+    # --- leases ---------------------------------------------------------------------------------
+
+    def acquire(self, name: str | None) -> Lease:
+        """The named model, loaded if needed (this thread loads it, or waits for the load under way)."""
+        slot = self.resolve(name)
+        deadline = self._clock() + self._wait_s
+        with self._cond:
+            failures = slot.failures
+            while True:
+                if self._closing:
+                    raise ShuttingDownError("server is shutting down")
+                if slot.failures != failures:  # the load this request waited for failed
+                    raise ModelLoadError(f"model {slot.entry.name!r} failed to load: {slot.error}")
+                if slot.state == LOADED:
+                    return self._lease(slot)
+                victims = self._room_for(slot) if slot.state == UNLOADED else None
+                if victims is not None:
+                    slot.state = LOADING
+                    for victim in victims:
+                        victim.state = UNLOADING
+                    break
+                left = deadline - self._clock()
+                if left <= 0:
+                    busy = [s.entry.name for s in self.slots if s.in_use]
+                    raise OverloadedError(f"no room to load {slot.entry.name!r}: in use now: {busy}; retry shortly")
+                self._cond.wait(min(left, 1.0))
+        for victim in victims:
+            self._unload(victim)
+        return self._load(slot)
+
+    def _lease(self, slot: ModelSlot) -> Lease:
+        slot.in_use += 1
+        slot.last_used = self._clock()
+        return Lease(self, slot)
+
+    def _release(self, slot: ModelSlot) -> None:
+        with self._cond:
+            slot.in_use -= 1
+            slot.last_used = self._clock()
+            self._cond.notify_all()
+
+    def _load(self, slot: ModelSlot) -> Lease:
+        started = time.monotonic()
+        try:
+            loaded = self._loader(slot.entry, self.config)
+        except Exception as exc:
+            with self._cond:
+                slot.state, slot.error = UNLOADED, str(getattr(exc, "message", "") or exc)
+                slot.failures += 1
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            slot.engine, slot.weights_bytes, slot.state, slot.error = loaded.engine, loaded.weights_bytes, LOADED, ""
+            slot.num_loads += 1
+            slot.load_s = time.monotonic() - started
+            lease = self._lease(slot)
+            self._cond.notify_all()
+        log.info(
+            "model %s loaded in %.2fs (%.1f MiB of weights)", slot.entry.name, slot.load_s, slot.weights_bytes / 2**20
+        )
+        return lease
+
+    # --- memory ---------------------------------------------------------------------------------
+
+    def footprint(self, slot: ModelSlot) -> int:
+        """What `slot` costs now (lock held): its weights and its KV in RAM while loaded; the
+        estimate while it loads; 0 unloaded."""
+        if slot.state == UNLOADED:
+            return 0
+        estimate = slot.entry.memory_bytes or slot.weights_bytes or estimate_bytes(slot.entry)
+        if slot.state == LOADING or slot.engine is None:
+            return estimate
+        return (slot.entry.memory_bytes or slot.weights_bytes) + kv_ram_bytes(slot.engine)
+
+    def _room_for(self, slot: ModelSlot) -> list[ModelSlot] | None:
+        """The idle models to unload so that `slot` fits (least recently used first), or None when the
+        room can only come from models in use or loading: wait for them (lock held)."""
+        need = slot.entry.memory_bytes or slot.weights_bytes or estimate_bytes(slot.entry)
+        others = [s for s in self.slots if s is not slot and s.state != UNLOADED]
+        used = sum(self.footprint(s) for s in others)
+        idle = sorted(
+            (s for s in others if s.state == LOADED and s.in_use == 0 and not s.entry.pinned),
+            key=lambda s: s.last_used,
+        )
+        victims: list[ModelSlot] = []
+        while used + need > self.budget_bytes and idle:
+            victim = idle.pop(0)
+            used -= self.footprint(victim)
+            victims.append(victim)
+        if used + need <= self.budget_bytes:
+            return victims
+        if any(s.in_use or s.state in (LOADING, UNLOADING) for s in others if s not in victims):
+            return None  # room will come when they are released or done
+        log.warning(
+            "model %s loads over the memory budget (%.1f MiB): the rest is pinned",
+            slot.entry.name,
+            self.budget_bytes / 2**20,
+        )
+        return victims
+
+    def _unload(self, slot: ModelSlot) -> None:
+        """Stop the engine of a slot marked UNLOADING (outside the lock)."""
+        engine = slot.engine
+        log.info("unloading model %s (idle since %.1fs)", slot.entry.name, self._clock() - slot.last_used)
+        try:
+            self._unloader(engine, self.config.server.shutdown_timeout_s)
+        finally:
+            with self._cond:
+                slot.engine, slot.state = None, UNLOADED
+                slot.num_unloads += 1
+                self._cond.notify_all()
+
+    # --- admin ----------------------------------------------------------------------------------
+
+    def load(self, name: str) -> dict[str, Any]:
+        """Load `name` (if needed) now; its row of describe()."""
+        with self.acquire(name) as lease:
+            return self.describe_slot(lease.slot)
+
+    def unload(self, name: str) -> dict[str, Any]:
+        """Unload `name` now. ConflictError (409) while a request uses it or it is loading."""
+        from ..errors import ConflictError
+
+        slot = self.resolve(name)
+        with self._cond:
+            if slot.state == LOADED and slot.in_use:
+                raise ConflictError(f"model {slot.entry.name!r} is in use by {slot.in_use} requests", param="model")
+            if slot.state in (LOADING, UNLOADING):
+                raise ConflictError(f"model {slot.entry.name!r} is {slot.state}; retry shortly", param="model")
+            go = slot.state == LOADED
+            if go:
+                slot.state = UNLOADING
+        if go:
+            self._unload(slot)
+        return self.describe_slot(slot)
+
+    def reap_idle(self) -> list[str]:
+        """Unload the models idle past their keep_alive; their names."""
+        now = self._clock()
+        with self._cond:
+            due = [
+                s
+                for s in self.slots
+                if s.state == LOADED
+                and not s.in_use
+                and not s.entry.pinned
+                and self.keep_alive_s(s) > 0
+                and now - s.last_used > self.keep_alive_s(s)
+            ]
+            for slot in due:
+                slot.state = UNLOADING
+        for slot in due:
+            self._unload(slot)
+        return [s.entry.name for s in due]
+
+    # --- life -----------------------------------------------------------------------------------
+
+    def adopt(self, slot: ModelSlot, engine: Any, weights_bytes: int) -> None:
+        """`engine` (started by the caller) serves `slot` from now on."""
+        with self._cond:
+            slot.engine, slot.weights_bytes, slot.state = engine, weights_bytes, LOADED
+            slot.num_loads += 1
+            slot.last_used = self._clock()
+
+    def start(self) -> None:
+        """Load the models marked `preload` (or pinned) and start the keep-alive reaper."""
+        for slot in self.slots:
+            if (slot.entry.preload or slot.entry.pinned) and slot.state == UNLOADED:
+                self.acquire(slot.entry.name).release()
+        if any(self.keep_alive_s(s) > 0 for s in self.slots) and self._reaper is None:
+            self._reaper = threading.Thread(target=self._reap_loop, name="model-reaper", daemon=True)
+            self._reaper.start()
+
+    def _reap_loop(self) -> None:
+        while True:
+            with self._cond:
+                if self._closing:
+                    return
+                self._cond.wait(REAP_INTERVAL_S)
+            try:
+                self.reap_idle()
+            except Exception:  # a failed unload is logged; the reaper goes on
+                log.exception("unloading an idle model failed")
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Refuse new leases, then stop every loaded engine (their requests are cancelled)."""
+        with self._cond:
+            self._closing = True
+            loaded = [s for s in self.slots if s.state == LOADED]
+            for slot in loaded:
+                slot.state = UNLOADING
+            self._cond.notify_all()
+        for slot in loaded:
+            slot.engine.stop(timeout)
+            with self._cond:
+                slot.engine, slot.state = None, UNLOADED
+
+    def loaded_engines(self) -> list[tuple[str, Any]]:
+        with self._cond:
+            return [(s.entry.name, s.engine) for s in self.slots if s.state == LOADED]
+
+    def describe_slot(self, slot: ModelSlot) -> dict[str, Any]:
+        with self._cond:
+            return {
+                "id": slot.entry.name,
+                "aliases": list(slot.entry.aliases),
+                "state": slot.state,
+                "pinned": slot.entry.pinned,
+                "in_use": slot.in_use,
+                "memory_bytes": self.footprint(slot),
+                "weights_bytes": slot.weights_bytes,
+                "keep_alive_s": self.keep_alive_s(slot),
+                "idle_s": round(self._clock() - slot.last_used, 1) if slot.state == LOADED else None,
+                "loads": slot.num_loads,
+                "unloads": slot.num_unloads,
+                "load_s": round(slot.load_s, 3),
+                "error": slot.error,
+            }
+
+    def describe(self) -> dict[str, Any]:
+        """Every model's row and the budget, for /health, /v1/models and the admin API."""
+        rows = [self.describe_slot(slot) for slot in self.slots]
+        used = sum(r["memory_bytes"] for r in rows)
+        return {"memory_budget_bytes": self.budget_bytes, "memory_used_bytes": used, "models": rows}
+
+
+def registry_entries(entries: tuple[ModelEntry, ...], model_flag: str | None) -> tuple[ModelEntry, ...]:
+    """The [[models]] entries with `run --model M` first (the default model): M names an entry (or an
+    alias), or M is a source served under its own name ahead of the entries."""
+    if not model_flag:
+        return entries
+    for i, entry in enumerate(entries):
+        if model_flag in (entry.name, *entry.aliases):
+            return (entry, *entries[:i], *entries[i + 1 :])
+    return (ModelEntry(served_name(model_flag), model_flag), *entries)
+
+
+def served_name(source: str) -> str:
+    """The id a model source is served under (as models/loader.py names it), without loading it."""
+    from ..models.default import DEFAULT_MODEL_NAME
+
+    if source == "default":
+        return DEFAULT_MODEL_NAME
+    path = Path(source).expanduser()
+    return path.stem if path.suffix == ".gguf" else (path.name if path.is_dir() else source)

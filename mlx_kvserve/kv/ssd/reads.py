@@ -1,0 +1,201 @@
+"""SSDStore's read path (one of its base classes): membership, adopting block files that another
+server of the folder wrote, and verified loads, the files of a chain read together.
+
+A file is served only when its header, checksum and token ids check out; a damaged file is a miss
+and is deleted, other tokens under the hash are a collision (the hash is isolated).
+"""
+
+from __future__ import annotations
+
+import logging
+import stat
+import threading
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import mlx.core as mx
+
+from .format import BlockHeader, FormatError, open_block_file, read_header, verify_block
+from .index import BlockIndex, IndexEntry, tokens_digest
+
+log = logging.getLogger(__name__)
+
+# Block files read together by load_blocks: mlx reads them in parallel (cold, 8 at once read ~10%
+# faster than one by one here: scripts/bench_ssd_io.py); 8 Llama-3-8B blocks are 64 MiB.
+LOAD_WINDOW = 8
+
+
+class PendingLoad(NamedTuple):
+    """Block files being read (SSDStore.begin_load): their expected token ids and, for each,
+    (hash, index entry, header, arrays not yet read)."""
+
+    expected: tuple[tuple[int, ...], ...]
+    opened: list[tuple]
+
+
+class LoadedBlock(NamedTuple):
+    token_ids: tuple[int, ...]
+    arrays: dict[str, mx.array]
+    parent_hash: bytes
+
+
+class StoreReads:
+    """The read half of SSDStore, which sets these fields and provides `_path`, `_isolate` and
+    `_remove` (called with `_lock` held)."""
+
+    namespace: bytes
+    _lock: threading.Lock  # guards _index, _stats, _dirty
+    _index: BlockIndex
+    _stats: dict[str, int]
+    _dirty: bool
+    _clock: Callable[[], float]
+    _is_pinned: Callable[[bytes], bool]
+
+    def is_pinned(self, block_hash: bytes) -> bool:
+        return self._is_pinned(block_hash)
+
+    def recent_hashes(self) -> list[bytes]:
+        """Every stored hash, most recently used first (a snapshot)."""
+        with self._lock:
+            return [h for h, _ in self._index.items()][::-1]
+
+    def contains(self, block_hash: bytes) -> bool:
+        """Whether the index lists this hash, or a file another server of this folder wrote holds
+        it (adopted: see _adopt). The file is verified only by load_block."""
+        with self._lock:
+            if block_hash in self._index:
+                return True
+        return self._adopt(block_hash) is not None
+
+    def _adopt(self, block_hash: bytes) -> IndexEntry | None:
+        """Index a block file that is not in the index yet: another server sharing the folder wrote
+        it since this one read the folder. Its header must name this namespace and hash; the rest
+        is verified when it is loaded. None when there is no such file (the common miss: one stat)."""
+        path = self._path(block_hash)
+        try:
+            st = path.lstat()
+            if not stat.S_ISREG(st.st_mode):
+                return None
+            header = read_header(path, self.namespace)
+            if header.block_hash != block_hash:
+                return None
+        except (OSError, ValueError):  # FormatError is a ValueError
+            return None
+        ids = header.token_ids
+        entry = IndexEntry(len(ids), tokens_digest(ids), self._clock(), st.st_size)
+        with self._lock:
+            if block_hash in self._index:
+                return self._index.get(block_hash)
+            self._index.add(block_hash, entry)
+            self._dirty = True
+            self._stats["adopted"] += 1
+        return entry
+
+    def load_block(self, block_hash: bytes, expected_tokens: Sequence[int]) -> LoadedBlock | None:
+        """The block's arrays if its file verifies and holds exactly `expected_tokens`, else None
+        (a miss). Damaged files are deleted; other tokens under the hash count as a collision."""
+        loaded = self.load_blocks([(block_hash, expected_tokens)])
+        return loaded[0] if loaded else None
+
+    def load_blocks(self, wanted: Sequence[tuple[bytes, Sequence[int]]]) -> list[LoadedBlock]:
+        """The blocks of `wanted` (hash, expected tokens), in order, up to the first that misses:
+        `load_block` for each, but the files of up to LOAD_WINDOW blocks are read together (mlx
+        issues their reads in parallel; one Python thread still owns mlx)."""
+        out: list[LoadedBlock] = []
+        for start in range(0, len(wanted), LOAD_WINDOW):
+            window = wanted[start : start + LOAD_WINDOW]
+            got = self.end_load(self.begin_load(window))
+            out += got
+            if len(got) < len(window):
+                break
+        return out
+
+    def begin_load(self, wanted: Sequence[tuple[bytes, Sequence[int]]]) -> PendingLoad:
+        """Start reading the files of `wanted` (hash, expected tokens) up to the first that is not
+        indexed or whose header does not check, and return at once: mlx reads them on its own
+        threads while the caller computes. `end_load` waits, verifies and returns them."""
+        opened = self._open_window(wanted)
+        if opened:
+            mx.async_eval([arrays for _, _, _, arrays in opened])
+        return PendingLoad(tuple(tuple(ids) for _, ids in wanted[: len(opened)]), opened)
+
+    def end_load(self, pending: PendingLoad) -> list[LoadedBlock]:
+        """The blocks of a `begin_load`, in order, up to the first that fails verification."""
+        opened = pending.opened
+        if opened:
+            try:
+                mx.eval([arrays for _, _, _, arrays in opened])
+            except Exception:  # one damaged file fails the whole read: read them one by one
+                opened = self._read_one_by_one(opened)
+        out: list[LoadedBlock] = []
+        for (block_hash, entry, header, arrays), expected in zip(opened, pending.expected, strict=False):
+            loaded = self._accept(block_hash, entry, header, arrays, expected)
+            if loaded is None:
+                break
+            out.append(loaded)
+        return out
+
+    def _read_one_by_one(self, opened: list[tuple]) -> list[tuple]:
+        """The opened blocks before the first whose file cannot be read (that one is dealt with)."""
+        for i, (block_hash, entry, _, arrays) in enumerate(opened):
+            try:
+                mx.eval(arrays)
+            except Exception as exc:  # mlx raises RuntimeError for unreadable or truncated files
+                self._drop_unreadable(block_hash, entry, exc)
+                return opened[:i]
+        return opened
+
+    def _open_window(self, window: Sequence[tuple[bytes, Sequence[int]]]) -> list[tuple]:
+        """(hash, entry, header, lazy arrays) of the window's blocks up to the first that is not
+        indexed or whose header does not check."""
+        opened = []
+        for block_hash, _ in window:
+            with self._lock:
+                entry = self._index.get(block_hash)
+            if entry is None:
+                entry = self._adopt(block_hash)
+            if entry is None:
+                with self._lock:
+                    self._stats["misses"] += 1
+                break
+            try:
+                header, arrays = open_block_file(self._path(block_hash), self.namespace, block_hash)
+            except Exception as exc:  # mlx raises RuntimeError for unreadable or truncated files
+                self._drop_unreadable(block_hash, entry, exc)
+                break
+            opened.append((block_hash, entry, header, arrays))
+        return opened
+
+    def _accept(
+        self, block_hash: bytes, entry: IndexEntry, header: BlockHeader, arrays: dict, expected: tuple[int, ...]
+    ) -> LoadedBlock | None:
+        """A read block if its checksum and token ids hold, else None (and the file is dealt with)."""
+        try:
+            verify_block(self.namespace, header, arrays)
+        except FormatError as exc:
+            self._drop_unreadable(block_hash, entry, exc)
+            return None
+        with self._lock:
+            if header.token_ids != expected:
+                self._isolate(block_hash)
+                self._stats["misses"] += 1
+                return None
+            if self._index.get(block_hash) is entry:
+                self._index.touch(block_hash, self._clock())
+                self._dirty = True
+            self._stats["hits"] += 1
+        return LoadedBlock(header.token_ids, arrays, header.parent_hash)
+
+    def _drop_unreadable(self, block_hash: bytes, entry: IndexEntry, exc: Exception) -> None:
+        with self._lock:
+            self._stats["misses"] += 1
+            if self._index.get(block_hash) is not entry:
+                return  # replaced or removed meanwhile: not ours to judge
+            if not self._path(block_hash).exists():
+                self._stats["stale_cleaned"] += 1
+                self._index.remove(block_hash)
+                self._dirty = True
+                return
+            self._stats["corrupt"] += 1
+            log.warning("SSD block %s unusable (%s); deleted", block_hash.hex()[:16], exc)
+            self._remove(block_hash)

@@ -1,0 +1,345 @@
+"""The SSD tier behind the RAM tier: what KVManager calls when blocks are created, evicted or
+missing from RAM. Writes go through the writer thread (never on the caller's lock); reads are
+verified by the store, synchronous (`load_many`: the request needs the blocks now) or started in
+the background while the engine computes (`begin_load` / `end_load`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from ...checked_json import Bool, DamagedFile, Obj, load_json, remove_leftover_temps
+from ...fsmode import open_private
+from ..base import Block
+from .format import BlockHeader, block_relpath, read_header, tail_key
+from .reads import PendingLoad
+from .store import SaveResult, SSDStore
+from .tails import SSDTailStore
+from .write_queue import Bandwidth, JobValue
+from .writer import SSDWriterThread, WriteJob
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("write_through", "evict_only")
+SHUTDOWN_FILE = "shutdown.json"
+MAX_SHUTDOWN_RECORD_BYTES = 64 * 1024
+SHUTDOWN_SCHEMA = Obj({"shutdown_clean": Bool(), "shutdown_partial_flush": Bool()})  # "at" is not used
+PRUNE_INTERVAL_S = 3600.0
+TAIL_DEPTH = 2**31  # a tail ranks below every block of its chain when the writer sheds
+
+
+class SSDTier:
+    """`to_arrays(payload)` / `from_arrays(arrays) -> (payload, nbytes)` convert block payloads to
+    the store's named arrays; only the engine knows their layout. `exact_tails`: tails carry
+    checkpoints and are usable only whole (see TailStore)."""
+
+    def __init__(
+        self,
+        store: SSDStore,
+        writer: SSDWriterThread,
+        policy: str,
+        to_arrays: Callable[[Any], dict],
+        from_arrays: Callable[[dict], tuple[Any, int]],
+        flush_interval_s: float = 2.0,
+        async_writes: bool = True,
+        write_hold_s: float = 0.0,
+        exact_tails: bool = False,
+    ):
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}")
+        self.store = store
+        self.writer = writer
+        self.block_reads = Bandwidth()  # verified blocks loaded per second (read, checksum, arrays)
+        self.policy = policy
+        self._to_arrays = to_arrays
+        self._from_arrays = from_arrays
+        self.flush_interval_s = flush_interval_s
+        self.async_writes = async_writes
+        self.write_hold_s = write_hold_s
+        self._last_prune = time.time()
+        self.damaged_files: list[DamagedFile] = []  # a shutdown record found damaged (and set aside)
+        # The shutdown record is the owner's (a guest neither consumes nor writes it).
+        self.last_shutdown = (
+            read_shutdown_record(store.cache_dir, self.damaged_files)
+            if store.is_owner
+            else {"shutdown_clean": None, "shutdown_partial_flush": None}
+        )
+        self.validation: dict[str, Any] = {}  # the startup validate_index report
+        self.tails = SSDTailStore(
+            store.cache_dir / "tails", store.namespace, exact=exact_tails, may_delete=store.is_owner
+        )
+        store.attach_secondary(self.tails)  # every byte the tier writes counts in one budget
+        self._tail_lock = threading.Lock()  # guards _tail_keys
+        # Writer jobs that are tails, not blocks, each with its tail's last use (registered, or served
+        # from RAM while queued): the file's mtime once written, whenever the writer gets to it.
+        self._tail_keys: dict[bytes, float] = {}
+
+    def _write(self, block: Block) -> None:
+        arrays = self._to_arrays(block.payload)
+        job = WriteJob(block.block_hash, block.parent_hash, block.token_ids, arrays, block.depth)
+        if self.async_writes:
+            self.writer.enqueue(job)
+        else:
+            self.store.save_blocks([job])
+
+    def hold_writes(self) -> None:
+        """A request is prefilling: background writes wait until `resume_writes`, at most
+        write_hold_s (its first token is what the user waits for; the writes can wait)."""
+        self.writer.hold(self.write_hold_s)
+
+    def resume_writes(self) -> None:
+        self.writer.resume()
+
+    def on_new_block(self, block: Block) -> None:
+        if self.policy == "write_through":
+            self._write(block)
+
+    def on_evicted(self, blocks: list[Block]) -> None:
+        if self.policy == "evict_only":
+            for block in blocks:
+                if not self.store.contains(block.block_hash):
+                    self._write(block)
+
+    def persist_resident(self, blocks: list[Block]) -> int:
+        """At shutdown: under evict_only, hand the RAM blocks the SSD lacks to the writer (most
+        recently used first), so a clean restart finds them. Returns how many were queued."""
+        return self.persist(blocks[::-1]) if self.policy == "evict_only" else 0
+
+    def persist(self, blocks: list[Block]) -> int:
+        """Write the given blocks the SSD lacks, whatever the policy (pinned blocks: so they can be
+        demoted instead of held in RAM beyond the pinned share). Returns how many were queued."""
+        queued = 0
+        for block in blocks:
+            if not self.store.contains(block.block_hash):
+                self._write(block)
+                queued += 1
+        return queued
+
+    def load(self, block_hash: bytes, token_ids: Sequence[int]) -> tuple[Any, int] | None:
+        """(payload, nbytes) of a verified block on the SSD, or None."""
+        loaded = self.store.load_block(block_hash, token_ids)
+        got = self._payloads([(block_hash, token_ids)], [loaded] if loaded is not None else [])
+        return got[0] if got else None
+
+    def load_many(self, wanted: Sequence[tuple[bytes, Sequence[int]]]) -> list[tuple[Any, int]]:
+        """(payload, nbytes) of the verified blocks of `wanted` (hash, token ids), in order, up to
+        the first miss; their files are read together (SSDStore.load_blocks). Measures the blocks
+        loaded per second (`block_reads`)."""
+        start = time.perf_counter()
+        out = self._payloads(wanted, self.store.load_blocks(wanted))
+        if out:
+            self.block_reads.add(len(out), time.perf_counter() - start)
+        return out
+
+    def begin_load(self, wanted: Sequence[tuple[bytes, Sequence[int]]]) -> PendingLoad:
+        """Start reading `wanted` in the background (SSDStore.begin_load); `end_load` collects it."""
+        return self.store.begin_load(wanted)
+
+    def end_load(self, pending: PendingLoad) -> list[tuple[Any, int]]:
+        """(payload, nbytes) of a begin_load's verified blocks, in order, up to the first miss."""
+        wanted = [(opened[0], ids) for opened, ids in zip(pending.opened, pending.expected, strict=True)]
+        return self._payloads(wanted, self.store.end_load(pending))
+
+    def stored_run(self, hashes: Sequence[bytes]) -> int:
+        """How many of `hashes`, from the first, the index lists (no file is read)."""
+        for i, block_hash in enumerate(hashes):
+            if not self.store.contains(block_hash):
+                return i
+        return len(hashes)
+
+    def _payloads(self, wanted: Sequence[tuple[bytes, Sequence[int]]], loaded: list) -> list[tuple[Any, int]]:
+        out = []
+        for (block_hash, _), block in zip(wanted, loaded, strict=False):
+            try:
+                out.append(self._from_arrays(block.arrays))
+            except (KeyError, ValueError) as exc:
+                log.warning("SSD block %s has an unexpected layout (%s); ignored", block_hash.hex()[:16], exc)
+                break
+        return out
+
+    def save_tail(self, parent_hash: bytes, token_ids: Sequence[int], payload: Any) -> None:
+        """Persist a tail, through the writer thread like blocks (off the request path)."""
+        arrays = self._to_arrays(payload)
+        if not self.async_writes:
+            self._save_tail(parent_hash, token_ids, arrays)
+            return
+        key = tail_key(parent_hash, token_ids)
+        with self._tail_lock:
+            queued = key in self._tail_keys
+            self._tail_keys[key] = time.time()
+        if queued:  # still waiting for the writer (RAM dropped and re-made it): written once, with this use
+            return
+        if not self.writer.enqueue(WriteJob(key, parent_hash, tuple(token_ids), arrays)):
+            with self._tail_lock:
+                self._tail_keys.pop(key, None)
+
+    def save_job(self, block_hash: bytes, parent_hash: bytes, token_ids: Sequence[int], arrays: dict) -> SaveResult:
+        """The writer's save function: a tail job (its key was registered by save_tail) or a block."""
+        with self._tail_lock:
+            used_at = self._tail_keys.pop(block_hash, None)
+        if used_at is not None:
+            return self._save_tail(parent_hash, token_ids, arrays, used_at)
+        return self.store.save_block(block_hash, parent_hash, token_ids, arrays)
+
+    def save_jobs(self, jobs: Sequence[WriteJob]) -> list[SaveResult]:
+        """The writer's batch save function: tails one by one, blocks in one store batch (one
+        durability step for all). Results in the order of `jobs`."""
+        with self._tail_lock:
+            used_at = [self._tail_keys.pop(job.block_hash, None) for job in jobs]
+        results: list[SaveResult | None] = [
+            self._save_tail(job.parent_hash, job.token_ids, job.arrays, at) if at is not None else None
+            for job, at in zip(jobs, used_at, strict=True)
+        ]
+        positions = [i for i, result in enumerate(results) if result is None]
+        for i, result in zip(positions, self.store.save_blocks([jobs[i] for i in positions]), strict=True):
+            results[i] = result
+        return results
+
+    def job_value(self, job: WriteJob) -> JobValue:
+        """How much a queued write is worth keeping when the writer sheds: pinned blocks (and tails
+        of pinned chains) always; tails are the deepest part of their chain."""
+        with self._tail_lock:
+            is_tail = job.block_hash in self._tail_keys
+        if is_tail:
+            return JobValue(self.store.is_pinned(job.parent_hash), TAIL_DEPTH)
+        return JobValue(self.store.is_pinned(job.block_hash), job.depth)
+
+    def forget_job(self, job: WriteJob) -> None:
+        """The writer shed `job`: it will not reach save_jobs."""
+        with self._tail_lock:
+            self._tail_keys.pop(job.block_hash, None)
+
+    def _save_tail(
+        self, parent_hash: bytes, token_ids: Sequence[int], arrays: dict, used_at: float | None = None
+    ) -> SaveResult:
+        """A tail within the same free-space floor and byte budget as blocks (LRU across both)."""
+        # The file's size: its arrays plus a safetensors header (identity, token ids, one entry per array).
+        refused = self.store.make_room(sum(a.nbytes for a in arrays.values()) + 1024 + 160 * len(arrays))
+        if refused is not None:
+            low_space = not self.store.has_free_space(0)
+            self.tails.stats["ssd_tail_skipped_low_space" if low_space else "ssd_tail_skipped_budget"] += 1
+            return refused
+        return self.tails.save(parent_hash, token_ids, arrays, used_at)
+
+    def touch_tail(self, parent_hash: bytes, token_ids: Sequence[int]) -> None:
+        """A tail was served from RAM: a use on the SSD too, so that the SSD's per-parent limit, byte
+        budget and TTL (by last use) keep what RAM keeps for the next restart. A tail still queued
+        for the writer gets this time when it is written."""
+        key = tail_key(parent_hash, token_ids)
+        with self._tail_lock:
+            if key in self._tail_keys:
+                self._tail_keys[key] = time.time()
+                return
+        self.tails.touch(parent_hash, token_ids)
+
+    def load_tail(self, parent_hash: bytes, rest: Sequence[int]) -> tuple[tuple[int, ...], Any, int, int] | None:
+        """(token ids, payload, nbytes, tokens shared with `rest`) of the best stored tail, or None."""
+        loaded = self.tails.best(parent_hash, rest)
+        if loaded is None:
+            return None
+        try:
+            payload, nbytes = self._from_arrays(loaded.arrays)
+        except (KeyError, ValueError):
+            return None
+        return loaded.token_ids, payload, nbytes, loaded.num_shared
+
+    def contains(self, block_hash: bytes) -> bool:
+        return self.store.contains(block_hash)
+
+    def parent_of(self, block_hash: bytes) -> bytes | None:
+        """The parent hash recorded in the block's file header, or None when it is not stored."""
+        header = self.header_of(block_hash)
+        return header.parent_hash if header is not None else None
+
+    def header_of(self, block_hash: bytes) -> BlockHeader | None:
+        """The block file's header (parent hash, token ids; its checksum is verified only by a
+        load), or None when it is not stored or unreadable."""
+        if not self.store.contains(block_hash):
+            return None
+        try:
+            return read_header(self.store.cache_dir / block_relpath(block_hash), self.store.namespace)
+        except (OSError, ValueError):
+            return None
+
+    def after_write(self) -> None:
+        """Upkeep on the writer thread, after each write and while idle: batched index flushes
+        (loads mark the index dirty too) and TTL pruning by wall time."""
+        self.store.maybe_flush(self.flush_interval_s)
+        self.maybe_prune()
+
+    def maybe_prune(self) -> int:
+        """TTL pruning at most once per PRUNE_INTERVAL_S of wall time. Called on the writer thread
+        after each write and every minute while idle. Returns the blocks pruned."""
+        if time.time() - self._last_prune < PRUNE_INTERVAL_S:
+            return 0
+        self._last_prune = time.time()
+        if not self.store.is_owner:
+            return 0
+        self.tails.prune(self.store.ttl_s)
+        return self.store.prune_expired()
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"ssd_policy": self.policy}
+        out.update(self.store.stats())
+        out.update(self.writer.stats())
+        out.update(self.tails.stats)
+        out["ssd_tail_bytes"] = self.tails.used_bytes()
+        return out
+
+    def close(self, drain_timeout_s: float) -> bool:
+        """Drain the writer, flush the index and record how the shutdown went. True when clean."""
+        drained = self.writer.stop(drain_timeout_s)
+        # Clean means everything acknowledged reached the disk, the index included: flush() reports
+        # a failed index write (a full disk, index.json replaced by a folder) as False, never raises.
+        flushed = self.store.flush()
+        if not flushed:
+            log.error("SSD index write failed at shutdown: the shutdown is recorded as not clean")
+        clean = bool(drained and flushed)
+        if self.store.is_owner:
+            write_shutdown_record(self.store.cache_dir, clean, partial_flush=not drained)
+        log.info("SSD tier closed: shutdown_clean=%s", clean)
+        return clean
+
+
+def write_shutdown_record(cache_dir: Path, clean: bool, partial_flush: bool) -> None:
+    record = {"shutdown_clean": clean, "shutdown_partial_flush": partial_flush, "at": time.time()}
+    tmp = cache_dir / f".{SHUTDOWN_FILE}.tmp"
+    try:
+        with open_private(tmp, "w") as f:
+            f.write(json.dumps(record))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, cache_dir / SHUTDOWN_FILE)
+    except OSError as exc:  # e.g. a full disk: the next start then reports an unclean shutdown
+        log.error("cannot record the shutdown in %s: %s", cache_dir, exc)
+
+
+def read_shutdown_record(
+    cache_dir: Path, damaged: list[DamagedFile] | None = None, consume: bool = True
+) -> dict[str, bool | None]:
+    """How the previous run ended: exactly `shutdown_clean` and `shutdown_partial_flush`, each a
+    bool, or None when there is no record (the previous run crashed, or none ran here). The record
+    is removed on reading (unless not `consume`: `cache verify`), so a crash of this run is visible
+    to the next one. A damaged record reads as not clean: it is set aside and appended to
+    `damaged`. Temp files of an interrupted record write are removed."""
+    path = cache_dir / SHUTDOWN_FILE
+    remove_leftover_temps(path)
+    loaded = load_json(path, SHUTDOWN_SCHEMA, MAX_SHUTDOWN_RECORD_BYTES, "shutdown record")
+    if loaded.damaged is not None and damaged is not None:
+        damaged.append(loaded.damaged)
+    if loaded.value is None:
+        return {"shutdown_clean": False if loaded.damaged else None, "shutdown_partial_flush": None}
+    if consume:
+        try:
+            path.unlink()
+        except OSError as exc:  # it would outlive this run, and a crash of this run would look clean
+            log.warning("cannot remove the shutdown record %s (%s): reported as not clean", path, exc)
+            return {"shutdown_clean": False, "shutdown_partial_flush": None}
+    record = loaded.value  # only the checked fields: nothing else in the file reaches /health
+    return {"shutdown_clean": record["shutdown_clean"], "shutdown_partial_flush": record["shutdown_partial_flush"]}

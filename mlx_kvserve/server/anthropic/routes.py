@@ -1,0 +1,116 @@
+"""The Anthropic Messages API routes: `POST /v1/messages` (whole or streamed) and
+`/v1/messages/count_tokens`. A request is translated into an OpenAI chat request (parse.py) and served
+by the one CompletionHandler path (same template, same engine, same block cache).
+
+`cache_control` markers pin the marked prefix for their TTL (server/cache_control.py). Everything that
+can refuse a request is checked before its generation is submitted; a failure after that cancels the
+generation (CompletionHandler.complete), so no reply runs on for a request answered with an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ...engine.request import GenerationRequest
+from ...errors import KVServeError
+from ...formats.output import REASONING
+from .. import cache_control, prompts
+from ..bodies import read_json
+from ..completion import CompletionHandler
+from ..deadlines import EventTracker
+from ..gate import note_error
+from ..messages import parse_messages
+from ..openai import parse as oa
+from .context import PromptSize, measures_prompt
+from .parse import thinking_wanted, to_openai
+from .reply import (
+    content_blocks,
+    error_response,
+    matched_stop,
+    message_body,
+    new_message_id,
+    stop_reason,
+    stream_events,
+)
+
+
+def anthropic_routes(handler: CompletionHandler) -> list[Route]:
+    """/v1/messages and /v1/messages/count_tokens, served by `handler` (the OpenAI chat path)."""
+    engine = handler.engine
+
+    def count_text(text: str) -> int:
+        return len(engine.tokenizer.encode(text, add_special_tokens=False))
+
+    async def parse(request: Request, count_only: bool = False) -> tuple[dict[str, Any], oa.CompletionRequest]:
+        body = await read_json(request, engine.config.server.max_body_bytes)
+        req = oa.parse_request(to_openai(body, count_only), "chat", handler.defaults)
+        if measures_prompt(body.get("context_management")):  # tool-use clearing: thresholds on the prompt's size
+            size = PromptSize(len(await handler.tokens(req)), count_text)
+            cleared = await run_in_threadpool(to_openai, body, count_only, size)
+            req = oa.parse_request(cleared, "chat", handler.defaults)
+        return body, req
+
+    def failed(request: Request, exc: KVServeError) -> Response:
+        note_error(request.scope, exc)
+        return error_response(exc)
+
+    async def render_cut(cut: dict[str, Any]) -> list[int]:
+        """A cache_control cut's prompt tokens, rendered as the request's own prompt is; not parsed as a
+        request (its tool_choice may name a tool past the cut)."""
+        out = to_openai(cut, count_only=True)
+        messages, offered = parse_messages(out["messages"]), out.get("tools") or None
+        return await prompts.chat_tokens(engine, messages, True, offered, out.get("chat_template_kwargs", {}))
+
+    async def messages(request: Request) -> Response:
+        try:
+            body, req = await parse(request)
+            found = cache_control.marks(body)
+            cuts = await cache_control.render_cuts(handler, found, render_cut)
+            # Hybrid and sliding-window models keep a checkpoint where each marked prefix ends.
+            req = dataclasses.replace(req, checkpoint_at=tuple(len(cut) for cut in cuts if cut))
+            thinking = thinking_wanted(body)
+
+            async def pin(gen_req: GenerationRequest) -> int:
+                """The markers' prefixes pinned: the longest one's length (0 for none)."""
+                leased = await cache_control.apply(
+                    handler, found, cuts, gen_req.prompt_tokens, gen_req.block_hashes or ()
+                )
+                return max(leased, default=0)
+
+            def events(gen_req: GenerationRequest, track: EventTracker, leased: int) -> AsyncIterator[str]:
+                return stream_events(handler, req, gen_req, track, leased, thinking)
+
+            done = await handler.complete(request, req, events, pin)
+        except KVServeError as exc:
+            return failed(request, exc)
+        if isinstance(done, Response):  # streamed, or the client left
+            return done
+        gen_req, text, ev, leased = done
+        out = handler.output(req, gen_req)
+        segments = [seg for seg in out.feed(text) + out.finish() if thinking or seg.kind != REASONING]
+        stop = matched_stop(engine.tokenizer, req, text, ev)
+        reason = stop_reason(ev.finish_reason, out.num_calls, stop)
+        body = message_body(
+            new_message_id(), engine.model_name, content_blocks(segments), reason, stop, ev.usage, leased
+        )
+        return JSONResponse(body)
+
+    async def count_tokens(request: Request) -> Response:
+        try:
+            _, req = await parse(request, count_only=True)
+            handler.check_model(req.model)
+            return JSONResponse({"input_tokens": len(await handler.tokens(req))})
+        except KVServeError as exc:
+            return failed(request, exc)
+
+    return [
+        Route("/v1/messages", messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+    ]

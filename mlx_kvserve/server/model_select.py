@@ -1,0 +1,79 @@
+"""Which model serves a request, when the server has several ([[models]]): an ASGI middleware inside the
+gate (so the body is already read and bounded) that resolves the request's `model`, leases that model
+(loading it first when needed: the request waits; concurrent ones share the load) and binds the
+request to its engine (engine/model_front.py) until the response's last byte. An unknown id is a 404
+naming the registered ones, in the API's own error shape.
+
+Selected: completions (gate.LIMITED_PATHS: the body's "model") and the cache admin routes (the `model`
+query parameter or body field; the default model without one). /v1/cache/models is the registry's own.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+from urllib.parse import parse_qs
+
+import anyio
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from ..engine.model_front import bind, unbind
+from ..engine.registry import ModelRegistry
+from ..errors import KVServeError
+from .anthropic.reply import error_response as anthropic_error
+from .gate import ADMIN_PREFIX, BODY_METHODS, LIMITED_PATHS, error_response, note_error, replay
+
+MODELS_ADMIN_PREFIX = ADMIN_PREFIX + "/models"
+
+
+def _is_selected(scope: Scope) -> bool:
+    path = scope["path"]
+    if path == MODELS_ADMIN_PREFIX or path.startswith(MODELS_ADMIN_PREFIX + "/"):
+        return False
+    return (path in LIMITED_PATHS and scope["method"] == "POST") or path.startswith(ADMIN_PREFIX + "/")
+
+
+def requested_model(scope: Scope, body: bytes) -> str | None:
+    """The `model` a request names: its JSON body's field, else the query's; None when neither holds a
+    string (the default model then serves it, and its own parser reports a malformed body)."""
+    try:
+        data: Any = json.loads(body) if body.strip() else None
+    except ValueError:  # the route reports it
+        data = None
+    if isinstance(data, dict) and isinstance(data.get("model"), str):
+        return data["model"]
+    values = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("model")
+    return values[0] if values else None
+
+
+class ModelSelect:
+    """ASGI middleware: see the module docstring."""
+
+    def __init__(self, app: ASGIApp, registry: ModelRegistry):
+        self.app, self.registry = app, registry
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not _is_selected(scope):
+            await self.app(scope, receive, send)
+            return
+        body = b""
+        if scope["method"] in BODY_METHODS:  # the gate replays the whole body as one message
+            body = (await receive()).get("body", b"")
+            receive = replay(body, receive)
+        name = requested_model(scope, body)
+        try:
+            self.registry.resolve(name)  # 404 before anything loads
+            # Shielded: a client leaving during a load must not lose the lease the load returns.
+            with anyio.CancelScope(shield=True):
+                lease = await anyio.to_thread.run_sync(self.registry.acquire, name)
+        except KVServeError as exc:
+            note_error(scope, exc)
+            reply = anthropic_error if scope["path"].startswith("/v1/messages") else error_response
+            await reply(exc)(scope, receive, send)
+            return
+        token = bind(lease, name)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            unbind(token)
+            lease.release()

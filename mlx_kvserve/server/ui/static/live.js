@@ -1,0 +1,117 @@
+// The overview: live figures from /health and /metrics, and four small uPlot charts.
+import { el, figure, ms, num, pct } from "./api.js";
+
+const WINDOW = 300; // points kept per time chart (5 minutes at one poll a second)
+const COLORS = ["#2b6cb0", "#c05621", "#2f855a", "#6b46c1"];
+
+function chart(target, labels, { points = false } = {}) {
+  const series = [{}];
+  labels.forEach((label, i) => series.push({
+    label,
+    stroke: COLORS[i],
+    width: points ? 0 : 1.5,
+    spanGaps: !points,
+    points: points ? { show: true, size: 7, fill: COLORS[i], stroke: COLORS[i] } : { show: false },
+    paths: points ? () => null : undefined,
+  }));
+  const node = document.getElementById(target);
+  const plot = new uPlot({ width: node.clientWidth || 480, height: 180, series, axes: [{}, { size: 50 }] },
+    [[], ...labels.map(() => [])], node);
+  return plot;
+}
+
+const median = (xs) => {
+  if (!xs.length) return null;
+  const s = [...xs].sort((a, b) => a - b);
+  return s[Math.floor(s.length / 2)];
+};
+
+export class LivePanel {
+  constructor() {
+    this.charts = null;
+    this.series = { t: [], inFlight: [], running: [], waiting: [], batch: [], prompt: [], decode: [], share: [] };
+    this.last = null; // the previous poll: {t, prefill, decode}
+  }
+
+  makeCharts() {
+    // Made when the overview is first visible: uPlot needs the container's width.
+    this.charts = {
+      requests: chart("chart-requests", ["in flight", "running", "waiting", "batch size"]),
+      tps: chart("chart-tps", ["prompt", "decode"]),
+      ttft: chart("chart-ttft", ["cold", "cache hit"], { points: true }),
+      share: chart("chart-share", ["cached share"]),
+    };
+    window.addEventListener("resize", () => this.resize());
+  }
+
+  resize() {
+    for (const plot of Object.values(this.charts || {})) {
+      plot.setSize({ width: plot.root.parentElement.clientWidth, height: 180 });
+    }
+  }
+
+  update({ health, metrics, requests }) {
+    const batch = health.batch || {};
+    const t = Date.now() / 1000;
+    const inFlight = metrics?.["mlx_kvserve_requests_in_flight"] ?? null;
+    const promptTotal = metrics?.["mlx_kvserve_prompt_tokens_total"] ?? 0;
+    const cachedTotal = metrics?.["mlx_kvserve_cached_prompt_tokens_total"] ?? 0;
+    const share = promptTotal ? cachedTotal / promptTotal : null;
+    let promptRate = null, decodeRate = null;
+    if (this.last && t > this.last.t) {
+      promptRate = (batch.prefill_tokens - this.last.prefill) / (t - this.last.t);
+      decodeRate = (batch.decode_tokens - this.last.decode) / (t - this.last.t);
+    }
+    this.last = { t, prefill: batch.prefill_tokens, decode: batch.decode_tokens };
+    const done = (requests || []).filter((r) => r.ttft_s != null);
+    const cold = done.filter((r) => !r.cached_tokens).map((r) => r.ttft_s);
+    const hit = done.filter((r) => r.cached_tokens).map((r) => r.ttft_s);
+
+    document.getElementById("live-figures").replaceChildren(
+      figure("requests_in_flight", "in flight", inFlight),
+      figure("batch.running", "running", batch.running),
+      figure("batch.waiting", "waiting", batch.waiting),
+      figure("batch.batch_size", "batch size", batch.batch_size, `${num(batch.batch_size)} / ${num(batch.max_batch)}`),
+      figure("prompt_tokens_per_s", "prompt tok/s now", promptRate, num(promptRate)),
+      figure("decode_tokens_per_s", "decode tok/s now", decodeRate, num(decodeRate)),
+      figure("batch.prefill_tokens_per_s", "prefill tok/s (busy)", batch.prefill_tokens_per_s, num(batch.prefill_tokens_per_s)),
+      figure("batch.decode_tokens_per_s", "decode tok/s (busy)", batch.decode_tokens_per_s, num(batch.decode_tokens_per_s)),
+      figure("cached_share", "cached prompt tokens", share, pct(share)),
+      figure("ttft_cold_median", "TTFT cold (median)", median(cold), ms(median(cold))),
+      figure("ttft_hit_median", "TTFT hit (median)", median(hit), ms(median(hit))),
+    );
+    this.showProblems(health);
+    if (!this.charts) return;
+    const s = this.series;
+    const push = (name, v) => { s[name].push(v); if (s[name].length > WINDOW) s[name].shift(); };
+    push("t", t); push("inFlight", inFlight); push("running", batch.running); push("waiting", batch.waiting);
+    push("batch", batch.batch_size); push("prompt", promptRate); push("decode", decodeRate);
+    push("share", share == null ? null : 100 * share);
+    this.charts.requests.setData([s.t, s.inFlight, s.running, s.waiting, s.batch]);
+    this.charts.tps.setData([s.t, s.prompt, s.decode]);
+    this.charts.share.setData([s.t, s.share]);
+    const sorted = [...done].sort((a, b) => a.finished_at - b.finished_at);
+    this.charts.ttft.setData([
+      sorted.map((r) => r.finished_at),
+      sorted.map((r) => (r.cached_tokens ? null : r.ttft_s)),
+      sorted.map((r) => (r.cached_tokens ? r.ttft_s : null)),
+    ]);
+  }
+
+  showProblems(health) {
+    const problems = health.problems || [];
+    document.getElementById("problems").replaceChildren(
+      ...(problems.length ? problems.map((p) => el("li", { class: "error" }, p)) : [el("li", { class: "muted" }, "none")]));
+  }
+
+  showModels(models, health) {
+    // A multi-model server reports each model's state and memory ([[models]], docs/models.md);
+    // a one-model server reports neither: its one model is the loaded one /health describes.
+    const rows = (models || []).map((m) => el("tr", {},
+      el("td", {}, m.id),
+      el("td", {}, m.state ? "" : num(health?.context_length)),
+      el("td", {}, m.state || "loaded"),
+      el("td", {}, m.memory_bytes ? `${(m.memory_bytes / 2 ** 30).toFixed(2)} GiB` : "")));
+    document.querySelector("#models tbody").replaceChildren(...rows);
+  }
+}

@@ -1,0 +1,99 @@
+"""Streamed chat requests to a bench server, timed from the request to the first token or delta."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import httpx
+
+from harness import OURS
+
+if TYPE_CHECKING:
+    from harness.servers import Server
+
+
+class ChatReply(NamedTuple):
+    ttft_s: float  # seconds to the first content token
+    text: str
+    cached_tokens: int | None  # as reported in usage, None when not reported
+    completion_tokens: int
+
+
+def stream_chat(server: Server, messages: list[dict], max_tokens: int, timeout_s: float = 600) -> ChatReply:
+    """One streamed greedy chat completion, timed from the request to its first content token."""
+    body = {
+        "model": "default" if server.name == OURS else None,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    body = {k: v for k, v in body.items() if v is not None}
+    start = time.perf_counter()
+    first, text, cached, completion = None, [], None, 0
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=timeout_s) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices") or []:
+                piece = (choice.get("delta") or {}).get("content")
+                if piece:
+                    if first is None:
+                        first = time.perf_counter() - start
+                    text.append(piece)
+            usage = chunk.get("usage")
+            if usage:
+                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+                completion = usage.get("completion_tokens") or 0
+    ttft = first if first is not None else time.perf_counter() - start
+    return ChatReply(ttft, "".join(text), cached, completion)
+
+
+def chat_ttft(server: Server, messages: list[dict], max_tokens: int = 8) -> tuple[float, str, int | None]:
+    """(seconds to the first content token, full text, cached tokens reported or None)."""
+    reply = stream_chat(server, messages, max_tokens)
+    return reply.ttft_s, reply.text, reply.cached_tokens
+
+
+class TurnReply(NamedTuple):
+    ttft_s: float  # request to the first delta with content, a tool call or reasoning
+    prompt_tokens: int
+    cached_tokens: int | None  # None when the server does not report them
+    first: str  # what that first delta carried: "content", "tool_calls", "reasoning_content" or "none"
+
+
+def stream_turn(server: Server, messages: list[dict], tools: list[dict], max_tokens: int) -> TurnReply:
+    """One streamed greedy chat completion with `tools`, timed from the request to its first delta."""
+    body: dict[str, Any] = {
+        "messages": messages,
+        "tools": tools,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if server.name == OURS:
+        body["model"] = "default"
+    start = time.perf_counter()
+    ttft, first, usage = None, "none", {}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=900) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices") or []:
+                delta = choice.get("delta") or {}
+                kind = next((k for k in ("content", "tool_calls", "reasoning_content") if delta.get(k)), None)
+                if kind and ttft is None:
+                    ttft, first = time.perf_counter() - start, kind
+            usage = chunk.get("usage") or usage
+    if ttft is None:  # nothing streamed before the end
+        ttft = time.perf_counter() - start
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    return TurnReply(ttft, usage.get("prompt_tokens", 0), cached, first)

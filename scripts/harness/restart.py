@@ -1,0 +1,74 @@
+"""In-process engines on an SSD cache folder, restarted and timed to the first token (no HTTP), and the
+report tables of the two benches that run them: bench_restart_hit.py and bench_write_interference.py."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+
+def ttft(engine, prompt: list[int]) -> tuple[float, int]:
+    """(seconds to the first token, cached tokens) of a one-token greedy request."""
+    from mlx_kvserve.engine.request import Finished, GenerationRequest, SamplingParams
+
+    events: list = []
+    req = GenerationRequest("bench", list(prompt), SamplingParams(max_tokens=1, temperature=0.0), events.append)
+    start = time.perf_counter()
+    engine.generator.run(req)
+    elapsed = time.perf_counter() - start
+    done = events[-1]
+    assert isinstance(done, Finished), events
+    return elapsed, done.usage.cached_tokens
+
+
+def make_engine(loaded, folder: Path, block_size: int, split: bool):
+    from mlx_kvserve.config import load_config
+    from mlx_kvserve.engine.engine import Engine
+
+    overrides = {
+        "cache": {"block_size": block_size},
+        "ssd": {"cache_dir": str(folder), "compute_while_loading": split, "write_hold_s": 0.0},
+    }
+    return Engine(loaded, load_config(overrides=overrides))
+
+
+def restart_report_lines(r: dict) -> list[str]:
+    lines = [
+        f"# First request after a restart: SmolLM2-135M f32, {r['prompt_tokens']} prompt tokens, "
+        f"{r['kv_mib']:.0f} MiB of KV on disk, median of {r['reps']}",
+        "",
+        f"Cold TTFT {r['cold_s']:.2f} s; RAM hit {r['ram_hit_s']:.3f} s. "
+        f"Cached tokens after restart: {r['cached_tokens']}; blocks computed by the split: "
+        f"{r['split_computed_blocks']}.",
+        "",
+        "| after restart | TTFT s | cold / TTFT | floor s (raw read + RAM hit) | TTFT / floor |",
+        "|---|---|---|---|---|",
+    ]
+    for mode in ("page_cache", "cold"):
+        if f"read_{mode}" not in r:
+            continue
+        floor = r[f"floor_{mode}"]
+        for kind in ("read", "split"):
+            t = r[f"{kind}_{mode}"]
+            lines.append(
+                f"| {kind}, files {mode.replace('_', ' ')} | {t:.3f} | {r['cold_s'] / t:.1f}x | {floor:.3f} | "
+                f"{t / floor:.2f}x |"
+            )
+    return lines
+
+
+def interference_report_lines(r: dict) -> list[str]:
+    lines = [
+        f"# A cold prefill while the SSD writer writes the previous request's blocks (median of {r['reps']})",
+        "",
+        "| write_hold_s | queued at B's start MiB | B busy TTFT s | C idle TTFT s | slowdown | writer MiB/s | "
+        "raw write MiB/s | writer / raw |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for hold, h in r["holds"].items():
+        lines.append(
+            f"| {hold} | {h['queued_mib']:.0f} | {h['busy_s']:.2f} | {h['idle_s']:.2f} | "
+            f"{(h['slowdown'] - 1) * 100:+.0f}% | {h['writer_mib_s']:.0f} | {h['raw_write_mib_s']:.0f} | "
+            f"{h['writer_vs_raw']:.2f}x |"
+        )
+    return lines

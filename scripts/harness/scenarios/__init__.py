@@ -1,0 +1,1 @@
+"""The measurements bench.py runs together on one pair of servers and each single-topic bench runs alone."""

@@ -1,0 +1,102 @@
+"""Server processes for the benches: a free port, start, wait until ready, restart, stop, and the pair
+every comparison runs (our server and mlx_lm.server on the same model, same BLAS)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from harness import OURS, ROOT, THEIRS, default_model_dir
+from harness.clients import chat_ttft
+from mlx_kvserve.blas import preload_env
+
+
+def free_port() -> int:
+    """A loopback port no one listens on now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`cmd` as a child process (logging to a temp file) that serves `ready_path` with a 200 when ready."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, env: dict[str, str], ready_path: str):
+        self.name, self.port, self.cmd, self.env, self.ready_path = name, port, cmd, env, ready_path
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"{name}-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def restart(self) -> None:
+        self.stop()
+        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.wait(self.ready_path)
+
+    def wait(self, path: str, timeout: float = 300) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited: see {self.log.name}")
+            try:
+                if httpx.get(self.url + path, timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(self.name)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def server_env() -> dict[str, str]:
+    """This process's environment with OpenBLAS preloaded where installed (the same BLAS for both servers)."""
+    return preload_env(dict(os.environ, PYTHONUNBUFFERED="1"))
+
+
+def start_servers(model_dir: Path | None = None) -> list[Server]:
+    """Our server (fresh MLX_KVSERVE_HOME, default budgets) and mlx_lm.server, ready and warmed up."""
+    model_dir = model_dir or default_model_dir()
+    env = server_env()
+    home = tempfile.mkdtemp(prefix="kvserve-bench-")
+    ours_port, theirs_port = free_port(), free_port()
+    ours = Server(
+        OURS,
+        [sys.executable, "-m", "mlx_kvserve", "run", "--model", str(model_dir), "--port", str(ours_port)],
+        ours_port,
+        dict(env, MLX_KVSERVE_HOME=home),
+        "/health",
+    )
+    theirs = Server(
+        THEIRS,
+        [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir), "--port", str(theirs_port)],
+        theirs_port,
+        env,
+        "/v1/models",
+    )
+    servers = [ours, theirs]
+    try:
+        for server in servers:
+            server.wait(server.ready_path)
+        for server in servers:
+            chat_ttft(server, [{"role": "user", "content": "warm up"}], 4)  # first-use kernel compilation
+    except BaseException:
+        stop_servers(servers)
+        raise
+    return servers
+
+
+def stop_servers(servers: list[Server]) -> None:
+    for server in servers:
+        server.stop()
