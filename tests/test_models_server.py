@@ -143,3 +143,37 @@ def test_health_metrics_and_the_admin_api_report_each_model(app_for):
     assert 'mlx_kvserve_model_loaded{model="b"} 1.0' in text and 'mlx_kvserve_model_loaded{model="a"} 0.0' in text
     assert client.post("/v1/cache/models/unload", json={"model": "b"}).json()["state"] == "unloaded"
     assert client.post("/v1/cache/models/load", json={"model": "nope"}).status_code == 404
+
+
+def test_a_request_keep_alive_unloads_its_model_after_it_or_keeps_it(app_for):
+    """Ollama's per-request keep_alive: 0 unloads the model once its request is done, a negative
+    value keeps it loaded; a malformed one is a 422 before anything loads (and without [[models]]
+    the field is checked the same way by the API's parser)."""
+    import time
+
+    client, registry = app_for(10**10)
+    body = {"model": "a", "prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+    assert client.post("/v1/completions", json=dict(body, keep_alive=-1)).status_code == 200
+    assert states(client)["a"] == "loaded" and registry.keep_alive_s(registry.resolve("a")) == float("inf")
+    assert client.post("/v1/completions", json=dict(body, keep_alive="0s")).status_code == 200
+    deadline = time.monotonic() + 10
+    while states(client)["a"] != "unloaded" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert states(client)["a"] == "unloaded"
+    bad = client.post("/v1/completions", json=dict(body, model="b", keep_alive="soon"))
+    assert bad.status_code == 422 and bad.json()["error"]["param"] == "keep_alive"
+    assert states(client)["b"] == "unloaded"
+    assert client.post("/v1/completions", json=dict(body, keep_alive="10m")).status_code == 200
+    assert registry.keep_alive_s(registry.resolve("a")) == 600.0
+
+
+def test_keep_alive_values():
+    from mlx_kvserve.errors import ValidationError
+    from mlx_kvserve.server.keep_alive import parse_keep_alive
+
+    assert parse_keep_alive(None) is None
+    assert parse_keep_alive(30) == 30.0 and parse_keep_alive("1.5h") == 5400.0 and parse_keep_alive("250ms") == 0.25
+    assert parse_keep_alive(-1) == float("inf") and parse_keep_alive("0") == 0.0
+    for bad in ("later", True, [5], "5 minutes", float("nan")):
+        with pytest.raises(ValidationError):
+            parse_keep_alive(bad)

@@ -65,6 +65,9 @@ class ModelSlot:
     load_s: float = 0.0  # how long its last load took
     error: str = ""  # why its last load failed ("" when it did not)
     failures: int = 0  # failed loads, so that waiters on a load can tell it failed
+    # The last request's keep_alive (Ollama's, in seconds; inf: never unloaded for idleness; 0: unloaded
+    # once its requests are done); None: the entry's keep_alive_s.
+    keep_alive_request: float | None = None
 
 
 class Lease:
@@ -201,6 +204,8 @@ class ModelRegistry:
         return slot
 
     def keep_alive_s(self, slot: ModelSlot) -> float:
+        if slot.keep_alive_request is not None:
+            return slot.keep_alive_request
         ka = slot.entry.keep_alive_s
         return self.config.server.model_keep_alive_s if ka < 0 else ka
 
@@ -350,14 +355,21 @@ class ModelRegistry:
                 if s.state == LOADED
                 and not s.in_use
                 and not s.entry.pinned
-                and self.keep_alive_s(s) > 0
-                and now - s.last_used > self.keep_alive_s(s)
+                and (s.keep_alive_request == 0 or 0 < self.keep_alive_s(s) < now - s.last_used)
             ]
             for slot in due:
                 slot.state = UNLOADING
         for slot in due:
             self._unload(slot)
         return [s.entry.name for s in due]
+
+    def set_keep_alive(self, slot: ModelSlot, seconds: float) -> None:
+        """A request's keep_alive for its model (Ollama's): from now on `slot` is unloaded after
+        `seconds` idle (0: as soon as no request uses it; inf: never for idleness), until the next
+        request that names one. Unloads happen on the reaper thread."""
+        with self._cond:
+            slot.keep_alive_request = seconds
+        self._start_reaper()
 
     # --- life -----------------------------------------------------------------------------------
 
@@ -373,9 +385,15 @@ class ModelRegistry:
         for slot in self.slots:
             if (slot.entry.preload or slot.entry.pinned) and slot.state == UNLOADED:
                 self.acquire(slot.entry.name).release()
-        if any(self.keep_alive_s(s) > 0 for s in self.slots) and self._reaper is None:
+        if any(self.keep_alive_s(s) > 0 for s in self.slots):
+            self._start_reaper()
+
+    def _start_reaper(self) -> None:
+        with self._cond:
+            if self._reaper is not None or self._closing:
+                return
             self._reaper = threading.Thread(target=self._reap_loop, name="model-reaper", daemon=True)
-            self._reaper.start()
+        self._reaper.start()
 
     def _reap_loop(self) -> None:
         while True:

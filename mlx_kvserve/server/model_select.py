@@ -22,6 +22,7 @@ from ..engine.registry import ModelRegistry
 from ..errors import KVServeError
 from .anthropic.reply import error_response as anthropic_error
 from .gate import ADMIN_PREFIX, BODY_METHODS, LIMITED_PATHS, error_response, note_error, replay
+from .keep_alive import requested_keep_alive
 
 MODELS_ADMIN_PREFIX = ADMIN_PREFIX + "/models"
 
@@ -62,6 +63,7 @@ class ModelSelect:
             receive = replay(body, receive)
         name = requested_model(scope, body)
         try:
+            keep_alive = requested_keep_alive(body)  # 422 before anything loads
             self.registry.resolve(name)  # 404 before anything loads
             # Shielded: a client leaving during a load must not lose the lease the load returns.
             with anyio.CancelScope(shield=True):
@@ -71,6 +73,8 @@ class ModelSelect:
             reply = anthropic_error if scope["path"].startswith("/v1/messages") else error_response
             await reply(exc)(scope, receive, send)
             return
+        if keep_alive is not None:
+            self.registry.set_keep_alive(lease.slot, keep_alive)
         token = bind(lease, name)
         try:
             await self.app(scope, receive, send)

@@ -11,6 +11,7 @@ from typing import Any
 from ...errors import InvalidRequestError, ValidationError
 from .. import cache_control
 from ..effort import effort_kwargs, parse_effort
+from ..keep_alive import parse_keep_alive
 from ..openai.tools import check_function
 from .context import PromptSize, apply_context_management, strip_billing_line
 
@@ -18,6 +19,7 @@ FIELDS = {"model", "max_tokens", "messages", "system", "stop_sequences", "stream
 FIELDS |= {"metadata", "tools", "tool_choice", "cache_control", "thinking", "output_config", "context_management"}
 # Accepted, with no meaning here: `metadata` names the caller, `service_tier` picks a hosted capacity pool.
 FIELDS |= {"service_tier"}
+FIELDS |= {"keep_alive"}  # Ollama's: how long the model stays loaded (server/keep_alive.py)
 
 
 # --- request ------------------------------------------------------------------------------------------
@@ -184,6 +186,7 @@ def to_openai(body: Any, count_only: bool = False, size: PromptSize | None = Non
         raise ValidationError("'metadata' must be an object", param="metadata")
     if not isinstance(body.get("service_tier", ""), str):
         raise ValidationError("'service_tier' must be a string", param="service_tier")
+    parse_keep_alive(body.get("keep_alive"))
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise ValidationError("'messages' must be a non-empty array", param="messages")

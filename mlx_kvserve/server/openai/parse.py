@@ -16,6 +16,7 @@ from ...engine.request import SamplingParams
 from ...errors import InvalidRequestError, ValidationError
 from ...formats import tool_calls as tl
 from ..effort import effort_kwargs, parse_effort
+from ..keep_alive import parse_keep_alive
 from ..messages import check_text, parse_messages, take_images
 from . import tools
 from .logprobs import LogprobRequest, parse_logprobs
@@ -194,6 +195,7 @@ ACCEPTED |= {"prompt_cache_key": str, "prompt_cache_retention": str}
 _FIELDS = {"model", "max_tokens", "temperature", "top_p", "n", "seed", "stop", "stream", "stream_options"}
 _FIELDS |= {"kvserve", "max_completion_tokens", "top_k", "min_p", "logprobs", "response_format", *ACCEPTED}
 _FIELDS |= {"presence_penalty", "frequency_penalty", "logit_bias"}
+_FIELDS |= {"keep_alive"}  # Ollama's: how long the model stays loaded (server/keep_alive.py)
 CHAT_FIELDS = _FIELDS | {"messages", "tools", "tool_choice", "parallel_tool_calls"}
 CHAT_FIELDS |= {"chat_template_kwargs", "top_logprobs", "reasoning_effort"}
 TEXT_FIELDS = _FIELDS | {"prompt"}
@@ -299,6 +301,7 @@ def parse_request(body: Any, kind: str, defaults: Defaults) -> CompletionRequest
     if max_tokens is not None and max_tokens < 1:
         raise ValidationError(f"'max_tokens' must be at least 1, got {max_tokens}", param="max_tokens")
     _check_accepted(body)
+    parse_keep_alive(body.get("keep_alive"))  # 422 for a malformed one, with or without [[models]]
     stream_options = _field(body, "stream_options", (dict,), "an object", {})
     ext = _field(body, "kvserve", (dict,), "an object", {})
     messages = parse_messages(body.get("messages")) if kind == "chat" else None

@@ -16,10 +16,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import InvalidRequestError, KVServeError, ValidationError
+from ..keep_alive import parse_keep_alive
 
 # Served as asked.
 SERVED = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens"}
 SERVED |= {"temperature", "top_p", "reasoning", "text", "stream", "store", "previous_response_id", "top_k"}
+SERVED |= {"keep_alive"}  # Ollama's: how long the model stays loaded (server/keep_alive.py)
 SERVED |= {"prompt_cache_key"}  # a cache hint: leases the prompt's prefix (responses/routes.py)
 # Accepted: they name the caller or a hosted service's option and carry no meaning for the answer here.
 ACCEPTED = {"metadata", "user", "service_tier", "include", "truncation", "safety_identifier"}
@@ -107,6 +109,7 @@ def renamed(exc: KVServeError) -> KVServeError:
 
 
 def _check_fields(body: dict[str, Any]) -> None:
+    parse_keep_alive(body.get("keep_alive"))
     for name, value in body.items():
         if name in SERVED or name in ACCEPTED:
             continue
