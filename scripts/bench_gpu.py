@@ -36,12 +36,12 @@ import platform
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 from harness.reports import median, write_report
+from harness.restart import served_ttft
 from harness.synthetic import kv_bytes_per_token
 
 QUESTION_TOKENS = 32
@@ -101,25 +101,7 @@ class Bench:
 
     def ttft(self, tokens: list[int]) -> tuple[float, int]:
         """(engine TTFT seconds, cached tokens) of a one-token greedy request."""
-        from mlx_kvserve.engine.request import Failed, Finished, GenerationRequest, SamplingParams
-
-        done = threading.Event()
-        events: list = []
-        req = GenerationRequest(
-            f"bench-{time.monotonic_ns()}",
-            tokens,
-            SamplingParams(max_tokens=1, temperature=0.0),
-            events.append,
-            on_done=done.set,
-        )
-        self.engine.submit(req)
-        if not done.wait(3600):
-            raise TimeoutError("request did not finish")
-        last = events[-1]
-        if isinstance(last, Failed):
-            raise last.error
-        assert isinstance(last, Finished), last
-        return last.first_token_s, last.usage.cached_tokens
+        return served_ttft(self.engine, tokens)
 
 
 def reference_ttft(loaded, tokens: list[int]) -> float:

@@ -20,13 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import threading
 import time
 from pathlib import Path
 from statistics import median
 
 import harness  # noqa: F401  (puts the repository on sys.path)
 import numpy as np
+from harness.restart import served_ttft
 
 
 def build(args: argparse.Namespace, folder: Path):
@@ -86,21 +86,7 @@ class EngineRun:
         self.engine.start()
 
     def ttft(self, tokens: list[int]) -> float:
-        from mlx_kvserve.engine.request import Failed, GenerationRequest, SamplingParams
-
-        done, events = threading.Event(), []
-        req = GenerationRequest(
-            f"p-{time.monotonic_ns()}",
-            tokens,
-            SamplingParams(max_tokens=1, temperature=0.0),
-            events.append,
-            on_done=done.set,
-        )
-        self.engine.submit(req)
-        done.wait(3600)
-        if isinstance(events[-1], Failed):
-            raise events[-1].error
-        return events[-1].first_token_s
+        return served_ttft(self.engine, tokens)[0]
 
     def stop(self) -> None:
         self.engine.stop()

@@ -3,6 +3,7 @@ report tables of the two benches that run them: bench_restart_hit.py and bench_w
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -19,6 +20,24 @@ def ttft(engine, prompt: list[int]) -> tuple[float, int]:
     done = events[-1]
     assert isinstance(done, Finished), events
     return elapsed, done.usage.cached_tokens
+
+
+def served_ttft(engine, tokens: list[int]) -> tuple[float, int]:
+    """(the engine's TTFT seconds, cached tokens) of a one-token greedy request sent through its
+    worker, as the server sends it (Engine.submit); raises the request's error."""
+    from mlx_kvserve.engine.request import Failed, Finished, GenerationRequest, SamplingParams
+
+    done = threading.Event()
+    events: list = []
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    engine.submit(GenerationRequest(f"bench-{time.monotonic_ns()}", tokens, params, events.append, on_done=done.set))
+    if not done.wait(3600):
+        raise TimeoutError("request did not finish")
+    last = events[-1]
+    if isinstance(last, Failed):
+        raise last.error
+    assert isinstance(last, Finished), last
+    return last.first_token_s, last.usage.cached_tokens
 
 
 def make_engine(loaded, folder: Path, block_size: int, split: bool):
