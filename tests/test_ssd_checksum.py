@@ -1,4 +1,5 @@
-"""The block checksum (format v2: xxh3-128) and the format version bump that came with it."""
+"""The block checksum (xxh3-128), the format 3 payload (every array of a block in one byte array, laid
+out by a table) and the format version bumps."""
 
 from __future__ import annotations
 
@@ -65,18 +66,24 @@ def test_a_flipped_bit_anywhere_in_any_array_changes_the_checksum():
             assert block_checksum(NS, header, changed) != reference, (name, position)
 
 
+def file_parts(path):
+    """(raw bytes, header length, the payload's table) of a block file."""
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    head = json.loads(raw[8 : 8 + length])
+    assert set(head) == {"payload", "__metadata__"}  # one array per file
+    return raw, length, ssd_format.decode_table(head["__metadata__"]["arrays"])
+
+
 def test_a_flipped_byte_in_each_array_of_a_file_is_caught(tmp_path):
     store = make_store(tmp_path)
     h, parent, tokens, arrays = block(3)
     store.save_block(h, parent, tokens, arrays)
     path = tmp_path / block_relpath(h)
-    pristine = path.read_bytes()
-    (length,) = struct.unpack("<Q", pristine[:8])
-    tensors = {k: v for k, v in json.loads(pristine[8 : 8 + length]).items() if k != "__metadata__"}
-    assert len(tensors) == len(arrays)
-    for entry in tensors.values():
-        start, end = entry["data_offsets"]
-        for offset in (start, (start + end) // 2, end - 1):
+    pristine, length, slots = file_parts(path)
+    assert sorted(s.name for s in slots) == sorted(arrays)
+    for slot in slots:
+        for offset in (slot.offset, slot.offset + slot.nbytes // 2, slot.offset + slot.nbytes - 1):
             damaged = bytearray(pristine)
             damaged[8 + length + offset] ^= 0x80
             path.write_bytes(bytes(damaged))
@@ -84,6 +91,53 @@ def test_a_flipped_byte_in_each_array_of_a_file_is_caught(tmp_path):
                 read_block_file(path, NS, h)
     path.write_bytes(pristine)
     assert read_block_file(path, NS, h)[0].token_ids == tuple(tokens)
+
+
+def test_a_changed_table_is_caught(tmp_path):
+    """The table says where each array lies and what it is: editing it (same bytes, another shape,
+    two arrays swapped) must fail the checksum, not serve reinterpreted KV."""
+    store = make_store(tmp_path)
+    h, parent, tokens, arrays = block(5)
+    store.save_block(h, parent, tokens, arrays)
+    path = tmp_path / block_relpath(h)
+    pristine, length, slots = file_parts(path)
+    head = json.loads(pristine[8 : 8 + length])
+    first, second = slots[0], slots[1]
+    edits = [
+        [first._replace(shape=(first.shape[0], -1 + 1 + first.shape[1] * first.shape[2], 1, first.shape[3])), *slots[1:]],
+        [first._replace(offset=second.offset), second._replace(offset=first.offset), *slots[2:]],
+    ]
+    for edited in edits:
+        edited = sorted(edited, key=lambda s: s.offset)
+        meta = {**head["__metadata__"], "arrays": ssd_format.encode_table(edited)}
+        text = json.dumps({**head, "__metadata__": meta}).encode()
+        text += b" " * (-len(text) % 8)
+        path.write_bytes(struct.pack("<Q", len(text)) + text + pristine[8 + length :])
+        with pytest.raises(FormatError, match="checksum"):
+            read_block_file(path, NS, h)
+
+
+def raw_bytes(arr: mx.array) -> bytes:
+    return np.asarray(mx.contiguous(arr.reshape(-1)).view(mx.uint8)).tobytes() if arr.size else b""
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16, mx.uint8])
+def test_arrays_come_back_bit_exact_whatever_their_sizes(tmp_path, dtype):
+    """Odd sizes make the writer pad between arrays (each starts aligned): the arrays read back are
+    the arrays written, bit for bit, with their names, dtypes and shapes, empty ones included."""
+    shapes = {"0.k": (1, 3, 5, 7), "0.v": (1, 3, 5, 7), "1.k": (1, 2, 0, 4), "1.v": (1, 2, 0, 4), "2.s0": (1, 1, 3)}
+    arrays = {n: (mx.random.normal(s) * 50).astype(dtype) for n, s in shapes.items()}
+    path = tmp_path / "b.safetensors"
+    h = b"\x09" * 32
+    ssd_format.write_block_file(path, NS, BlockHeader(h, b"\x00" * 32, (1, 2, 3), ""), arrays)
+    _, _, slots = file_parts(path)
+    assert all(s.offset % 16 == 0 for s in slots)
+    _, loaded = read_block_file(path, NS, h)
+    assert sorted(loaded) == sorted(arrays)
+    for name, arr in arrays.items():
+        got = loaded[name]
+        assert (got.dtype, got.shape) == (arr.dtype, arr.shape)
+        assert raw_bytes(got) == raw_bytes(arr) and (got.size == 0 or len(raw_bytes(got)) == got.nbytes)
 
 
 def test_the_checksum_covers_names_dtypes_shapes_and_identity():

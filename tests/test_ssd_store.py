@@ -313,13 +313,36 @@ def _raise(exc):
     return fail
 
 
+def _full_after(nbytes: int):
+    """open_private whose file takes `nbytes` and then fails as a full disk does."""
+    real = ssd_format.open_private
+
+    class Filling:
+        def __init__(self, f):
+            self.f, self.left = f, nbytes
+
+        def write(self, data):
+            if len(memoryview(data).cast("B")) > self.left:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            self.left -= self.f.write(data)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    return lambda path: Filling(real(path))
+
+
 @pytest.mark.parametrize(
     "target, name, fail",
     [
         (ssd_format, "fsync_path", _raise(OSError(errno.ENOSPC, "No space left on device"))),
         (ssd_format.os, "replace", _raise(OSError(errno.ENOSPC, "No space left on device"))),
         (fsmode.os, "mkdir", _raise(PermissionError(errno.EACCES, "Permission denied"))),
-        (mx, "save_safetensors", _raise(RuntimeError("[save_safetensors] read-only file system"))),
+        (ssd_format, "open_private", _raise(PermissionError(errno.EROFS, "Read-only file system"))),
+        (ssd_format, "open_private", _full_after(100)),
     ],
 )
 def test_write_failure_is_an_error_and_leaves_nothing(tmp_path, monkeypatch, target, name, fail):

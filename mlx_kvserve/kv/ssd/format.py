@@ -1,18 +1,23 @@
 """The SSD tier's on-disk format, all of it: block and tail files, their names, their checksum.
 
-A block lives in `<dir>/<hash[:2]>/<hash hex>.safetensors`: the payload arrays (named by
-`kv_names`, `quantized_kv_names` and `state_name`) plus string metadata (magic, version, namespace,
-block and parent hash, token ids, checksum). A file alone is enough to rebuild its index entry
-(index.py), so losing the index costs only LRU/TTL history. The checksum covers the block's
-identity (namespace, hashes, token ids) and every array's name, dtype, shape and bytes, so a
-flipped byte anywhere in a file is caught. A tail is a block file too, named by `tail_key` and kept
-under its parent's folder (tails.py). Writes go through a temp file that is fsync'd and renamed.
+A block lives in `<dir>/<hash[:2]>/<hash hex>.safetensors`: a safetensors file holding one byte array,
+the payload, with every array of the block (named by `kv_names`, `quantized_kv_names` and
+`state_name`) laid end to end in it, plus string metadata (magic, version, namespace, block and
+parent hash, token ids, the arrays' table, checksum). One array per file means one read and one
+device copy per block, and a checksum over one buffer (format 2 held one safetensors array per
+layer side: 64 reads and copies per Llama-3-8B block, 0.12x the raw read speed on a GPU). A file
+alone is enough to rebuild its index entry (index.py), so losing the index costs only LRU/TTL
+history. The checksum covers the block's identity (namespace, hashes, token ids), the table (every
+array's name, dtype, shape and offset) and the payload's bytes, so a flipped byte anywhere in a file
+is caught. A tail is a block file too, named by `tail_key` and kept under its parent's folder
+(tails.py). Writes go through a temp file that is fsync'd and renamed.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import math
 import os
 import struct
 from collections.abc import Mapping, Sequence
@@ -25,15 +30,24 @@ from blake3 import blake3
 from xxhash import xxh3_128
 
 from ...chain import HASH_BYTES, framed
-from ...fsmode import create_private, open_private
+from ...fsmode import open_private
 from ...safe_files import open_regular, regular_path
 from .writeback import start_writeback
 
 FORMAT_MAGIC = "mlx-kvserve-block"
-FORMAT_VERSION = 2  # 2: xxh3-128 checksum (1: blake3); files of another version are deleted at startup
+FORMAT_VERSION = 3  # 3: one payload array; 2: an array per layer side, xxh3-128; 1: blake3. Others are deleted at startup
 BLOCK_SUFFIX = ".safetensors"
 TEMP_SUFFIX = ".tmp.safetensors"  # mx.save_safetensors appends ".safetensors" to any other name
 _MAX_HEADER_BYTES = 16 * 1024 * 1024
+PAYLOAD = "payload"  # the one array of a block file
+_ALIGN = 16  # every array starts at a multiple of this many bytes in the payload
+_DTYPES = {
+    str(d).removeprefix("mlx.core."): d
+    for d in (
+        mx.bool_, mx.uint8, mx.uint16, mx.uint32, mx.uint64, mx.int8, mx.int16, mx.int32, mx.int64,
+        mx.float16, mx.bfloat16, mx.float32, mx.float64,
+    )
+}  # fmt: skip
 
 
 # --- the payload's array names (kv/blocks.py builds and reads payloads with them) ---------------
@@ -63,11 +77,58 @@ class FormatError(ValueError):
     """A block file that this store must not serve: unreadable, foreign or damaged."""
 
 
+class ArraySlot(NamedTuple):
+    """Where one array of a block lies in its payload."""
+
+    name: str
+    dtype: str  # a key of _DTYPES
+    shape: tuple[int, ...]
+    offset: int  # in bytes, a multiple of _ALIGN
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * _DTYPES[self.dtype].size
+
+
 class BlockHeader(NamedTuple):
     block_hash: bytes
     parent_hash: bytes
     token_ids: tuple[int, ...]
     checksum: str
+    table: str = ""  # the arrays' slots as JSON (encode_table), hashed as written
+
+
+def encode_table(slots: Sequence[ArraySlot]) -> str:
+    return json.dumps([[s.name, s.dtype, list(s.shape), s.offset] for s in slots], separators=(",", ":"))
+
+
+def decode_table(text: str) -> tuple[ArraySlot, ...]:
+    """The slots of a table; raises FormatError unless every entry is well formed, the names are
+    unique, and the arrays lie in order, aligned, without overlapping."""
+    try:
+        rows = json.loads(text)
+        slots = tuple(ArraySlot(str(n), str(d), tuple(int(x) for x in shape), int(o)) for n, d, shape, o in rows)
+    except (ValueError, TypeError, RecursionError) as exc:  # any JSON may stand in the field
+        raise FormatError(f"bad array table: {type(exc).__name__}") from None
+    end = 0
+    for slot in slots:
+        if slot.dtype not in _DTYPES or any(x < 0 for x in slot.shape) or slot.offset < end or slot.offset % _ALIGN:
+            raise FormatError(f"bad array slot {slot.name[:40]!r}")
+        end = slot.offset + slot.nbytes
+    if len({s.name for s in slots}) != len(slots):
+        raise FormatError("array names repeat")
+    return slots
+
+
+def plan_payload(arrays: Mapping[str, mx.array]) -> tuple[tuple[ArraySlot, ...], int]:
+    """Slots for `arrays` in sorted-name order, each aligned, and the payload's size in bytes."""
+    slots, offset = [], 0
+    for name in sorted(arrays):
+        arr = arrays[name]
+        offset = -(-offset // _ALIGN) * _ALIGN
+        slots.append(ArraySlot(name, str(arr.dtype).removeprefix("mlx.core."), tuple(arr.shape), offset))
+        offset += arr.nbytes
+    return tuple(slots), offset
 
 
 def block_relpath(block_hash: bytes) -> str:
@@ -105,23 +166,45 @@ def _array_bytes(arr: mx.array) -> memoryview | bytes:
     return view if view.c_contiguous else view.tobytes()
 
 
+def _identity(namespace: bytes, header: BlockHeader) -> bytes:
+    return framed(namespace, header.block_hash, header.parent_hash, encode_tokens(header.token_ids).encode())
+
+
 def block_checksum(namespace: bytes, header: BlockHeader, arrays: Mapping[str, mx.array]) -> str:
-    """xxh3-128 over the block's identity, then every array's name, dtype and shape, then the arrays'
-    bytes, in sorted-name order (header.checksum unused). It detects damage, it does not authenticate:
-    the hashes and token ids decide identity, and a hit still compares token ids. xxh3 hashes ~13 GiB/s
-    on one CPU core, blake3 ~2.5 GiB/s (scripts/bench_ssd_io.py, docs/benchmarks.md). The
-    descriptors come first so that the bytes form one stream: a reader holding them in one buffer may
-    hash them in one call, with the same result."""
-    hasher = xxh3_128(
-        framed(namespace, header.block_hash, header.parent_hash, encode_tokens(header.token_ids).encode())
-    )
-    names = sorted(arrays)
-    for name in names:
-        arr = arrays[name]
-        hasher.update(framed(name.encode(), str(arr.dtype).encode(), repr(tuple(arr.shape)).encode()))
-    for name in names:
-        hasher.update(_array_bytes(arrays[name]))
+    """xxh3-128 over the block's identity, then its array table (every array's name, dtype, shape and
+    offset), then the payload's bytes (header.checksum and header.table unused: the table is the one
+    `plan_payload` makes for `arrays`). Equal to `payload_checksum` of the file written from them.
+    It detects damage, it does not authenticate: the hashes and token ids decide identity, and a hit
+    still compares token ids. xxh3 hashes ~13 GiB/s on one CPU core, blake3 ~2.5 GiB/s
+    (scripts/bench_ssd_io.py, docs/benchmarks.md)."""
+    slots, _ = plan_payload(arrays)
+    hasher = xxh3_128(_identity(namespace, header))
+    hasher.update(framed(encode_table(slots).encode()))
+    for chunk in _payload_chunks(slots, arrays):
+        hasher.update(chunk)
     return hasher.hexdigest()
+
+
+def payload_checksum(namespace: bytes, header: BlockHeader, payload: mx.array) -> str:
+    """The checksum of a read block: identity, the table as the file holds it, the payload (evaluated)."""
+    hasher = xxh3_128(_identity(namespace, header))
+    hasher.update(framed(header.table.encode()))
+    if payload.size:
+        hasher.update(memoryview(payload))
+    return hasher.hexdigest()
+
+
+def _payload_chunks(slots: Sequence[ArraySlot], arrays: Mapping[str, mx.array]) -> list[memoryview | bytes]:
+    """The payload's bytes as a list of chunks: each array's bytes, zeros where alignment pads."""
+    chunks: list[memoryview | bytes] = []
+    position = 0
+    for slot in slots:
+        if slot.offset > position:
+            chunks.append(bytes(slot.offset - position))
+        if slot.nbytes:
+            chunks.append(_array_bytes(arrays[slot.name]))
+        position = slot.offset + slot.nbytes
+    return chunks
 
 
 def block_metadata(namespace: bytes, header: BlockHeader) -> dict[str, str]:
@@ -133,12 +216,14 @@ def block_metadata(namespace: bytes, header: BlockHeader) -> dict[str, str]:
         "parent_hash": header.parent_hash.hex(),
         "token_ids": encode_tokens(header.token_ids),
         "num_tokens": str(len(header.token_ids)),
+        "arrays": header.table,
         "checksum": header.checksum,
     }
 
 
 def parse_metadata(meta: Mapping[str, str], namespace: bytes) -> BlockHeader:
-    """Check magic, version and namespace; raises FormatError naming what is wrong."""
+    """Check magic, version and namespace; raises FormatError naming what is wrong. The array
+    table is kept as written (decode_table checks it when the arrays are read)."""
     if meta.get("format") != FORMAT_MAGIC:
         raise FormatError("not a block file")
     if meta.get("version") != str(FORMAT_VERSION):
@@ -148,13 +233,17 @@ def parse_metadata(meta: Mapping[str, str], namespace: bytes) -> BlockHeader:
     try:
         token_ids = decode_tokens(meta["token_ids"])
         header = BlockHeader(
-            bytes.fromhex(meta["block_hash"]), bytes.fromhex(meta["parent_hash"]), token_ids, meta["checksum"]
+            bytes.fromhex(meta["block_hash"]),
+            bytes.fromhex(meta["parent_hash"]),
+            token_ids,
+            meta["checksum"],
+            meta["arrays"],
         )
         num_tokens = int(meta["num_tokens"])
     except (KeyError, ValueError, TypeError, OverflowError) as exc:  # any JSON may stand in a field
         raise FormatError(f"bad metadata: {type(exc).__name__}") from None
-    if num_tokens != len(token_ids):
-        raise FormatError("num_tokens does not match the token ids")
+    if num_tokens != len(token_ids) or not isinstance(header.table, str):
+        raise FormatError("num_tokens does not match the token ids" if isinstance(header.table, str) else "bad table")
     return header
 
 
@@ -197,13 +286,26 @@ def read_metadata(path: Path) -> dict[str, str]:
 def write_block_file(
     path: Path, namespace: bytes, header: BlockHeader, arrays: Mapping[str, mx.array], sync: bool = True
 ) -> int:
-    """Write a block file (header.checksum is computed here) and fsync it; returns its size.
+    """Write a block file (header.checksum and header.table are made here) and fsync it; returns its
+    size. The arrays' bytes go to the file straight from their memory, without a joined copy.
     `sync=False`: only start its writeback; the caller fsyncs it (with others) before using it.
     Raises on I/O failure, leaving no file behind."""
     try:
-        header = header._replace(checksum=block_checksum(namespace, header, arrays))
-        create_private(path)  # mlx creates files 0644 but keeps the mode of one it overwrites
-        mx.save_safetensors(str(path), dict(arrays), metadata=block_metadata(namespace, header))
+        slots, size = plan_payload(arrays)
+        chunks = _payload_chunks(slots, arrays)
+        header = header._replace(table=encode_table(slots), checksum="")
+        header = header._replace(checksum=_checksum_of(namespace, header, chunks))
+        head = json.dumps(
+            {PAYLOAD: {"dtype": "U8", "shape": [size], "data_offsets": [0, size]},
+             "__metadata__": block_metadata(namespace, header)},
+            separators=(",", ":"),
+        ).encode()  # fmt: skip
+        head += b" " * (-len(head) % 8)  # safetensors pads its header to 8 bytes with spaces
+        with open_private(path) as f:
+            f.write(struct.pack("<Q", len(head)))
+            f.write(head)
+            for chunk in chunks:
+                f.write(chunk)
         if sync:
             fsync_path(path)
         else:
@@ -214,31 +316,49 @@ def write_block_file(
         raise
 
 
+def _checksum_of(namespace: bytes, header: BlockHeader, chunks: Sequence[memoryview | bytes]) -> str:
+    hasher = xxh3_128(_identity(namespace, header))
+    hasher.update(framed(header.table.encode()))
+    for chunk in chunks:
+        hasher.update(chunk)
+    return hasher.hexdigest()
+
+
 def read_block_file(path: Path, namespace: bytes, block_hash: bytes) -> tuple[BlockHeader, dict[str, mx.array]]:
-    """Load and verify a block file. Raises FormatError (or mlx's RuntimeError) unless it is intact."""
-    header, arrays = open_block_file(path, namespace, block_hash)
-    mx.eval(arrays)  # one read of the file; array by array, the checksum would load each on its own (~8x slower)
-    verify_block(namespace, header, arrays)
-    return header, arrays
+    """Load and verify a block file: its header and named arrays. Raises FormatError (or mlx's
+    RuntimeError) unless it is intact."""
+    header, payload = open_block_file(path, namespace, block_hash)
+    mx.eval(payload)
+    return header, verified_arrays(namespace, header, payload)
 
 
-def open_block_file(path: Path, namespace: bytes, block_hash: bytes) -> tuple[BlockHeader, dict[str, mx.array]]:
-    """A block file's header (read and checked now) and its arrays, not yet read: evaluating the
-    arrays of several files together lets mlx read them in parallel. `verify_block` after the read.
-    Only a regular file is opened (a FIFO would block mx.load, holding the GIL): anything else
+def open_block_file(path: Path, namespace: bytes, block_hash: bytes) -> tuple[BlockHeader, mx.array]:
+    """A block file's header (read and checked now) and its payload, not yet read: evaluating the
+    payloads of several files together lets mlx read them in parallel. `verified_arrays` after the
+    read. Only a regular file is opened (a FIFO would block mx.load, holding the GIL): anything else
     raises NotRegularFileError, an OSError, which callers treat as a damaged file."""
     with regular_path(path) as name:
         arrays, meta = mx.load(name, format="safetensors", return_metadata=True)
     header = parse_metadata(meta, namespace)
     if header.block_hash != block_hash:
         raise FormatError("file holds another block")
-    return header, arrays
+    payload = arrays.get(PAYLOAD)
+    if len(arrays) != 1 or payload is None or payload.dtype != mx.uint8 or payload.ndim != 1:
+        raise FormatError("no payload array")
+    return header, payload
 
 
-def verify_block(namespace: bytes, header: BlockHeader, arrays: Mapping[str, mx.array]) -> None:
-    """Raise FormatError unless the (evaluated) arrays match the header's checksum."""
-    if block_checksum(namespace, header, arrays) != header.checksum:
+def verified_arrays(namespace: bytes, header: BlockHeader, payload: mx.array) -> dict[str, mx.array]:
+    """The named arrays of an evaluated payload, after checking it against the header's checksum
+    and table; raises FormatError. The arrays are views of the payload: no copy."""
+    if payload_checksum(namespace, header, payload) != header.checksum:
         raise FormatError("checksum mismatch")
+    slots = decode_table(header.table)
+    if (slots[-1].offset + slots[-1].nbytes if slots else 0) != payload.size:
+        raise FormatError("array table does not match the payload's size")
+    return {
+        s.name: payload[s.offset : s.offset + s.nbytes].view(_DTYPES[s.dtype]).reshape(s.shape) for s in slots
+    }
 
 
 def fsync_path(path: Path) -> None:

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from .format import BlockHeader, FormatError, open_block_file, read_header, verify_block
+from .format import BlockHeader, FormatError, open_block_file, read_header, verified_arrays
 from .index import BlockIndex, IndexEntry, tokens_digest
 
 log = logging.getLogger(__name__)
@@ -27,7 +27,7 @@ LOAD_WINDOW = 8
 
 class PendingLoad(NamedTuple):
     """Block files being read (SSDStore.begin_load): their expected token ids and, for each,
-    (hash, index entry, header, arrays not yet read)."""
+    (hash, index entry, header, payload not yet read)."""
 
     expected: tuple[tuple[int, ...], ...]
     opened: list[tuple]
@@ -116,7 +116,7 @@ class StoreReads:
         threads while the caller computes. `end_load` waits, verifies and returns them."""
         opened = self._open_window(wanted)
         if opened:
-            mx.async_eval([arrays for _, _, _, arrays in opened])
+            mx.async_eval([payload for _, _, _, payload in opened])
         return PendingLoad(tuple(tuple(ids) for _, ids in wanted[: len(opened)]), opened)
 
     def end_load(self, pending: PendingLoad) -> list[LoadedBlock]:
@@ -124,12 +124,12 @@ class StoreReads:
         opened = pending.opened
         if opened:
             try:
-                mx.eval([arrays for _, _, _, arrays in opened])
+                mx.eval([payload for _, _, _, payload in opened])
             except Exception:  # one damaged file fails the whole read: read them one by one
                 opened = self._read_one_by_one(opened)
         out: list[LoadedBlock] = []
-        for (block_hash, entry, header, arrays), expected in zip(opened, pending.expected, strict=False):
-            loaded = self._accept(block_hash, entry, header, arrays, expected)
+        for (block_hash, entry, header, payload), expected in zip(opened, pending.expected, strict=False):
+            loaded = self._accept(block_hash, entry, header, payload, expected)
             if loaded is None:
                 break
             out.append(loaded)
@@ -137,16 +137,16 @@ class StoreReads:
 
     def _read_one_by_one(self, opened: list[tuple]) -> list[tuple]:
         """The opened blocks before the first whose file cannot be read (that one is dealt with)."""
-        for i, (block_hash, entry, _, arrays) in enumerate(opened):
+        for i, (block_hash, entry, _, payload) in enumerate(opened):
             try:
-                mx.eval(arrays)
+                mx.eval(payload)
             except Exception as exc:  # mlx raises RuntimeError for unreadable or truncated files
                 self._drop_unreadable(block_hash, entry, exc)
                 return opened[:i]
         return opened
 
     def _open_window(self, window: Sequence[tuple[bytes, Sequence[int]]]) -> list[tuple]:
-        """(hash, entry, header, lazy arrays) of the window's blocks up to the first that is not
+        """(hash, entry, header, lazy payload) of the window's blocks up to the first that is not
         indexed or whose header does not check."""
         opened = []
         for block_hash, _ in window:
@@ -159,19 +159,19 @@ class StoreReads:
                     self._stats["misses"] += 1
                 break
             try:
-                header, arrays = open_block_file(self._path(block_hash), self.namespace, block_hash)
+                header, payload = open_block_file(self._path(block_hash), self.namespace, block_hash)
             except Exception as exc:  # mlx raises RuntimeError for unreadable or truncated files
                 self._drop_unreadable(block_hash, entry, exc)
                 break
-            opened.append((block_hash, entry, header, arrays))
+            opened.append((block_hash, entry, header, payload))
         return opened
 
     def _accept(
-        self, block_hash: bytes, entry: IndexEntry, header: BlockHeader, arrays: dict, expected: tuple[int, ...]
+        self, block_hash: bytes, entry: IndexEntry, header: BlockHeader, payload: mx.array, expected: tuple[int, ...]
     ) -> LoadedBlock | None:
-        """A read block if its checksum and token ids hold, else None (and the file is dealt with)."""
+        """A read block if its checksum, table and token ids hold, else None (and the file is dealt with)."""
         try:
-            verify_block(self.namespace, header, arrays)
+            arrays = verified_arrays(self.namespace, header, payload)
         except FormatError as exc:
             self._drop_unreadable(block_hash, entry, exc)
             return None
