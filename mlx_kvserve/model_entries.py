@@ -28,6 +28,10 @@ class ModelEntry:
     preload: bool = False  # loaded at startup
     pinned: bool = False  # never unloaded
     keep_alive_s: float = -1.0  # unloaded after this long idle; 0 = only for room; -1 = server.model_keep_alive_s
+    kind: str = "chat"  # "chat" (the completion APIs) or "embedding" (/v1/embeddings; engine/embedding.py)
+    pooling: str = "last"  # embedding: "last" (the last token's state) or "mean" (of the input's tokens)
+    normalize: bool = True  # embedding: L2-normalize each vector
+    min_dimensions: int = 0  # embedding: the smallest `dimensions` a request may ask (Matryoshka); 0 = own size only
 
 
 def _entry(i: int, raw: Any) -> ModelEntry:
@@ -53,6 +57,9 @@ def _entry(i: int, raw: Any) -> ModelEntry:
     _check(entry.dtype in ("", "float32", "float16", "bfloat16", "keep"), f"{where}.dtype", "not a dtype")
     _check(entry.context_length >= 0, f"{where}.context_length", "must be >= 0")
     _check(entry.keep_alive_s >= 0 or entry.keep_alive_s == -1, f"{where}.keep_alive_s", "must be >= 0")
+    _check(entry.kind in ("chat", "embedding"), f"{where}.kind", 'must be "chat" or "embedding"')
+    _check(entry.pooling in ("last", "mean"), f"{where}.pooling", 'must be "last" or "mean"')
+    _check(entry.min_dimensions >= 0, f"{where}.min_dimensions", "must be >= 0")
     return entry
 
 

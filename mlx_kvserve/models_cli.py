@@ -10,7 +10,7 @@ import click
 
 from .cache_cli import DEFAULT_URL, _call, table
 
-COLUMNS = ["id", "state", "in_use", "memory_bytes", "loads", "unloads", "load_s", "idle_s", "pinned"]
+COLUMNS = ["id", "kind", "state", "in_use", "memory_bytes", "loads", "unloads", "load_s", "idle_s", "pinned"]
 
 
 @click.group("models")

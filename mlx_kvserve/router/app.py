@@ -32,7 +32,16 @@ from ..server.gate import error_response as openai_error
 from ..server.ui_routes import mount_router_ui
 from .backends import BackendState
 from .follower import BackendFollower
-from .prompts import CHAT_PATH, MESSAGES_PATH, RESPONSES_PATH, TEXT_PATH, PromptInfo, PromptReader, load_tokenizer
+from .prompts import (
+    CHAT_PATH,
+    MESSAGES_PATH,
+    RESPONSES_PATH,
+    TEXT_PATH,
+    PromptInfo,
+    PromptReader,
+    load_tokenizer,
+    model_of,
+)
 from .proxy import CLIENT_CLOSED, Router, UpstreamTimeouts
 
 log = logging.getLogger(__name__)
@@ -165,7 +174,11 @@ def create_router_app(
     async def passthrough(request: Request, searches: bool = False) -> Response:
         try:
             body = await read_body(request, config.max_body_bytes)
-            info = PromptInfo(None, None, False)
+            try:
+                model = model_of(json.loads(body)) if body else None
+            except (ValueError, RecursionError):
+                model = None  # the backend answers it
+            info = PromptInfo(None, None, False, model)
             return await router.forward(request, body, info, generates=False, searches=searches)
         except KVServeError as exc:
             return _error(request.url.path, exc)
@@ -202,6 +215,7 @@ def create_router_app(
         Route(MESSAGES_PATH + "/count_tokens", passthrough, methods=["POST"]),
         Route(RESPONSES_PATH, generate, methods=["POST"]),  # Codex CLI and the OpenAI Agents SDK speak only this
         Route(RESPONSES_PATH + "/{response_id}", stored, methods=["GET", "DELETE"]),
+        Route("/v1/embeddings", generate, methods=["POST"]),  # by model, then load (no prompt to hash)
         Route("/v1/models", passthrough, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
@@ -230,6 +244,7 @@ def health_report(router: Router, followers: list[BackendFollower], policy: str,
                 "decode_tokens": b.decode_tokens,
                 "cached_blocks": b.num_blocks,
                 "block_size": b.block_size,
+                "models": dict(b.models.states) if b.models is not None else None,
                 "events": {"following": f.is_following, "epoch": f.epoch, "seq": f.seq},
             }
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Sequence
 
+from .models import LOADED, ModelReport, is_default
 from .policies import BackendView
 
 
@@ -32,6 +33,7 @@ class BackendState:
         self.num_requests = 0
         self.pending_prefill_tokens = 0
         self.decode_tokens = 0
+        self._models: ModelReport | None = None  # what its /health reports it serves (None: not yet)
 
     # --- layout and health --------------------------------------------------------------------------------
 
@@ -73,6 +75,26 @@ class BackendState:
     def mark_sound_report(self) -> None:
         with self._lock:
             self.report_error = ""
+
+    # --- models -------------------------------------------------------------------------------------------
+
+    @property
+    def models(self) -> ModelReport | None:
+        with self._lock:
+            return self._models
+
+    def set_models(self, report: ModelReport | None) -> None:
+        """What the backend's last /health said it serves; None (it said nothing usable) keeps the last."""
+        if report is not None:
+            with self._lock:
+                self._models = report
+
+    def note_loaded(self, model: str | None) -> None:
+        """The backend answered a request naming `model`: it has it loaded now (until its next report)."""
+        with self._lock:
+            found = self._models.ids.get(model) if self._models is not None and not is_default(model) else None
+            if found is not None:
+                self._models.states[found] = LOADED
 
     # --- blocks -------------------------------------------------------------------------------------------
 

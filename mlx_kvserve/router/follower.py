@@ -11,6 +11,7 @@ the follower or the router.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import httpx
 
 from .backends import BackendState
+from .models import parse_health_models
 from .reports import (
     MAX_LAYOUT_BYTES,
     MAX_MESSAGE_BYTES,
@@ -40,6 +42,7 @@ STREAM_S = 5.0
 # The longest silence an event stream may keep: the server sends a `: ping` every 2 s while idle.
 STREAM_READ_TIMEOUT_S = 15.0
 DOWN_AFTER_POLLS = 2  # failed health polls in a row that take a backend out (a refused connection: one)
+MAX_HEALTH_BYTES = 4 * 1024 * 1024  # a /health body read for its models (every model's stats: a few KiB each)
 
 
 async def iter_sse(chunks: AsyncIterator[bytes]) -> AsyncIterator[tuple[str, bytes]]:
@@ -54,6 +57,16 @@ async def iter_sse(chunks: AsyncIterator[bytes]) -> AsyncIterator[tuple[str, byt
             name, data = fields(event)
             if data:
                 yield name, data
+
+
+def _json(resp: httpx.Response) -> Any:
+    """The body as JSON (None when it is not, or is over MAX_HEALTH_BYTES)."""
+    if len(resp.content) > MAX_HEALTH_BYTES:
+        return None
+    try:
+        return json.loads(resp.content)
+    except (ValueError, RecursionError):
+        return None
 
 
 class BackendFollower:
@@ -108,6 +121,8 @@ class BackendFollower:
         try:
             resp = await self.client.get(self.state.url + "/health", timeout=self.poll_timeout_s)
             ok, reason = resp.status_code == 200, f"/health answered {resp.status_code}"
+            if ok:  # which models it serves, and which are loaded (models.py)
+                self.state.set_models(parse_health_models(_json(resp)))
         except httpx.HTTPError as exc:
             ok, reason, refused = False, f"/health failed: {type(exc).__name__}", isinstance(exc, httpx.ConnectError)
         self.failed_polls = 0 if ok else self.failed_polls + 1

@@ -29,6 +29,7 @@ class PromptInfo(NamedTuple):
     tokens: list[int] | None  # None: not readable here (no tokenizer, or a request the backend will refuse)
     session_id: str | None
     stream: bool
+    model: str | None = None  # the body's `model` (None: none named; routed to every backend's default)
 
 
 def session_of(headers: Mapping[str, str], body: Any, header: str = SESSION_HEADER) -> str | None:
@@ -47,6 +48,12 @@ def session_of(headers: Mapping[str, str], body: Any, header: str = SESSION_HEAD
     return None
 
 
+def model_of(body: Any) -> str | None:
+    """The model a request body names (None when it names none as a string)."""
+    model = body.get("model") if isinstance(body, dict) else None
+    return model if isinstance(model, str) else None
+
+
 class PromptReader:
     """Token ids of proxied requests. `tokenizer`: the served model's (mlx-lm's TokenizerWrapper or a
     transformers tokenizer); None routes every request without a cache estimate."""
@@ -56,7 +63,7 @@ class PromptReader:
 
     def read(self, path: str, body: Any, headers: Mapping[str, str], header: str = SESSION_HEADER) -> PromptInfo:
         stream = isinstance(body, dict) and body.get("stream") is True
-        return PromptInfo(self.tokens(path, body), session_of(headers, body, header), stream)
+        return PromptInfo(self.tokens(path, body), session_of(headers, body, header), stream, model_of(body))
 
     def tokens(self, path: str, body: Any) -> list[int] | None:
         if self.tokenizer is None or path not in GENERATION_PATHS:

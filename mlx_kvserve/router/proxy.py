@@ -29,6 +29,7 @@ from ..chain import BlockHasher
 from ..errors import KVServeError
 from .backends import BackendState
 from .metrics import RouterMetrics
+from .models import by_model, model_not_served, model_rank
 from .policies import DEFAULT_OVERLOAD_FACTOR, NoBackendError, Policy, PolicyState, RouteRequest, apply_decision, choose
 from .prompts import MESSAGES_PATH, PromptInfo
 from .watch import ReplyWatcher, stream_error
@@ -144,12 +145,24 @@ class Router:
 
     # --- decisions ----------------------------------------------------------------------------------------
 
-    def pick(self, info: PromptInfo, exclude: frozenset[str] = frozenset()) -> Route:
-        """Choose among the up backends not in `exclude` and count the request on the chosen one.
-        Raises NoBackendError (503) when none is left."""
-        candidates = [b for b in self.backends if b.is_up and b.url not in exclude]
-        if not candidates:
+    def serving(self, model: str | None, exclude: frozenset[str] = frozenset()) -> list[BackendState]:
+        """The up backends not in `exclude` that serve `model` best (models.py: loaded there, else
+        registered). Raises NoBackendError (503) when none is up, or none other serves it; NotFoundError
+        (404, naming the models served) when no backend serves it."""
+        up = [b for b in self.backends if b.is_up and b.url not in exclude]
+        if not up:
             raise NoBackendError("no backend is up" if not exclude else "no other backend is up")
+        chosen = [up[i] for i in by_model([model_rank(b.models, model) for b in up])]
+        if not chosen:
+            if exclude:
+                raise NoBackendError(f"no other backend serves model {model!r}")
+            raise model_not_served(str(model), [b.models for b in self.backends])
+        return chosen
+
+    def pick(self, info: PromptInfo, exclude: frozenset[str] = frozenset()) -> Route:
+        """Choose among the backends that serve the request's model (`serving`) and count the request on
+        the chosen one. Raises what `serving` raises."""
+        candidates = self.serving(info.model, exclude)
         tokens = info.tokens or []
         hashes: dict[tuple[bytes | None, int], list[bytes]] = {}
         views = []
@@ -169,13 +182,10 @@ class Router:
         self.metrics.estimated_cached.labels(chosen.url).inc(hit)
         return route
 
-    def any_backend(self, exclude: frozenset[str] = frozenset()) -> BackendState:
-        """An up backend not in `exclude` for a request that generates nothing (model list, token count): the
-        least loaded."""
-        up = [b for b in self.backends if b.is_up and b.url not in exclude]
-        if not up:
-            raise NoBackendError("no backend is up")
-        return min(up, key=lambda b: b.num_requests)
+    def any_backend(self, exclude: frozenset[str] = frozenset(), model: str | None = None) -> BackendState:
+        """An up backend not in `exclude` that serves `model`, for a request that generates nothing (model
+        list, token count): the least loaded."""
+        return min(self.serving(model, exclude), key=lambda b: b.num_requests)
 
     # --- forwarding ---------------------------------------------------------------------------------------
 
@@ -245,7 +255,9 @@ class Router:
         while True:
             try:
                 route = (
-                    self.pick(info, frozenset(tried)) if generates else Route(self.any_backend(frozenset(tried)), 0, 0)
+                    self.pick(info, frozenset(tried))
+                    if generates
+                    else Route(self.any_backend(frozenset(tried), info.model), 0, 0)
                 )
             except NoBackendError:
                 if failures:
@@ -282,6 +294,8 @@ class Router:
                 failures.append(f"{backend.url}: HTTP {resp.status_code}")
                 self.metrics.retries.inc()
                 continue
+            if resp.status_code == 200:
+                backend.note_loaded(info.model)  # loaded there now: the next request need not wait for /health
             return self._relay(request, resp, route, info)
 
     def _others_up(self, tried: set[str]) -> bool:

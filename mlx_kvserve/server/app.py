@@ -21,6 +21,7 @@ from ..errors import InvalidRequestError, KVServeError, NotFoundError
 from .anthropic.routes import anthropic_routes
 from .cache_routes import cache_routes
 from .completion import CompletionHandler
+from .embeddings import embedding_routes
 from .gate import CLIENT_CLOSED, RequestGate, error_response, note_error
 from .health import HealthMonitor
 from .metrics import ServerMetrics
@@ -99,6 +100,7 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, registry: ModelRegis
         *router_routes(engine),
         *anthropic_routes(handler),
         *responses_routes(handler),
+        *embedding_routes(engine),
     ]
     handlers = {
         KVServeError: on_kvserve_error,

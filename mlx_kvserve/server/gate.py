@@ -31,10 +31,17 @@ from .openai import reply as oar
 
 RECORD_KEY = "mlx_kvserve.record"  # the scope key under which handlers find their RequestRecord
 OPEN_PATHS = frozenset({"/health"})  # answered without a key: service managers and probes hold none
-# Paths that hold an in-flight slot: the completion routes, and count_tokens, whose chat template
-# rendering of a body of up to max_body_bytes costs as much CPU as a completion's.
+# Paths that hold an in-flight slot: the completion routes, count_tokens, whose chat template
+# rendering of a body of up to max_body_bytes costs as much CPU as a completion's, and embeddings.
 LIMITED_PATHS = frozenset(
-    {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/responses"}
+    {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+        "/v1/responses",
+        "/v1/embeddings",
+    }
 )
 ADMIN_PREFIX = "/v1/cache"
 QUIET_ENDPOINTS = frozenset({"/health", "/metrics"})  # polled often: their lines are logged at debug level

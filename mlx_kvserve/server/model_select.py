@@ -4,8 +4,13 @@ gate (so the body is already read and bounded) that resolves the request's `mode
 request to its engine (engine/model_front.py) until the response's last byte. An unknown id is a 404
 naming the registered ones, in the API's own error shape.
 
-Selected: completions (gate.LIMITED_PATHS: the body's "model") and the cache admin routes (the `model`
-query parameter or body field; the default model without one). /v1/cache/models is the registry's own.
+Selected: completions and embeddings (gate.LIMITED_PATHS: the body's "model") and the cache admin routes
+(the `model` query parameter or body field; the default model without one). /v1/cache/models is the
+registry's own. A chat model named on /v1/embeddings, or an embedding model anywhere else, is a 400 before
+anything loads.
+
+A streamed request whose model is not loaded gets its SSE headers at once and keep-alives while the model
+loads (load_stream.py), as a long prefill does.
 """
 
 from __future__ import annotations
@@ -18,11 +23,13 @@ import anyio
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..engine.model_front import bind, unbind
-from ..engine.registry import ModelRegistry
-from ..errors import KVServeError
+from ..engine.registry import LOADED, ModelRegistry, ModelSlot
+from ..errors import InvalidRequestError, KVServeError
 from .anthropic.reply import error_response as anthropic_error
+from .embeddings import EMBEDDINGS_PATH, not_an_embedding_model
 from .gate import ADMIN_PREFIX, BODY_METHODS, LIMITED_PATHS, error_response, note_error, replay
 from .keep_alive import requested_keep_alive
+from .load_stream import StreamedLoad, is_stream
 
 MODELS_ADMIN_PREFIX = ADMIN_PREFIX + "/models"
 
@@ -47,6 +54,19 @@ def requested_model(scope: Scope, body: bytes) -> str | None:
     return values[0] if values else None
 
 
+def check_kind(slot: ModelSlot, path: str) -> None:
+    """InvalidRequestError (400) when the model cannot serve `path`: embeddings need an embedding
+    model, and an embedding model serves nothing else (it has no chat template and no KV cache)."""
+    name = slot.entry.name
+    if path == EMBEDDINGS_PATH:
+        if slot.entry.kind != "embedding":
+            raise not_an_embedding_model(name)
+    elif slot.entry.kind == "embedding":
+        raise InvalidRequestError(
+            f"model {name!r} is an embedding model: it serves /v1/embeddings only", param="model", code="model_not_chat"
+        )
+
+
 class ModelSelect:
     """ASGI middleware: see the module docstring."""
 
@@ -64,10 +84,18 @@ class ModelSelect:
         name = requested_model(scope, body)
         try:
             keep_alive = requested_keep_alive(body)  # 422 before anything loads
-            self.registry.resolve(name)  # 404 before anything loads
-            # Shielded: a client leaving during a load must not lose the lease the load returns.
-            with anyio.CancelScope(shield=True):
-                lease = await anyio.to_thread.run_sync(self.registry.acquire, name)
+            slot = self.registry.resolve(name)  # 404 before anything loads
+            check_kind(slot, scope["path"])
+            if is_stream(scope["path"], body) and slot.state != LOADED:
+                load = StreamedLoad(scope, send)
+                lease = await load.acquire(self.registry, name)
+                if lease is None:  # failed (its error event sent) or the client left
+                    return
+                send = load.send_after_headers
+            else:
+                # Shielded: a client leaving during a load must not lose the lease the load returns.
+                with anyio.CancelScope(shield=True):
+                    lease = await anyio.to_thread.run_sync(self.registry.acquire, name)
         except KVServeError as exc:
             note_error(scope, exc)
             reply = anthropic_error if scope["path"].startswith("/v1/messages") else error_response

@@ -25,7 +25,7 @@ from .bodies import read_json
 from .gate import note_error
 from .metrics import PREFIX
 
-CARD_FIELDS = ("state", "aliases", "pinned", "in_use", "memory_bytes")  # ours, beside OpenAI's
+CARD_FIELDS = ("state", "kind", "aliases", "pinned", "in_use", "memory_bytes")  # ours, beside OpenAI's
 
 
 def _card(row: dict[str, Any], created: int, anthropic: bool) -> dict[str, Any]:
