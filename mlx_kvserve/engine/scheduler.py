@@ -17,6 +17,7 @@ from typing import Any
 
 from mlx_lm.generate import BatchGenerator, StopSequences
 
+from ..kv.positions import shift_positions
 from .batch_state import Pending, Running, SchedulerStats, Waiting
 from .constrain import grammars_for
 from .order import StartOrder
@@ -197,6 +198,8 @@ class Scheduler:
             if req.images and self.vision is not None and self.vision.needs_prefill(req.images, cached):
                 cached = self._vision_prefill(req, prepared, cached, points)  # all but the last token
                 points = [p for p in points if p > cached]
+            if self.vision is not None and (delta := self.vision.rope_delta(req.images)) is not None:
+                shift_positions(prepared.prompt_cache, delta)  # M-RoPE: tokens after an image (vision/qwen.py)
             fault = RequestFault()
             processors = make_request_processors(params)
             if params.constrained:

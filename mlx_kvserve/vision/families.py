@@ -2,14 +2,17 @@
 becomes in the prompt, the vision tower (mlx-vlm's classes) and how its output enters the
 language model's input embeddings.
 
-Families are served only where the language model's positions are plain 1-D RoPE positions (the
-KV of a prefix then depends on nothing but its tokens and images, and mlx-lm's batch decodes it):
-Gemma 3. Qwen2-VL-style M-RoPE shifts every position after an image and is not served yet.
+Served: Gemma 3 (plain 1-D RoPE positions) and Qwen2-VL / Qwen2.5-VL (M-RoPE: vision/qwen.py).
+A family's interface: `marker` / `marker_token` (what a chat template renders for an image),
+`image_token`, `preprocess`, `placeholder`, `encode`, `embed`, `positioned` (the positions a
+prefill from embeddings runs at) and `rope_delta` (None: tokens sit at their index).
 """
 
 from __future__ import annotations
 
 import json
+import re
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +21,9 @@ import mlx.core as mx
 import numpy as np
 from blake3 import blake3
 
-SUPPORTED = ("gemma3",)
+VISUAL = re.compile(r"^(model\.)?visual\.")
+
+SUPPORTED = ("gemma3", "qwen2_vl", "qwen2_5_vl")
 
 
 @dataclass(frozen=True)
@@ -74,15 +79,23 @@ class Gemma3Family:
         pixels = np.asarray(resized, dtype=np.float32).transpose(2, 0, 1) / 255.0
         return np.ascontiguousarray((pixels - self.mean) / self.std, dtype=np.float32)
 
-    def placeholder(self) -> tuple[list[int], int]:
-        """The tokens one image marker becomes, and the offset of its first soft token in them."""
+    def placeholder(self, pixels: np.ndarray) -> tuple[list[int], int, int]:
+        """The tokens one image marker becomes, the offset of its first soft token, their count."""
         before = [*self.newlines, self.marker_token]
-        return [*before, *[self.image_token] * self.num_tokens, self.end_token, *self.newlines], len(before)
+        soft = [self.image_token] * self.num_tokens
+        return [*before, *soft, self.end_token, *self.newlines], len(before), self.num_tokens
+
+    def rope_delta(self, images: Any) -> None:
+        return None  # plain positions: every token sits at its index
+
+    def positioned(self, language_model: Any, images: Any, start: int, end: int) -> Any:
+        return nullcontext()
 
     def encode(self, pixels: np.ndarray) -> mx.array:
         """The projected features of one image: (num_tokens, hidden)."""
         x = mx.array(pixels[None].transpose(0, 2, 3, 1))
-        hidden, _, _ = self.vlm.vision_tower(x.astype(self.vlm.vision_tower_dtype), output_hidden_states=True)
+        dtype = self.vlm.vision_tower.vision_model.embeddings.patch_embedding.weight.dtype
+        hidden, _, _ = self.vlm.vision_tower(x.astype(dtype), output_hidden_states=True)
         return self.vlm.multi_modal_projector(hidden)[0]
 
     def embed(self, language_model: Any, tokens: list[int], pieces: list[tuple[int, mx.array]]) -> mx.array:
@@ -96,7 +109,7 @@ class Gemma3Family:
         return h
 
 
-def load_family(path: Path, config: dict[str, Any], tokenizer: Any) -> Gemma3Family:
+def load_family(path: Path, config: dict[str, Any], tokenizer: Any) -> Any:
     """The family of the model folder at `path` with its vision tower loaded (mlx-vlm's classes,
     only the vision weights read). ValueError for a family not served."""
     model_type = config.get("model_type")
@@ -105,7 +118,11 @@ def load_family(path: Path, config: dict[str, Any], tokenizer: Any) -> Gemma3Fam
     vlm = load_vision_tower(path, config)
     pre = path / "preprocessor_config.json"
     preprocessor = json.loads(pre.read_text()) if pre.exists() else {}
-    return Gemma3Family(config, tokenizer, vlm, preprocessor)
+    if model_type == "gemma3":
+        return Gemma3Family(config, tokenizer, vlm, preprocessor)
+    from .qwen import Qwen2VLFamily
+
+    return Qwen2VLFamily(config, tokenizer, vlm, preprocessor)
 
 
 def vlm_model_config(config: dict[str, Any]) -> Any:
@@ -113,8 +130,9 @@ def vlm_model_config(config: dict[str, Any]) -> Any:
     from mlx_vlm.utils import get_model_and_args, update_module_configs
 
     module, _ = get_model_and_args(config)
-    model_config = module.ModelConfig.from_dict(json.loads(json.dumps(config)))
-    return module, update_module_configs(model_config, module, config, ["text", "vision"])
+    params = json.loads(json.dumps(config))  # Qwen2-VL's from_dict adds text_config (its config is flat)
+    model_config = module.ModelConfig.from_dict(params)
+    return module, update_module_configs(model_config, module, params, ["text", "vision"])
 
 
 def load_vision_tower(path: Path, config: dict[str, Any]) -> Any:
@@ -126,11 +144,11 @@ def load_vision_tower(path: Path, config: dict[str, Any]) -> Any:
     weights: dict[str, mx.array] = {}
     for file in sorted(path.glob("*.safetensors")):
         for key, value in mx.load(str(file)).items():
+            key = VISUAL.sub("vision_tower.", key)  # Hugging Face's Qwen2-VL names
             if key.startswith(("vision_tower.", "multi_modal_projector.")):
                 weights[key] = value
     tower = {k.removeprefix("vision_tower."): v for k, v in weights.items() if k.startswith("vision_tower.")}
     weights.update({f"vision_tower.{k}": v for k, v in vlm.vision_tower.sanitize(tower).items()})
     vlm.load_weights(list(weights.items()), strict=False)
     mx.eval(vlm.parameters())
-    vlm.vision_tower_dtype = vlm.vision_tower.vision_model.embeddings.patch_embedding.weight.dtype
     return vlm

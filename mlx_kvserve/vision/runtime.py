@@ -21,7 +21,7 @@ import mlx.core as mx
 from ..chain import content_keys
 from ..errors import InvalidRequestError
 from .encoder_cache import EncoderCache
-from .families import Gemma3Family, ImageSpan, pixel_digest
+from .families import ImageSpan, pixel_digest
 from .images import ImageLimits, ImageRef, check_count, decode_image
 
 
@@ -35,9 +35,10 @@ class VisionPrompt:
 
 
 class VisionRuntime:
-    """A family's vision tower and preprocessing, the encoder cache and the counters /health shows."""
+    """A family's vision tower and preprocessing (vision/families.py, vision/qwen.py), the encoder
+    cache and the counters /health shows."""
 
-    def __init__(self, family: Gemma3Family, limits: ImageLimits, encoder_cache_bytes: int):
+    def __init__(self, family: Any, limits: ImageLimits, encoder_cache_bytes: int):
         self.family = family
         self.limits = limits
         self.encoder_cache = EncoderCache(encoder_cache_bytes)
@@ -72,20 +73,18 @@ class VisionRuntime:
                 f"the prompt holds {len(at)} image markers for {len(images)} images: "
                 f"the text may not contain {family.marker!r} or the image token itself"
             )
-        expansion, offset = family.placeholder()
         tokens: list[int] = []
         keys: list[int] = []
         spans = []
         last = 0
         for position, (digest, pixels) in zip(at, images, strict=True):
+            expansion, offset, num = family.placeholder(pixels)
             tokens += rendered[last:position]
             keys += rendered[last:position]
             start = len(tokens) + offset
-            spans.append(ImageSpan(start, family.num_tokens, digest, pixels))
+            spans.append(ImageSpan(start, num, digest, pixels))
             tokens += expansion
-            keys += (
-                expansion[:offset] + content_keys(digest, family.num_tokens) + expansion[offset + family.num_tokens :]
-            )
+            keys += expansion[:offset] + content_keys(digest, num) + expansion[offset + num :]
             last = position + 1
         tokens += rendered[last:]
         keys += rendered[last:]
@@ -106,6 +105,12 @@ class VisionRuntime:
             self.encode_s += time.perf_counter() - started
         self.encoder_cache.put(span.digest, features)
         return features
+
+    def rope_delta(self, images: Sequence[ImageSpan]) -> int | None:
+        """How far past its index the token after `images` sits (M-RoPE families; recomputed from
+        the spans on every start, never stored: vision/qwen.py says why); None for plain positions,
+        an int (0 for a text prompt) where every request's batch cache must be shifted by it."""
+        return self.family.rope_delta(images)
 
     def needs_prefill(self, images: Sequence[ImageSpan], cached: int) -> bool:
         """Whether some image token lies past the cached prefix (else the batch prefills plain text)."""
@@ -141,7 +146,8 @@ class VisionRuntime:
                     pieces.append((lo - position, features[s.start][lo - s.start : hi - s.start]))
             chunk = list(tokens[position:cut])
             embeddings = self.family.embed(model, chunk, pieces)
-            model(mx.array(chunk)[None], cache=cache, input_embeddings=embeddings)
+            with self.family.positioned(model, images, position, cut):  # M-RoPE families: 3-D positions
+                model(mx.array(chunk)[None], cache=cache, input_embeddings=embeddings)
             mx.eval([c.state for c in cache])
             position = cut
             if on_stop is not None and cut in stops:
@@ -161,7 +167,7 @@ class VisionRuntime:
         return {**out, **self.encoder_cache.stats()}
 
 
-def build_runtime(family: Gemma3Family, config: Any) -> VisionRuntime:
+def build_runtime(family: Any, config: Any) -> VisionRuntime:
     """The runtime for a loaded family under `config` (config.Config: [vision] and [server])."""
     v = config.vision
     limits = ImageLimits(
