@@ -17,7 +17,7 @@ from typing import Any
 
 from mlx_lm.generate import BatchGenerator, StopSequences
 
-from ..kv.positions import shift_positions
+from ..kv.blocks import shift_positions
 from .batch_state import Pending, Running, SchedulerStats, Waiting
 from .constrain import grammars_for
 from .order import StartOrder

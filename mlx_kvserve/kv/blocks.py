@@ -20,16 +20,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from . import kvquant
+from .payloads import Payload, arrays_of, payload_nbytes, window_pieces
 from .ssd.format import kv_names, quantized_kv_names, state_name
 
 KV, WINDOW, STATE, IDLE = "kv", "window", "state", "idle"
-Payload = list[Any]
 
 
 @dataclass(frozen=True)
@@ -184,7 +185,7 @@ class CacheLayout:
                 else:  # recurrent (kept with tails only) or not run here
                     payload.append(None)
             out.append(payload)
-        mx.eval(_arrays_of(out))
+        mx.eval(arrays_of(out))
         return [(p, payload_nbytes(p)) for p in out]
 
     def slice_tail(
@@ -207,7 +208,7 @@ class CacheLayout:
                 payload.append(state.layers[i] if state is not None else None)
             else:
                 payload.append(None)
-        mx.eval(_arrays_of([payload]))
+        mx.eval(arrays_of([payload]))
         return payload, payload_nbytes(payload)
 
     def _kv_entry(self, keys: mx.array, values: mx.array) -> tuple[mx.array, ...]:
@@ -238,7 +239,7 @@ class CacheLayout:
                 if tail is None or tail_used != tail_len or tail[i] is None:
                     return False
             elif spec.kind == WINDOW:
-                pieces = _window_pieces(payloads, tail, tail_used, tail_len, i, self.block_size)
+                pieces = window_pieces(payloads, tail, tail_used, tail_len, i, self.block_size)
                 have = sum(k.shape[2] for k, _ in pieces)
                 if have < min(len(payloads) * self.block_size + tail_used, spec.window):
                     return False
@@ -267,7 +268,7 @@ class CacheLayout:
                     kv.append(self._kv_arrays(tail[i]))
                 _fill_kv(cache, kv, tail_tokens, length, room)
             elif spec.kind == WINDOW:
-                pieces = _window_pieces(payloads, tail, tail_tokens, tail_len, i, self.block_size)
+                pieces = window_pieces(payloads, tail, tail_tokens, tail_len, i, self.block_size)
                 keep = min(length, spec.window)
                 cache.keys = mx.concatenate([k for k, _ in pieces], axis=2)[..., -keep:, :]
                 cache.values = mx.concatenate([v for _, v in pieces], axis=2)[..., -keep:, :]
@@ -381,33 +382,6 @@ def _window_range(c: Any) -> tuple[int, mx.array, mx.array]:
     return c.offset - held, k, v
 
 
-def _window_pieces(
-    payloads: Sequence[Payload], tail: Payload | None, tail_used: int, tail_len: int, layer: int, block_size: int
-) -> list[tuple[mx.array, mx.array]]:
-    """The window layer's data ending at the prefix's end, contiguous, oldest first (stops at
-    the first gap: positions before it are unusable)."""
-    pieces = []
-    if tail_used:
-        entry = tail[layer] if tail is not None else None
-        held = entry[0].shape[2] if entry is not None else 0
-        missing = tail_len - held  # the entry is a suffix of the tail's positions
-        if held == 0 or tail_used <= missing:
-            return []
-        k, v = entry
-        used = tail_used - missing
-        pieces.append((k[..., :used, :], v[..., :used, :]))
-        if missing > 0:
-            return pieces
-    for payload in reversed(payloads):
-        entry = payload[layer]
-        if entry is None:
-            break
-        pieces.append(entry)
-        if entry[0].shape[2] < block_size:  # a suffix of the block: nothing before it
-            break
-    return pieces[::-1]
-
-
 def _fill_kv(cache: KVCache, kv: Sequence[tuple[mx.array, mx.array]], tail_used: int, length: int, room: int) -> None:
     """Fill a full-attention cache with the (keys, values) of each block, the last one a tail of
     which only `tail_used` positions count (when `tail_used`)."""
@@ -457,9 +431,24 @@ def _cache_arrays(c: Any) -> list[mx.array]:
     return [a for a in (c.keys, c.values) if a is not None]
 
 
-def _arrays_of(payloads: Sequence[Payload]) -> list[mx.array]:
-    return [a for p in payloads for e in p if e is not None for a in e if isinstance(a, mx.array)]
+# --- M-RoPE (Qwen2-VL): the tokens after an image sit at index + rope_delta (vision/qwen.py) ------
+# mlx-lm's batch (BatchKVCache) rotates each sequence's new tokens by its `offset`, which nothing else
+# reads (its mask comes from the write index and the left padding), and builds that offset from each
+# joining cache's length in the first cache's `merge`; a cache that continues at length + delta gets
+# a `merge` that adds every joining cache's delta.
 
 
-def payload_nbytes(payload: Payload) -> int:
-    return sum(a.nbytes for e in payload if e is not None for a in e if isinstance(a, mx.array))
+def shift_positions(prompt_cache: list[Any], delta: int) -> None:
+    """Once this cache joins mlx-lm's batch, its next tokens are rotated at positions `delta` past
+    its length. The batch merges its caches with the first one's `merge`, so every cache that joins
+    a batch of this model needs the call (delta 0 for a text prompt). The cache's own offset, size
+    and contents do not change (blocks cut from it are the same)."""
+    for c in prompt_cache:
+        c.rope_delta = delta
+        c.merge = partial(_merge_shifted, type(c).merge)  # an instance attribute: this cache only
+
+
+def _merge_shifted(merge: Any, caches: list[Any]) -> Any:
+    batch = merge(caches)
+    batch.offset = batch.offset + mx.array([getattr(c, "rope_delta", 0) for c in caches])
+    return batch
