@@ -33,6 +33,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--length", type=int, default=7700, help="tokens in each long prompt")
     p.add_argument("--answer", type=int, default=16, help="tokens generated per request")
     p.add_argument("--prompts", type=int, default=3)
+    p.add_argument("--speculative", default="auto", help="[speculative] mode (auto | off | prompt_lookup)")
+    p.add_argument("--no-ssd", action="store_true", help="run without the SSD tier")
     p.add_argument("--out", default="results/first_prompt")
     return p.parse_args(argv)
 
@@ -133,7 +135,10 @@ def main(argv=None) -> int:
     write_model_folder(work / "model", config)
     tokenizer = load_tokenizer(work / "model")
     loaded = LoadedModel(f"random-{args.shape}", work / "model", model, tokenizer, config, context_length(config))
-    cfg = load_config(overrides={"cache": {"ram_max_bytes": "16GiB"}, "ssd": {"cache_dir": str(work / "kv")}})
+    ssd = {"enabled": False} if args.no_ssd else {"cache_dir": str(work / "kv")}
+    cfg = load_config(
+        overrides={"cache": {"ram_max_bytes": "16GiB"}, "ssd": ssd, "speculative": {"mode": args.speculative}}
+    )
     engine = Engine(loaded, cfg)
     engine.start()
     rng = np.random.default_rng(0)
@@ -141,11 +146,12 @@ def main(argv=None) -> int:
     sampler = Sampler()
     sampler.start()
     rows = []
+    samples = {}
     try:
         warm = one_request(engine, rng.integers(100, vocab, 64).tolist(), args.answer)
         rows.append({"request": "warm-up, 64 tokens", **warm})
+        samples["warm-up"] = sampler.report()
         print(rows[-1], flush=True)
-        samples = {}
         for i in range(args.prompts):
             sampler.reset()
             row = one_request(engine, rng.integers(100, vocab, args.length).tolist(), args.answer)
@@ -160,7 +166,7 @@ def main(argv=None) -> int:
         "# First long prompt after a start (in-process Engine)",
         "",
         f"mlx {mx.__version__}, {mx.default_device()}, shape {args.shape}, {args.bits}-bit weights, "
-        f"{args.answer} tokens per answer",
+        f"{args.answer} tokens per answer, speculative {args.speculative}, SSD {'off' if args.no_ssd else 'on'}",
         "",
         "| request | engine TTFT s | first event s | last event s | done s | cached |",
         "|---|---|---|---|---|---|",

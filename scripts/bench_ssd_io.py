@@ -152,7 +152,7 @@ def io_bandwidth(folder: Path, shape: Shape, num_blocks: int, reps: int) -> tupl
     raw_path, hashes = folder / "raw.bin", [os.urandom(32) for _ in range(num_blocks)]
     store = SSDStore(folder / "store", NS)
     modes = ["page_cache", "cold"] if CAN_DROP else ["page_cache"]
-    loads = ("raw_read", "store_load", "store_load_chain")
+    loads = ("raw_read", "store_load", "store_load_chain", "store_load_chain_host")
     kinds = ["raw_write", "store_save", "store_save_batched"] + [f"{k}_{mode}" for k in loads for mode in modes]
     times: dict[str, list[float]] = {kind: [] for kind in kinds}
     for rep in range(reps):  # later reps save into a throwaway store: a saved block is not written again
@@ -172,18 +172,25 @@ def io_bandwidth(folder: Path, shape: Shape, num_blocks: int, reps: int) -> tupl
         if store.load_block(by_path[path], tokens) is None:
             raise RuntimeError(f"load_block missed {path.name}")
 
-    def load_chain(_: Path) -> None:  # one call for every block, as a lookup of one long prefix does
-        if len(store.load_blocks([(h, tokens) for h in hashes])) != len(hashes):
+    def load_chain(host: bool) -> None:  # one call for every block, as a lookup of one long prefix does
+        store.host_reads = host
+        got = store.load_blocks([(h, tokens) for h in hashes])
+        if len(got) != len(hashes):
             raise RuntimeError("load_blocks missed")
+        mx.eval([b.arrays for b in got])  # the views (host reads: after their copy into mlx)
+
+    store.host_reads = False  # load_block: through mlx (the CPU's and Apple GPUs' path)
 
     for _ in range(reps):
         for mode in modes:
             times[f"raw_read_{mode}"].append(read_pass([raw_path], mode == "cold", lambda p: read_file(p, buf)))
             times[f"store_load_{mode}"].append(read_pass(paths, mode == "cold", load))
-            if mode == "cold":
-                for path in paths:
-                    drop_file(path)
-            times[f"store_load_chain_{mode}"].append(timed(lambda: load_chain(paths[0])))
+            for kind, host in (("store_load_chain", False), ("store_load_chain_host", True)):
+                if mode == "cold":
+                    for path in paths:
+                        drop_file(path)
+                times[f"{kind}_{mode}"].append(timed(lambda host=host: load_chain(host)))
+            store.host_reads = False
     raw_path.unlink()
     result = {"total_gib": total / GIB, "num_blocks": num_blocks, "reps": reps}
     result.update({name: total / median(ts) / GIB for name, ts in times.items()})
@@ -192,6 +199,7 @@ def io_bandwidth(folder: Path, shape: Shape, num_blocks: int, reps: int) -> tupl
     for mode in modes:
         result[f"load_vs_raw_{mode}"] = result[f"store_load_{mode}"] / result[f"raw_read_{mode}"]
         result[f"load_chain_vs_raw_{mode}"] = result[f"store_load_chain_{mode}"] / result[f"raw_read_{mode}"]
+        result[f"load_chain_host_vs_raw_{mode}"] = result[f"store_load_chain_host_{mode}"] / result[f"raw_read_{mode}"]
     return result, store, list(zip(hashes, paths, strict=True)), payloads
 
 
@@ -373,6 +381,10 @@ def report_lines(r: dict) -> list[str]:
             lines.append(
                 f"| read / load_blocks (a chain), {mode.replace('_', ' ')} | {bw[f'raw_read_{mode}']:.2f} "
                 f"| {bw[f'store_load_chain_{mode}']:.2f} | {bw[f'load_chain_vs_raw_{mode}']:.2f}x |"
+            )
+            lines.append(
+                f"| read / load_blocks through host memory, {mode.replace('_', ' ')} | {bw[f'raw_read_{mode}']:.2f} "
+                f"| {bw[f'store_load_chain_host_{mode}']:.2f} | {bw[f'load_chain_host_vs_raw_{mode}']:.2f}x |"
             )
     for name, steps in r["stages"].items():
         lines += ["", f"| {name.removesuffix('_ms').replace('_', ' ')}: step | ms per block |", "|---|---|"]

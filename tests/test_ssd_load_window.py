@@ -1,6 +1,7 @@
 """SSDStore.load_blocks: a chain's files read together in windows (issue 14 item 2). Damage in the
 middle of a window makes only the damaged block and what follows it in this lookup miss; the
-blocks after it stay on disk and hit once the damaged one is written again."""
+blocks after it stay on disk and hit once the damaged one is written again. Every test runs on both
+read paths: through mlx (the CPU and Apple GPUs) and through host memory on a thread pool (CUDA)."""
 
 import mlx.core as mx
 import numpy as np
@@ -31,9 +32,10 @@ def chain(num_blocks: int = NUM_BLOCKS) -> list[tuple[bytes, bytes, list[int], d
     return out
 
 
-@pytest.fixture
-def saved(tmp_path):
+@pytest.fixture(params=[False, True], ids=["mlx-reads", "host-reads"])
+def saved(tmp_path, request):
     store = make_store(tmp_path)
+    store.host_reads = request.param
     blocks = chain()
     for h, parent, tokens, arrays in blocks:
         store.save_block(h, parent, tokens, arrays)

@@ -166,10 +166,6 @@ def _array_bytes(arr: mx.array) -> memoryview | bytes:
     return view if view.c_contiguous else view.tobytes()
 
 
-def _identity(namespace: bytes, header: BlockHeader) -> bytes:
-    return framed(namespace, header.block_hash, header.parent_hash, encode_tokens(header.token_ids).encode())
-
-
 def block_checksum(namespace: bytes, header: BlockHeader, arrays: Mapping[str, mx.array]) -> str:
     """xxh3-128 over the block's identity, then its array table (every array's name, dtype, shape and
     offset), then the payload's bytes (header.checksum and header.table unused: the table is the one
@@ -178,19 +174,21 @@ def block_checksum(namespace: bytes, header: BlockHeader, arrays: Mapping[str, m
     still compares token ids. xxh3 hashes ~13 GiB/s on one CPU core, blake3 ~2.5 GiB/s
     (scripts/bench_ssd_io.py, docs/benchmarks.md)."""
     slots, _ = plan_payload(arrays)
-    hasher = xxh3_128(_identity(namespace, header))
-    hasher.update(framed(encode_table(slots).encode()))
-    for chunk in _payload_chunks(slots, arrays):
+    return _checksum(namespace, header, encode_table(slots), _payload_chunks(slots, arrays))
+
+
+def payload_checksum(namespace: bytes, header: BlockHeader, payload: mx.array | np.ndarray) -> str:
+    """The checksum of a read block: identity, the table as the file holds it, the payload."""
+    return _checksum(namespace, header, header.table, [memoryview(payload)] if payload.size else [])
+
+
+def _checksum(namespace: bytes, header: BlockHeader, table: str, chunks: Sequence[memoryview | bytes]) -> str:
+    hasher = xxh3_128(
+        framed(namespace, header.block_hash, header.parent_hash, encode_tokens(header.token_ids).encode())
+    )
+    hasher.update(framed(table.encode()))
+    for chunk in chunks:
         hasher.update(chunk)
-    return hasher.hexdigest()
-
-
-def payload_checksum(namespace: bytes, header: BlockHeader, payload: mx.array) -> str:
-    """The checksum of a read block: identity, the table as the file holds it, the payload (evaluated)."""
-    hasher = xxh3_128(_identity(namespace, header))
-    hasher.update(framed(header.table.encode()))
-    if payload.size:
-        hasher.update(memoryview(payload))
     return hasher.hexdigest()
 
 
@@ -258,17 +256,23 @@ def read_metadata(path: Path) -> dict[str, str]:
     """A block file's safetensors metadata, after checking the header against the file size.
     Raises FormatError or OSError (NotRegularFileError for a FIFO, device or link)."""
     with os.fdopen(open_regular(path), "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            raise FormatError("truncated header")
-        (length,) = struct.unpack("<Q", prefix)
-        if length > min(size - 8, _MAX_HEADER_BYTES):
-            raise FormatError("header length exceeds the file")
-        try:
-            tensors = json.loads(f.read(length))
-        except (ValueError, RecursionError) as exc:
-            raise FormatError(f"header is not JSON: {type(exc).__name__}") from None
+        return _read_head(f)[0]
+
+
+def _read_head(f) -> tuple[dict[str, str], int]:
+    """(metadata, the data's size) of the safetensors file `f`, positioned at its start; leaves it
+    at the data. Checks the header against the file size."""
+    size = os.fstat(f.fileno()).st_size
+    prefix = f.read(8)
+    if len(prefix) < 8:
+        raise FormatError("truncated header")
+    (length,) = struct.unpack("<Q", prefix)
+    if length > min(size - 8, _MAX_HEADER_BYTES):
+        raise FormatError("header length exceeds the file")
+    try:
+        tensors = json.loads(f.read(length))
+    except (ValueError, RecursionError) as exc:
+        raise FormatError(f"header is not JSON: {type(exc).__name__}") from None
     if not isinstance(tensors, dict):
         raise FormatError("header is not a JSON object")
     meta = tensors.pop("__metadata__", None)
@@ -280,7 +284,9 @@ def read_metadata(path: Path) -> dict[str, str]:
         raise FormatError(f"bad tensor entry: {type(exc).__name__}") from None
     if 8 + length + extent != size:
         raise FormatError(f"file is {size} bytes, header describes {8 + length + extent}")
-    return meta
+    if set(tensors) - {PAYLOAD}:
+        raise FormatError("arrays other than the payload")
+    return meta, extent
 
 
 def write_block_file(
@@ -293,8 +299,8 @@ def write_block_file(
     try:
         slots, size = plan_payload(arrays)
         chunks = _payload_chunks(slots, arrays)
-        header = header._replace(table=encode_table(slots), checksum="")
-        header = header._replace(checksum=_checksum_of(namespace, header, chunks))
+        table = encode_table(slots)
+        header = header._replace(table=table, checksum=_checksum(namespace, header, table, chunks))
         head = json.dumps(
             {PAYLOAD: {"dtype": "U8", "shape": [size], "data_offsets": [0, size]},
              "__metadata__": block_metadata(namespace, header)},
@@ -314,14 +320,6 @@ def write_block_file(
     except BaseException:
         path.unlink(missing_ok=True)
         raise
-
-
-def _checksum_of(namespace: bytes, header: BlockHeader, chunks: Sequence[memoryview | bytes]) -> str:
-    hasher = xxh3_128(_identity(namespace, header))
-    hasher.update(framed(header.table.encode()))
-    for chunk in chunks:
-        hasher.update(chunk)
-    return hasher.hexdigest()
 
 
 def read_block_file(path: Path, namespace: bytes, block_hash: bytes) -> tuple[BlockHeader, dict[str, mx.array]]:
@@ -353,12 +351,41 @@ def verified_arrays(namespace: bytes, header: BlockHeader, payload: mx.array) ->
     and table; raises FormatError. The arrays are views of the payload: no copy."""
     if payload_checksum(namespace, header, payload) != header.checksum:
         raise FormatError("checksum mismatch")
+    return payload_arrays(header, payload)
+
+
+def payload_arrays(header: BlockHeader, payload: mx.array) -> dict[str, mx.array]:
+    """The named arrays of a payload (checksummed already), as views of it; raises FormatError
+    when the table does not fit the payload."""
     slots = decode_table(header.table)
     if (slots[-1].offset + slots[-1].nbytes if slots else 0) != payload.size:
         raise FormatError("array table does not match the payload's size")
     return {
         s.name: payload[s.offset : s.offset + s.nbytes].view(_DTYPES[s.dtype]).reshape(s.shape) for s in slots
     }
+
+
+def read_block_host(path: Path, namespace: bytes, block_hash: bytes) -> tuple[BlockHeader, np.ndarray]:
+    """A block file's header and payload read into host memory and checked against its checksum
+    there (not through mlx): for a device whose arrays live apart from the CPU (CUDA), where
+    hashing an mlx array reads it back from the device. Thread-safe and mlx-free, so several files
+    are read at once on a thread pool; `mx.array(payload)` then makes the one device copy. Raises
+    FormatError or OSError."""
+    with os.fdopen(open_regular(path), "rb", buffering=0) as f:
+        meta, size = _read_head(f)
+        header = parse_metadata(meta, namespace)
+        if header.block_hash != block_hash:
+            raise FormatError("file holds another block")
+        payload = np.empty(size, dtype=np.uint8)
+        view, done = memoryview(payload), 0
+        while done < size:
+            got = f.readinto(view[done:])
+            if not got:
+                raise FormatError("file ended early")
+            done += got
+    if payload_checksum(namespace, header, payload) != header.checksum:
+        raise FormatError("checksum mismatch")
+    return header, payload
 
 
 def fsync_path(path: Path) -> None:

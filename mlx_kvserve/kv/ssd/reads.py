@@ -3,6 +3,12 @@ server of the folder wrote, and verified loads, the files of a chain read togeth
 
 A file is served only when its header, checksum and token ids check out; a damaged file is a miss
 and is deleted, other tokens under the hash are a collision (the hash is isolated).
+
+Two ways to read, the same checks: through mlx (`mx.load` of the payload, evaluated together so mlx
+reads the files in parallel, then hashed where it lies), or through host memory on a thread pool
+(each file read and hashed in a numpy buffer, then one copy into an mlx array). The second is for a
+CUDA device, where hashing an mlx array reads it back from the GPU: on an H200 the checksum took
+3.1 ms per 8 MiB block that way against 0.8 ms on the host (docs/benchmarks.md "GPU").
 """
 
 from __future__ import annotations
@@ -11,11 +17,20 @@ import logging
 import stat
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
 import mlx.core as mx
 
-from .format import BlockHeader, FormatError, open_block_file, read_header, verified_arrays
+from .format import (
+    BlockHeader,
+    FormatError,
+    open_block_file,
+    payload_arrays,
+    read_block_host,
+    read_header,
+    verified_arrays,
+)
 from .index import BlockIndex, IndexEntry, tokens_digest
 
 log = logging.getLogger(__name__)
@@ -23,11 +38,28 @@ log = logging.getLogger(__name__)
 # Block files read together by load_blocks: mlx reads them in parallel (cold, 8 at once read ~10%
 # faster than one by one here: scripts/bench_ssd_io.py); 8 Llama-3-8B blocks are 64 MiB.
 LOAD_WINDOW = 8
+_host_pool: ThreadPoolExecutor | None = None
+_host_pool_lock = threading.Lock()
+
+
+def reads_through_host() -> bool:
+    """Whether this process reads block files through host memory: on a GPU that is not Apple's
+    (CUDA), whose arrays live apart from the CPU. On a Mac and on the CPU, mlx reads them."""
+    return mx.default_device() == mx.gpu and not mx.metal.is_available()
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _host_pool
+    with _host_pool_lock:
+        if _host_pool is None:
+            _host_pool = ThreadPoolExecutor(max_workers=LOAD_WINDOW, thread_name_prefix="ssd-read")
+        return _host_pool
 
 
 class PendingLoad(NamedTuple):
     """Block files being read (SSDStore.begin_load): their expected token ids and, for each,
-    (hash, index entry, header, payload not yet read)."""
+    (hash, index entry, header, payload not yet read) through mlx, or (hash, index entry, None,
+    future of read_block_host) through host memory."""
 
     expected: tuple[tuple[int, ...], ...]
     opened: list[tuple]
@@ -50,6 +82,7 @@ class StoreReads:
     _dirty: bool
     _clock: Callable[[], float]
     _is_pinned: Callable[[bytes], bool]
+    host_reads: bool | None = None  # None: reads_through_host(); tests set it to try either way
 
     def is_pinned(self, block_hash: bytes) -> bool:
         return self._is_pinned(block_hash)
@@ -115,13 +148,15 @@ class StoreReads:
         indexed or whose header does not check, and return at once: mlx reads them on its own
         threads while the caller computes. `end_load` waits, verifies and returns them."""
         opened = self._open_window(wanted)
-        if opened:
+        if opened and not isinstance(opened[0][3], Future):
             mx.async_eval([payload for _, _, _, payload in opened])
         return PendingLoad(tuple(tuple(ids) for _, ids in wanted[: len(opened)]), opened)
 
     def end_load(self, pending: PendingLoad) -> list[LoadedBlock]:
         """The blocks of a `begin_load`, in order, up to the first that fails verification."""
         opened = pending.opened
+        if opened and isinstance(opened[0][3], Future):
+            return self._end_host_load(pending)
         if opened:
             try:
                 mx.eval([payload for _, _, _, payload in opened])
@@ -130,6 +165,20 @@ class StoreReads:
         out: list[LoadedBlock] = []
         for (block_hash, entry, header, payload), expected in zip(opened, pending.expected, strict=False):
             loaded = self._accept(block_hash, entry, header, payload, expected)
+            if loaded is None:
+                break
+            out.append(loaded)
+        return out
+
+    def _end_host_load(self, pending: PendingLoad) -> list[LoadedBlock]:
+        out: list[LoadedBlock] = []
+        for (block_hash, entry, _, future), expected in zip(pending.opened, pending.expected, strict=False):
+            try:
+                header, host_payload = future.result()
+            except Exception as exc:  # FormatError (checksum included) or OSError
+                self._drop_unreadable(block_hash, entry, exc)
+                break
+            loaded = self._accept(block_hash, entry, header, mx.array(host_payload), expected, checked=True)
             if loaded is None:
                 break
             out.append(loaded)
@@ -158,6 +207,10 @@ class StoreReads:
                 with self._lock:
                     self._stats["misses"] += 1
                 break
+            if self.host_reads if self.host_reads is not None else reads_through_host():
+                future = _pool().submit(read_block_host, self._path(block_hash), self.namespace, block_hash)
+                opened.append((block_hash, entry, None, future))
+                continue
             try:
                 header, payload = open_block_file(self._path(block_hash), self.namespace, block_hash)
             except Exception as exc:  # mlx raises RuntimeError for unreadable or truncated files
@@ -167,11 +220,18 @@ class StoreReads:
         return opened
 
     def _accept(
-        self, block_hash: bytes, entry: IndexEntry, header: BlockHeader, payload: mx.array, expected: tuple[int, ...]
+        self,
+        block_hash: bytes,
+        entry: IndexEntry,
+        header: BlockHeader,
+        payload: mx.array,
+        expected: tuple[int, ...],
+        checked: bool = False,
     ) -> LoadedBlock | None:
-        """A read block if its checksum, table and token ids hold, else None (and the file is dealt with)."""
+        """A read block if its checksum (unless `checked` already), table and token ids hold, else
+        None (and the file is dealt with)."""
         try:
-            arrays = verified_arrays(self.namespace, header, payload)
+            arrays = payload_arrays(header, payload) if checked else verified_arrays(self.namespace, header, payload)
         except FormatError as exc:
             self._drop_unreadable(block_hash, entry, exc)
             return None
