@@ -10,14 +10,13 @@ A model's cache is a list of per-layer caches; `cache_layout` tells each layer's
   It is kept only as a checkpoint: the state after exactly P tokens, stored with the tail that
   ends at P;
 - a layer this process does not run (pipeline parallel: another rank holds it): nothing.
-
-A payload is a list with one entry per layer: `(keys, values)` of shape (1, heads, n, dim) for
-attention layers (n = the block's or tail's positions; fewer, or None, for a window layer), a
-tuple of state arrays (or None) for recurrent layers. Payload entries own their memory.
+What a block holds per layer (a payload): kv/payloads.py.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -27,7 +26,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from . import kvquant
-from .payloads import Payload, arrays_of, payload_nbytes, window_pieces
+from .payloads import Payload, arrays_of, kv_dtype_of, payload_nbytes, window_pieces
 from .ssd.format import kv_names, quantized_kv_names, state_name
 
 KV, WINDOW, STATE, IDLE = "kv", "window", "state", "idle"
@@ -344,7 +343,7 @@ def cache_layout(model: Any, block_size: int, kv_bits: int = 0) -> CacheLayout:
         dims = {c.keys.shape[-1] for c in _probe_cache(model, specs)}
         if not all(kvquant.supported(d) for d in dims):
             reason = f"kv_bits needs head dimensions divisible by {kvquant.GROUP}; this model has {sorted(dims)}"
-    return CacheLayout(model, specs, reason, _kv_dtype(model), block_size, kv_bits)
+    return CacheLayout(model, specs, reason, kv_dtype_of(model), block_size, kv_bits)
 
 
 def _probe_cache(model: Any, specs: Sequence[LayerSpec]) -> list[Any]:
@@ -359,15 +358,6 @@ def unbatchable(model: Any) -> str:
     `merge` (ChunkedKVCache, QuantizedKVCache in mlx-lm 0.32.2) cannot join a batch."""
     kinds = sorted({type(c).__name__ for c in make_prompt_cache(model) if not hasattr(c, "merge")})
     return f"its {', '.join(kinds)} layers cannot be batched by mlx-lm's BatchGenerator" if kinds else ""
-
-
-def _kv_dtype(model: Any) -> str:
-    from mlx.utils import tree_flatten
-
-    for name, value in tree_flatten(model.parameters()):
-        if name.endswith(("norm.weight", "layernorm.weight")):
-            return str(value.dtype).removeprefix("mlx.core.")
-    return "unknown"
 
 
 def _window_range(c: Any) -> tuple[int, mx.array, mx.array]:
@@ -397,6 +387,34 @@ def _fill_kv(cache: KVCache, kv: Sequence[tuple[mx.array, mx.array]], tail_used:
     cache.keys = mx.concatenate(keys, axis=2)
     cache.values = mx.concatenate(values, axis=2)
     cache.offset = length
+    cache.merge = partial(_merge_alone, cache.merge)  # an instance attribute: this cache only
+
+
+def _merge_alone(merge: Any, caches: list[Any]) -> Any:
+    """mlx-lm's merge, but an assembled cache joining alone becomes a batch of one around its own
+    arrays, room kept (mlx-lm copies the prefix to an exact-size array, then again to grow it)."""
+    (c, *others) = caches
+    if others or c.keys is None:
+        return merge(caches)
+    batch = merge([type(c)()])  # an empty batch cache of the class this cache's merge makes
+    batch.__class__ = _moved_class(type(batch))
+    batch.keys, batch.values, batch._idx = c.keys, c.values, c.offset
+    batch.offset = mx.array([c.offset])
+    return batch
+
+
+@functools.cache
+def _moved_class(base: type) -> type:
+    """`base` whose whole batch moves to decoding without two copies: mlx-lm's split deep-copies the
+    caches, then filters both halves (each filter replaces what it keeps): a shallow copy does, and
+    keeping every row in order keeps the arrays."""
+
+    def keep_rows(self: Any, batch_indices: Any) -> None:
+        if list(batch_indices) != list(range(self.left_padding.shape[0])):
+            base.filter(self, batch_indices)
+
+    shallow = {"__deepcopy__": lambda self, memo: copy.copy(self), "filter": keep_rows}
+    return type(f"Moved{base.__name__}", (base,), shallow)
 
 
 def _rounded_caches(bits: int) -> tuple[type, type]:
@@ -431,11 +449,9 @@ def _cache_arrays(c: Any) -> list[mx.array]:
     return [a for a in (c.keys, c.values) if a is not None]
 
 
-# --- M-RoPE (Qwen2-VL): the tokens after an image sit at index + rope_delta (vision/qwen.py) ------
-# mlx-lm's batch (BatchKVCache) rotates each sequence's new tokens by its `offset`, which nothing else
-# reads (its mask comes from the write index and the left padding), and builds that offset from each
-# joining cache's length in the first cache's `merge`; a cache that continues at length + delta gets
-# a `merge` that adds every joining cache's delta.
+# --- M-RoPE (Qwen2-VL): tokens after an image sit at index + rope_delta (vision/qwen.py). mlx-lm's
+# batch rotates new tokens by `offset` (nothing else reads it), built from each cache's length in the
+# first cache's `merge`; a cache continuing at length + delta gets a `merge` adding every delta.
 
 
 def shift_positions(prompt_cache: list[Any], delta: int) -> None:
@@ -445,7 +461,7 @@ def shift_positions(prompt_cache: list[Any], delta: int) -> None:
     and contents do not change (blocks cut from it are the same)."""
     for c in prompt_cache:
         c.rope_delta = delta
-        c.merge = partial(_merge_shifted, type(c).merge)  # an instance attribute: this cache only
+        c.merge = partial(_merge_shifted, c.merge)  # an instance attribute: this cache only
 
 
 def _merge_shifted(merge: Any, caches: list[Any]) -> Any:

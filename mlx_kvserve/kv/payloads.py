@@ -1,5 +1,10 @@
 """Payloads: a block's (or tail's) per-layer arrays as kv/blocks.py defines them, and what can be
-said about them without mlx-lm's cache classes (their arrays, their size, a window layer's pieces).
+said about them without mlx-lm's cache classes (their arrays, their size, a window layer's pieces,
+the dtype a model's KV arrays have).
+
+A payload is a list with one entry per layer: `(keys, values)` of shape (1, heads, n, dim) for
+attention layers (n = the block's or tail's positions; fewer, or None, for a window layer), a
+tuple of state arrays (or None) for recurrent layers. Payload entries own their memory.
 """
 
 from __future__ import annotations
@@ -45,3 +50,13 @@ def arrays_of(payloads: Sequence[Payload]) -> list[mx.array]:
 
 def payload_nbytes(payload: Payload) -> int:
     return sum(a.nbytes for e in payload if e is not None for a in e if isinstance(a, mx.array))
+
+
+def kv_dtype_of(model: Any) -> str:
+    """The dtype of the model's activations, so of its KV (read from a norm layer's weight)."""
+    from mlx.utils import tree_flatten
+
+    for name, value in tree_flatten(model.parameters()):
+        if name.endswith(("norm.weight", "layernorm.weight")):
+            return str(value.dtype).removeprefix("mlx.core.")
+    return "unknown"

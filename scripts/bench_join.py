@@ -1,0 +1,104 @@
+"""One client's cached turn: what joining mlx-lm's batch costs, next to mlx-lm's own one-cache path.
+
+In process (no HTTP), SmolLM2 (or --model), SSD off: a ~`words`-word prefix is computed once, then
+each rep asks a new question after it (a RAM hit up to the question) and times the engine's TTFT
+(lookup, assembly, joining the batch, the question's prefill, the first token). Variants, alternated
+rep by rep in one process:
+- `join in place`: the product (an assembled prefix joining alone becomes the batch's cache around
+  its own arrays, with room for the question: kv/blocks.py `_merge_alone`);
+- `merge copy`: mlx-lm's `BatchKVCache.merge` as it is (the prefix copied into a new array of exactly
+  its length, then copied again when the question's prefill grows it): the code before this change;
+- `mlx-lm one cache`: what `mlx_lm.server` does for one conversation: a deep copy of the prompt cache
+  holding the prefix, then `stream_generate` on the question (the serial floor: no blocks, no batch).
+
+Usage: python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_join.py [--words 1400] [--reps 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+from pathlib import Path
+
+from harness import ROOT, default_model_dir
+from harness.prompts import system_prompt
+from harness.reports import write_report
+from harness.restart import served_ttft
+
+VARIANTS = ("join in place", "merge copy", "mlx-lm one cache")
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="model folder (default: the default model)")
+    p.add_argument("--words", type=int, default=1400)
+    p.add_argument("--reps", type=int, default=4)
+    p.add_argument("--out", default=str(ROOT / "results" / "join"))
+    args = p.parse_args(argv)
+
+    import mlx.core as mx
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_kvserve.config import default_home, load_config
+    from mlx_kvserve.engine.engine import Engine
+    from mlx_kvserve.kv import blocks
+    from mlx_kvserve.models.loader import load_model
+
+    model_dir = Path(args.model) if args.model else default_model_dir()
+    loaded = load_model(str(model_dir), default_home() / "models", "float32")
+    tok = loaded.tokenizer
+    prefix = tok.encode(system_prompt("join", target_words=args.words))
+    engine = Engine(loaded, load_config(overrides={"ssd": {"enabled": False}, "speculative": {"mode": "off"}}))
+    engine.start()
+    served_ttft(engine, prefix + tok.encode(" Warm up."))  # computes and caches the prefix
+    one_cache = make_prompt_cache(loaded.model)
+    for _ in stream_generate(loaded.model, tok, prefix, max_tokens=1, prompt_cache=one_cache):
+        pass
+    in_place = blocks._merge_alone
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    cached: dict[str, list[int]] = {v: [] for v in VARIANTS[:2]}
+    try:
+        for rep in range(args.reps):
+            for variant in VARIANTS if rep % 2 == 0 else VARIANTS[::-1]:
+                question = tok.encode(f" Question {rep} for {variant}: which river is the longest?")
+                if variant == "mlx-lm one cache":
+                    start = time.perf_counter()
+                    cache = copy.deepcopy(one_cache)
+                    for _ in stream_generate(loaded.model, tok, question, max_tokens=1, prompt_cache=cache):
+                        break
+                    times[variant].append(time.perf_counter() - start)
+                    continue
+                blocks._merge_alone = in_place if variant == "join in place" else (lambda merge, caches: merge(caches))
+                ttft, hit = served_ttft(engine, prefix + question)
+                times[variant].append(ttft)
+                cached[variant].append(hit)
+                mx.clear_cache()
+    finally:
+        blocks._merge_alone = in_place
+        engine.stop()
+    medians = {v: statistics.median(ts) for v, ts in times.items()}
+    base = medians["mlx-lm one cache"]
+    lines = [
+        "# One client's cached turn: joining the batch",
+        "",
+        f"{loaded.name}, prefix {len(prefix)} tokens, a new question each rep, {args.reps} reps alternated, "
+        f"medians; mx {mx.__version__} on {mx.default_device()}",
+        "",
+        "| variant | TTFT s (median) | all reps | cached tokens | / mlx-lm one cache |",
+        "|---|---|---|---|---|",
+        *(
+            f"| {v} | {medians[v]:.3f} | {', '.join(f'{t:.3f}' for t in times[v])} | "
+            f"{cached[v][0] if v in cached else '-'} | {medians[v] / base:.2f}x |"
+            for v in VARIANTS
+        ),
+    ]
+    results = {"prefix_tokens": len(prefix), "times": times, "cached": cached, "medians": medians}
+    write_report(results, Path(args.out), lines)
+    return results
+
+
+if __name__ == "__main__":
+    main()

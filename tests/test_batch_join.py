@@ -1,0 +1,90 @@
+"""A cached prefix joining mlx-lm's batch alone is not copied on the way (issue 26, "no copies"):
+the assembled keys and values become the batch's cache (room kept for the prefill to write into),
+and move from prompt processing to decoding as they are. Requests joining together, or a batch
+that splits, still take mlx-lm's copying paths, and every path gives the tokens of a cold run."""
+
+from __future__ import annotations
+
+import pytest
+from kvharness import greedy, make_generator
+from mlx_lm.utils import load
+
+from mlx_kvserve.engine.request import GenerationRequest, SamplingParams
+from mlx_kvserve.kv import blocks
+
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return load(str(tiny_model_dir))
+
+
+def prompt(tokenizer, topic: str) -> list[int]:
+    return tokenizer.encode(f"Write a long story about {topic}, with many details. " * 6)
+
+
+def watched_keys(monkeypatch) -> list:
+    """Each lone join's (assembled keys, the batch cache made from them)."""
+    seen = []
+    real = blocks._merge_alone
+
+    def spy(merge, caches):
+        batch = real(merge, caches)
+        seen.append((caches[0].keys, batch))
+        return batch
+
+    monkeypatch.setattr(blocks, "_merge_alone", spy)
+    return seen
+
+
+def test_a_lone_hit_reaches_decoding_with_its_assembled_arrays(tiny, monkeypatch):
+    model, tokenizer = tiny
+    gen = make_generator(model, tokenizer, BS)
+    base = prompt(tokenizer, "a lighthouse")
+    cold = greedy(gen, base + tokenizer.encode(" The end?"), 12)  # computes and caches the prefix
+    seen = watched_keys(monkeypatch)
+    events: list = []
+    question = base + tokenizer.encode(" And the keeper?")
+    req = GenerationRequest("q", question, SamplingParams(max_tokens=12, temperature=0.0), events.append)
+    scheduler = gen.scheduler
+    scheduler.admit(req)
+    batch_keys = None
+    while scheduler.is_running(req):
+        scheduler.step()
+        decoding = scheduler._generator()._generation_batch
+        if len(decoding) and batch_keys is None:
+            batch_keys = decoding.prompt_cache[0].keys
+    assert len(seen) == len(model.layers), "the hit joined alone (one merge per layer)"
+    assert all(batch.keys is assembled for assembled, batch in seen)  # the batch holds the assembled arrays
+    assembled, batch = seen[0]
+    assert batch_keys is assembled  # ... and reached decoding as they were (no deepcopy, no gather)
+    assert assembled.shape[2] > batch._idx  # room was kept: the prefill wrote in place
+    done = events[-1]
+    assert done.usage.cached_tokens >= len(base) // BS * BS
+    alone = make_generator(model, tokenizer, BS)
+    assert done.token_ids == greedy(alone, question, 12)[0]  # = a cold run
+    assert cold[0] == greedy(alone, base + tokenizer.encode(" The end?"), 12)[0]
+
+
+def test_hits_joining_together_or_splitting_give_cold_tokens(tiny):
+    """Two cached requests joining at once (mlx-lm's copying merge), and one that finishes while
+    the other still decodes (a split that keeps rows): the tokens of each alone, cold."""
+    model, tokenizer = tiny
+    prompts = [prompt(tokenizer, t) for t in ("a lighthouse", "a glacier")]
+    questions = [p + tokenizer.encode(" What next?") for p in prompts]
+    expected = [greedy(make_generator(model, tokenizer, BS), q, n)[0] for q, n in zip(questions, (5, 14), strict=True)]
+    gen = make_generator(model, tokenizer, BS)
+    for p in prompts:
+        greedy(gen, p + tokenizer.encode(" Begin."), 3)
+    outs: list[list] = [[], []]
+    reqs = [
+        GenerationRequest(f"r{i}", q, SamplingParams(max_tokens=n, temperature=0.0), outs[i].append)
+        for i, (q, n) in enumerate(zip(questions, (5, 14), strict=True))
+    ]
+    for r in reqs:
+        gen.scheduler.admit(r)
+    while any(gen.scheduler.is_running(r) for r in reqs):
+        gen.scheduler.step()
+    assert [o[-1].token_ids for o in outs] == expected
+    assert all(o[-1].usage.cached_tokens > 0 for o in outs)
