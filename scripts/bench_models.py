@@ -1,6 +1,7 @@
 """Several models in one server (issue 27), in process through the HTTP app: load time, the cost of a
 switch under a budget that holds one model, the hit after a reload (SSD), the memory an unload gives
-back, and a small model's TTFT while a large one prefills (one worker thread per engine).
+back, and a small model's TTFT while a large one prefills: on a server of its own (idle, and beside the large
+one's own server in another process) and on one server with both, steps running when ready or taking turns.
 
     .venv/bin/python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_models.py [--out results/models.json]
 """
@@ -16,13 +17,15 @@ import threading
 import time
 from pathlib import Path
 
+import mlx.core as mx
 from harness.reports import median
-from harness.synthetic import llama_config, random_llama, write_model_folder
+from harness.synthetic import llama_config, random_llama, synthetic_model, write_model_folder
 from starlette.testclient import TestClient
 
 from mlx_kvserve.config import ApiKeys, load_config
 from mlx_kvserve.engine.model_front import RoutedEngine
 from mlx_kvserve.engine.registry import ModelRegistry
+from mlx_kvserve.engine.step_turns import StepTurns, share_turns
 from mlx_kvserve.model_entries import ModelEntry
 from mlx_kvserve.server.app import create_app
 
@@ -35,12 +38,18 @@ def rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def build(root: Path) -> dict[str, Path]:
-    small = llama_config("tiny", max_position_embeddings=8192)
-    large = llama_config("tiny", **LARGE)
+def build(root: Path, large_shape: str = "") -> dict[str, Path]:
+    """The tiny "small" llama and the "large" one: the synthetic 1024-hidden llama, or a random
+    4-bit llama of `large_shape` (harness.synthetic SHAPES, e.g. llama3-8b on a GPU)."""
+    small = llama_config("tiny", max_position_embeddings=32768)
+    if large_shape:
+        large_folder = synthetic_model(large_shape, 4, root / "large")
+    else:
+        large = llama_config("tiny", **LARGE)
+        large_folder = write_model_folder(root / "large", large, random_llama(large, seed=1))
     return {
         "small": write_model_folder(root / "small", small, random_llama(small, seed=0, scale=4.0)),
-        "large": write_model_folder(root / "large", large, random_llama(large, seed=1)),
+        "large": large_folder,
     }
 
 
@@ -100,44 +109,92 @@ def switching(folders: dict[str, Path], root: Path) -> dict:
     return out
 
 
-def fairness(folders: dict[str, Path], root: Path, repeats: int = 2, n: int = 2048) -> dict:
-    """Both loaded: the small model's TTFT alone, and while the large one prefills a cold prompt."""
-    client, _ = app(folders, root / "fair", 2**36)
+def large_server(folder: Path, root: Path, n: int, repeats: int, conn) -> None:
+    """A server of its own for the large model (a child process): on each "go", a cold n-token
+    prefill; sends back its TTFT."""
+    os.environ["MLX_KVSERVE_HOME"] = str(root / "home-large")
+    client, _ = app({"large": folder}, root / "large-own", 2**36)
+    ttft(client, "large", prompt(64, 9))
+    conn.send("ready")
+    for i in range(repeats):
+        conn.recv()
+        conn.send(ttft(client, "large", prompt(n, 300 + i), 1)[0])
+    client.__exit__(None, None, None)
+
+
+def small_during(client: TestClient, start_large, wait_large, seed: int) -> float:
+    """The small model's TTFT (a cold 256-token prompt) 0.5 s after a large cold prefill started."""
+    start_large()
+    time.sleep(0.5)  # the large prefill is under way
+    took = ttft(client, "small", prompt(256, seed))[0]
+    wait_large()
+    return took
+
+
+def beside_in_process(client: TestClient, n: int, seed: int, large: list[float]) -> float:
+    """small_during, the large prefill on the same server (another HTTP thread)."""
+    big = threading.Thread(target=lambda: large.append(ttft(client, "large", prompt(n, seed), 1)[0]))
+    return small_during(client, big.start, big.join, seed)
+
+
+def fairness(folders: dict[str, Path], root: Path, repeats: int = 3, n: int = 2048) -> dict:
+    """The small model's TTFT while the large one prefills a cold n-token prompt, in one run: on a
+    server of its own (idle, then beside the large one's own server, another process), and on one
+    server with both models, their steps running when ready (before) or taking turns (after)."""
+    import multiprocessing
+
+    out: dict = {"load_avg_start": os.getloadavg()}
+    own, _ = app({"small": folders["small"]}, root / "small-own", 2**36)
+    ttft(own, "small", prompt(64, 9))
+    out["small_alone"] = median([ttft(own, "small", prompt(256, 100 + i))[0] for i in range(repeats)])
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=large_server, args=(folders["large"], root, n, repeats, child))
+    proc.start()
+    parent.recv()
+    large: list[float] = []
+    runs = [
+        small_during(own, lambda: parent.send("go"), lambda: large.append(parent.recv()), 400 + i)
+        for i in range(repeats)
+    ]
+    proc.join()
+    own.__exit__(None, None, None)
+    out["two_servers"] = {"small_ttft_s": median(runs), "large_ttft_s": median(large)}
+    client, registry = app(folders, root / "fair", 2**36)
     ttft(client, "small", prompt(64, 9))
     ttft(client, "large", prompt(64, 9))  # both loaded and warm
-    alone, during, large_alone, large_during = [], [], [], []
-    for i in range(repeats):
-        alone.append(ttft(client, "small", prompt(256, 100 + i))[0])
-        large_alone.append(ttft(client, "large", prompt(n, 200 + i), 1)[0])
-        got: list[float] = []
-        big = threading.Thread(target=lambda i=i, got=got: got.append(ttft(client, "large", prompt(n, 300 + i), 1)[0]))
-        big.start()
-        time.sleep(0.5)  # the large prefill is under way
-        during.append(ttft(client, "small", prompt(256, 400 + i))[0])
-        big.join()
-        large_during.extend(got)
+    for k, (mode, turns) in enumerate((("one_server_no_turns", None), ("one_server_turns", StepTurns()))):
+        registry.turns = turns
+        for _, engine in registry.loaded_engines():
+            share_turns(engine, turns)
+        large = []
+        runs = [beside_in_process(client, n, 500 + 10 * k + i, large) for i in range(repeats)]  # cold prompts
+        out[mode] = {"small_ttft_s": median(runs), "large_ttft_s": median(large)}
     client.__exit__(None, None, None)
-    return {
-        "small_ttft_alone_s": median(alone),
-        "small_ttft_during_large_prefill_s": median(during),
-        "ratio": round(median(during) / median(alone), 2),
-        "large_ttft_alone_s": median(large_alone),
-        "large_ttft_with_small_s": median(large_during),
-    }
+    for mode in ("two_servers", "one_server_no_turns", "one_server_turns"):
+        out[mode]["ratio_to_alone"] = round(out[mode]["small_ttft_s"] / out["small_alone"], 2)
+    out["load_avg_end"] = os.getloadavg()
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--skip-fairness", action="store_true")
+    parser.add_argument("--skip-switching", action="store_true")
+    parser.add_argument("--prefill", type=int, default=2048, help="the large model's cold prompt, in tokens")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--large", default="", help="a synthetic shape for the large model (e.g. llama3-8b)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         os.environ["MLX_KVSERVE_HOME"] = str(root / "home")
-        folders = build(root / "models")
-        results = {"switching": switching(folders, root)}
+        folders = build(root / "models", args.large)
+        results: dict = {"device": str(mx.default_device())}
+        if not args.skip_switching:
+            results["switching"] = switching(folders, root)
         if not args.skip_fairness:
-            results["fairness"] = fairness(folders, root)
+            results["fairness"] = fairness(folders, root, args.repeats, args.prefill)
     text = json.dumps(results, indent=2, default=lambda v: round(v, 3))
     print(text)
     if args.out:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+import time
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from blake3 import blake3
@@ -23,7 +25,8 @@ from ..kv.leases import LEASES_FILE, PinLeases
 from ..kv.manager import KVManager
 from ..kv.pins import PINS_FILE, PinRegistry
 from ..kv.ram import RAMStore
-from ..kv.ssd import FolderLock, SSDStore, SSDTier, SSDWriterThread, store_dir
+from ..kv.ssd import FolderBusyError, FolderLock, SSDStore, SSDTier, SSDWriterThread, store_dir
+from ..kv.ssd.budget import BUDGET_ROLE
 from ..kv.tails import TailStore
 from ..models.loader import LoadedModel
 from .batch_state import SchedulerStats
@@ -86,7 +89,7 @@ def lock_store_folder(config: Config, namespace: bytes) -> FolderLock | None:
     try:
         ensure_private_root(root, "ssd.cache_dir")
         private_mkdir(folder)
-        lock = FolderLock.acquire_server(folder)
+        lock = _acquire_server(folder)
     except OSError as exc:
         log.error("SSD tier off: cannot use %s (%s); pins will not persist", folder, exc)
         return None
@@ -99,6 +102,19 @@ def lock_store_folder(config: Config, namespace: bytes) -> FolderLock | None:
             owner,
         )
     return lock
+
+
+def _acquire_server(folder: Path, wait_s: float = 10.0) -> FolderLock:
+    """FolderLock.acquire_server, waiting out the shared SSD budget of this server (or another),
+    which holds a folder at rest for the moment it takes to trim it (kv/ssd/budget.py)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return FolderLock.acquire_server(folder)
+        except FolderBusyError as exc:
+            if exc.holder is None or exc.holder.role != BUDGET_ROLE or time.monotonic() > deadline:
+                raise
+        time.sleep(0.02)
 
 
 def build_ssd_tier(

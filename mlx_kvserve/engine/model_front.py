@@ -159,5 +159,6 @@ class RoutedEngine:
                 "memory_used_bytes": described["memory_used_bytes"],
                 "models": described["models"],
             }
+            | {k: v for k, v in described.items() if k.startswith("ssd_")}  # the shared SSD budget, if any
         )
         return body

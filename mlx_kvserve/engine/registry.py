@@ -15,7 +15,11 @@ Contract:
   loads over the budget (logged).
 - Unloading stops the engine: its worker ends, its SSD writer drains (under `evict_only` the blocks still
   in RAM are written first), its folder lock goes; a later load finds those blocks on the SSD.
-- One lock (`_cond`) guards every slot's state, leases and counters; loads and unloads run outside it.
+- SSD: with `[ssd] max_bytes`, the models' namespace folders share that one budget (engine/ssd_share.py):
+  a model's store that needs room trims the least recently used models' folders first, loaded or not,
+  never below their pinned blocks. Without [[models]] (`single`) the one folder has it to itself.
+- One lock (`_cond`) guards every slot's state, leases and counters; loads and unloads run outside it,
+  and so does every call into the SSD budget (which may trim folders).
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from ..errors import ModelLoadError, NotFoundError, OverloadedError, ShuttingDow
 from ..model_entries import ModelEntry
 from .build import physical_memory_bytes
 from .model_load import Loaded, estimate_bytes, free_engine, kv_ram_bytes, load_engine
+from .ssd_share import RegistrySSD, engine_store
+from .step_turns import StepTurns, share_turns
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +109,10 @@ class ModelRegistry:
         self._cond = threading.Condition()  # guards every slot's fields and _closing
         self._closing = False
         self._reaper: threading.Thread | None = None
+        self.ssd = None if single else RegistrySSD.for_config(config)  # the shared SSD budget, if any
+        # Turns for the loaded engines' batch steps (engine/step_turns.py). None, the default: each engine
+        # steps when ready, which measured fairer than turns on the CPU and the GPU (docs/models.md).
+        self.turns: StepTurns | None = None
 
     @property
     def default(self) -> ModelSlot:
@@ -135,6 +145,7 @@ class ModelRegistry:
         """The named model, loaded if needed (this thread loads it, or waits for the load under way)."""
         slot = self.resolve(name)
         deadline = self._clock() + self._wait_s
+        lease: Lease | None = None
         with self._cond:
             failures = slot.failures
             while True:
@@ -143,7 +154,8 @@ class ModelRegistry:
                 if slot.failures != failures:  # the load this request waited for failed
                     raise ModelLoadError(f"model {slot.entry.name!r} failed to load: {slot.error}")
                 if slot.state == LOADED:
-                    return self._lease(slot)
+                    lease = self._lease(slot)
+                    break
                 victims = self._room_for(slot) if slot.state == UNLOADED else None
                 if victims is not None:
                     slot.state = LOADING
@@ -155,9 +167,13 @@ class ModelRegistry:
                     busy = [s.entry.name for s in self.slots if s.in_use]
                     raise OverloadedError(f"no room to load {slot.entry.name!r}: in use now: {busy}; retry shortly")
                 self._cond.wait(min(left, 1.0))
-        for victim in victims:
-            self._unload(victim)
-        return self._load(slot)
+        if lease is None:
+            for victim in victims:
+                self._unload(victim)
+            lease = self._load(slot)
+        if self.ssd is not None:
+            self.ssd.used(slot.entry.name)  # the LRU order of the SSD budget
+        return lease
 
     def _lease(self, slot: ModelSlot) -> Lease:
         slot.in_use += 1
@@ -172,14 +188,21 @@ class ModelRegistry:
 
     def _load(self, slot: ModelSlot) -> Lease:
         started = time.monotonic()
+        if self.ssd is not None:
+            self.ssd.hold(slot.entry.name)  # no trim of its folder while its engine takes the lock
         try:
             loaded = self._loader(slot.entry, self.config)
         except Exception as exc:
+            if self.ssd is not None:
+                self.ssd.hold(slot.entry.name, False)
             with self._cond:
                 slot.state, slot.error = UNLOADED, str(getattr(exc, "message", "") or exc)
                 slot.failures += 1
                 self._cond.notify_all()
             raise
+        if self.ssd is not None:
+            self.ssd.loaded(slot.entry.name, loaded.engine)  # its store's cap, before a request writes
+        share_turns(loaded.engine, self.turns)
         with self._cond:
             slot.engine, slot.weights_bytes, slot.state, slot.error = loaded.engine, loaded.weights_bytes, LOADED, ""
             slot.num_loads += 1
@@ -233,9 +256,13 @@ class ModelRegistry:
         """Stop the engine of a slot marked UNLOADING (outside the lock)."""
         engine = slot.engine
         log.info("unloading model %s (idle since %.1fs)", slot.entry.name, self._clock() - slot.last_used)
+        if self.ssd is not None:
+            self.ssd.hold(slot.entry.name)  # its drain may still write
         try:
             self._unloader(engine, self.config.server.shutdown_timeout_s)
         finally:
+            if self.ssd is not None:
+                self.ssd.unloaded(slot.entry.name)
             with self._cond:
                 slot.engine, slot.state = None, UNLOADED
                 slot.num_unloads += 1
@@ -299,6 +326,9 @@ class ModelRegistry:
             slot.engine, slot.weights_bytes, slot.state = engine, weights_bytes, LOADED
             slot.num_loads += 1
             slot.last_used = self._clock()
+        if self.ssd is not None:
+            self.ssd.loaded(slot.entry.name, engine)
+        share_turns(engine, self.turns)
 
     def start(self) -> None:
         """Load the models marked `preload` (or pinned) and start the keep-alive reaper."""
@@ -343,7 +373,16 @@ class ModelRegistry:
         with self._cond:
             return [(s.entry.name, s.engine) for s in self.slots if s.state == LOADED]
 
+    def ssd_bytes(self, slot: ModelSlot) -> int | None:
+        """The bytes of `slot`'s SSD folder: its store's while loaded, the shared budget's record
+        while not; None when unknown (never loaded, no SSD tier). Not under `_cond`."""
+        if self.ssd is not None:
+            return self.ssd.bytes_of(slot.entry.name)
+        store = engine_store(slot.engine)
+        return store.usage().used_bytes if store is not None else None
+
     def describe_slot(self, slot: ModelSlot) -> dict[str, Any]:
+        ssd_bytes = self.ssd_bytes(slot)
         with self._cond:
             return {
                 "id": slot.entry.name,
@@ -353,6 +392,7 @@ class ModelRegistry:
                 "pinned": slot.entry.pinned,
                 "in_use": slot.in_use,
                 "memory_bytes": self.footprint(slot),
+                "ssd_bytes": ssd_bytes,
                 "weights_bytes": slot.weights_bytes,
                 "keep_alive_s": self.keep_alive_s(slot),
                 "idle_s": round(self._clock() - slot.last_used, 1) if slot.state == LOADED else None,
@@ -366,7 +406,8 @@ class ModelRegistry:
         """Every model's row and the budget, for /health, /v1/models and the admin API."""
         rows = [self.describe_slot(slot) for slot in self.slots]
         used = sum(r["memory_bytes"] for r in rows)
-        return {"memory_budget_bytes": self.budget_bytes, "memory_used_bytes": used, "models": rows}
+        out = {"memory_budget_bytes": self.budget_bytes, "memory_used_bytes": used, "models": rows}
+        return out | (self.ssd.budget.describe() if self.ssd is not None else {})
 
 
 def registry_entries(entries: tuple[ModelEntry, ...], model_flag: str | None) -> tuple[ModelEntry, ...]:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from ..errors import OverloadedError, ShuttingDownError
 from .generate import Generator
 from .request import Failed, Finished, GenerationRequest, Usage
+from .step_turns import StepTurns
 
 log = logging.getLogger(__name__)
 _STOP = object()  # sentinel: always the last item the worker reads
@@ -33,6 +34,8 @@ class InferenceWorker:
         self._closing = False
         self._running: dict[int, GenerationRequest] = {}  # admitted, not finished, by id()
         self._idle_task: Callable[[], bool] | None = None  # read and cleared on the worker thread only
+        # Turns shared with other engines' workers (engine/step_turns.py); None: steps run when ready.
+        self.turns: StepTurns | None = None
         self._thread = threading.Thread(target=self._loop, name="mlx-worker", daemon=False)
 
     def start(self, idle_task: Callable[[], bool] | None = None) -> None:
@@ -149,7 +152,12 @@ class InferenceWorker:
             done()
 
     def _step(self) -> None:
+        turns = self.turns
         try:
-            self.scheduler.step()
+            if turns is None:
+                self.scheduler.step()
+            else:
+                with turns.turn():
+                    self.scheduler.step()
         except Exception:  # step fails requests itself; never let the thread die
             log.exception("batch step failed")

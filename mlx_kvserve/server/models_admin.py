@@ -25,7 +25,7 @@ from .bodies import read_json
 from .gate import note_error
 from .metrics import PREFIX
 
-CARD_FIELDS = ("state", "kind", "aliases", "pinned", "in_use", "memory_bytes")  # ours, beside OpenAI's
+CARD_FIELDS = ("state", "kind", "aliases", "pinned", "in_use", "memory_bytes", "ssd_bytes")  # ours, beside OpenAI's
 
 
 def _card(row: dict[str, Any], created: int, anthropic: bool) -> dict[str, Any]:
@@ -106,6 +106,7 @@ class RegistryCollector(Collector):
                 "Weights and KV in RAM of a loaded model",
                 lambda r: r["memory_bytes"],
             ),
+            (GaugeMetricFamily, "model_ssd_bytes", "Bytes of the model's SSD folder", lambda r: r["ssd_bytes"] or 0),
             (CounterMetricFamily, "model_loads", "Times the model was loaded", lambda r: r["loads"]),
             (CounterMetricFamily, "model_unloads", "Times the model was unloaded", lambda r: r["unloads"]),
         ]

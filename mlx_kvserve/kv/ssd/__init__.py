@@ -8,6 +8,7 @@
 - writer.py       SSDWriterThread: saves off the MLX thread, in batches; write_queue.py its queue
 - tier.py         SSDTier: what KVManager calls; routes writes to the writer, verifies reads
 - folder_lock.py  FolderLock: one owner and any number of guest servers per folder
+- budget.py       SSDBudget: one disk budget shared by several folders (the models of one server)
 """
 
 from .folder_lock import FolderBusyError, FolderLock

@@ -9,6 +9,9 @@ Contract:
   (`is_owner=False`, see folder_lock): a guest reads and adds blocks but never deletes a file nor
   writes the index; every store adopts a block another one wrote when a lookup first asks for it.
 - Pinned hashes (`is_pinned`) are never removed by the disk budget or TTL pruning.
+- Several stores may share one disk budget (`budget`, e.g. kv/ssd/budget.py's SSDBudget across the
+  models of one server): before a write would pass `max_bytes`, the store asks it for room, outside
+  its own lock; the budget answers by setting caps with `trim_to` (its own and other stores').
 - Thread-safe: one lock guards the index; array serialization and fsync happen outside it.
   Arrays passed to `save_block` must already be evaluated (`mx.eval`), so a writer thread only
   copies bytes and never runs MLX computations.
@@ -64,6 +67,23 @@ class BlockToSave(NamedTuple):
     arrays: Mapping[str, mx.array]
 
 
+class TrimResult(NamedTuple):
+    """A store's bytes after `trim_to` (blocks plus secondary files), the pinned blocks' share of
+    them (the floor no trim goes below), and how many files the trim removed."""
+
+    used_bytes: int
+    pinned_bytes: int
+    evicted: int
+
+
+class StoreBudget(Protocol):
+    """A disk budget shared with other stores. `reserve` is called outside the store's lock when
+    `num_bytes` more would pass the store's `max_bytes`; it may raise the store's cap (trimming other
+    stores for it) or leave it (the store then evicts its own least recently used files)."""
+
+    def reserve(self, store: SSDStore, num_bytes: int) -> None: ...
+
+
 class SecondaryFiles(Protocol):
     """Files of another kind in the store's folder (tails) that count in its byte budget and take
     part in its LRU eviction. Called under the store's lock: must not call the store."""
@@ -111,6 +131,7 @@ class SSDStore(StoreReads, StoreUpkeep):
         self._clock = clock
         self._is_pinned = is_pinned or (lambda _hash: False)
         self._secondary: SecondaryFiles | None = None  # set once by attach_secondary
+        self.budget: StoreBudget | None = None  # a disk budget shared with other stores (set by it)
         self._free_bytes = free_bytes
         self._temp_ids = itertools.count()
         private_mkdir(self.cache_dir)
@@ -178,6 +199,7 @@ class SSDStore(StoreReads, StoreUpkeep):
             except Exception as exc:  # the OS reports a failed flush (a full disk) here
                 results[position] = self._write_failed(blocks[position].block_hash, exc, tmp)
         folders = set()
+        self._ask_budget(sum(entry.size for _, _, entry in durable))
         with self._lock:
             for position, tmp, entry in durable:
                 block_hash = blocks[position].block_hash
@@ -234,6 +256,7 @@ class SSDStore(StoreReads, StoreUpkeep):
         else SKIPPED (free space below the floor, or no room; nothing removed)."""
         if not self.has_free_space(num_bytes):
             return SaveResult.SKIPPED
+        self._ask_budget(num_bytes)
         with self._lock:
             if self._evict_to_fit(num_bytes) is None:
                 return SaveResult.SKIPPED
@@ -243,6 +266,35 @@ class SSDStore(StoreReads, StoreUpkeep):
         """Bytes of the block files plus any secondary files."""
         with self._lock:
             return self._index.used_bytes + self._secondary_bytes()
+
+    def _ask_budget(self, num_bytes: int) -> None:
+        """When `num_bytes` more would pass max_bytes, ask the shared budget (if any) for room,
+        outside _lock: it trims other stores through their `trim_to`, and this one's."""
+        budget = self.budget
+        if budget is None or num_bytes <= 0:
+            return
+        with self._lock:
+            fits = self.max_bytes <= 0 or self._index.used_bytes + self._secondary_bytes() + num_bytes <= self.max_bytes
+        if not fits:
+            budget.reserve(self, num_bytes)
+
+    def trim_to(self, max_bytes: int) -> TrimResult:
+        """Make `max_bytes` this store's disk budget and remove least recently used unpinned blocks
+        and tails until the folder fits it; pinned blocks stay, so it may not (then every unpinned
+        file is gone). `max_bytes` <= 0 keeps nothing unpinned (0 is not "no budget" here). A guest
+        removes nothing. Never raises."""
+        with self._lock:
+            self.max_bytes = max(1, max_bytes)
+            evicted = self._evict_to_fit(0, partial=True) or 0
+            return TrimResult(self._index.used_bytes + self._secondary_bytes(), self._pinned_bytes(), evicted)
+
+    def usage(self) -> TrimResult:
+        """Bytes used and pinned now (`evicted` 0): what a shared budget reads."""
+        with self._lock:
+            return TrimResult(self._index.used_bytes + self._secondary_bytes(), self._pinned_bytes(), 0)
+
+    def _pinned_bytes(self) -> int:
+        return sum(e.size for h, e in self._index.items() if self._is_pinned(h))
 
     def _secondary_bytes(self, fresh: bool = False) -> int:
         return self._secondary.used_bytes(fresh) if self._secondary is not None else 0
