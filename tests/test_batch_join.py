@@ -88,3 +88,23 @@ def test_hits_joining_together_or_splitting_give_cold_tokens(tiny):
         gen.scheduler.step()
     assert [o[-1].token_ids for o in outs] == expected
     assert all(o[-1].usage.cached_tokens > 0 for o in outs)
+
+
+def test_the_first_token_comes_in_the_step_after_the_last_prefill_chunk(tiny):
+    """mlx-lm moves a prompt to decoding only after the next step's decode pass, so its first token
+    came two steps after its last prefill chunk; it now comes in the next step."""
+    model, tokenizer = tiny
+    gen = make_generator(model, tokenizer, BS)
+    question = prompt(tokenizer, "a harbour")
+    events: list = []
+    req = GenerationRequest("s", question, SamplingParams(max_tokens=4, temperature=0.0), events.append)
+    gen.scheduler.admit(req)
+    steps = 0
+    while not any(run.generated for run in gen.scheduler._running.values()):
+        gen.scheduler.step()
+        steps += 1
+    chunks = -(-(len(question) - 1) // gen.scheduler.prefill_step_size)  # all but the last token
+    assert (steps, chunks) == (chunks + 1, chunks)
+    while gen.scheduler.is_running(req):
+        gen.scheduler.step()
+    assert events[-1].token_ids == greedy(make_generator(model, tokenizer, BS), question, 4)[0]

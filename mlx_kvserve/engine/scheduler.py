@@ -15,9 +15,10 @@ import logging
 import time
 from typing import Any
 
-from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.generate import StopSequences
 
 from ..kv.blocks import shift_positions
+from .batch_generator import KVServeBatchGenerator
 from .batch_state import Pending, Running, SchedulerStats, Waiting
 from .constrain import grammars_for
 from .order import StartOrder
@@ -72,7 +73,7 @@ class Scheduler:
         )
         self.stats = stats if stats is not None else SchedulerStats()
         self._eos = StopSequences([[t] for t in tokenizer.eos_token_ids])
-        self._batch: BatchGenerator | None = None
+        self._batch: KVServeBatchGenerator | None = None
         self._running: dict[int, Running] = {}  # by BatchGenerator uid
         self._waiting: list[Waiting] = []
         self._pending: list[Pending] = []
@@ -123,9 +124,9 @@ class Scheduler:
         """No room for another admitted request (the worker keeps it in its queue)."""
         return len(self._pending) >= self.max_pending
 
-    def _generator(self) -> BatchGenerator:
+    def _generator(self) -> KVServeBatchGenerator:
         if self._batch is None:
-            self._batch = BatchGenerator(
+            self._batch = KVServeBatchGenerator(
                 self.model,
                 completion_batch_size=self.max_batch,
                 prefill_batch_size=self.prefill_batch_size,

@@ -1,0 +1,40 @@
+"""mlx-lm's BatchGenerator with a request's first token one batch step sooner.
+
+mlx-lm's step (`BatchGenerator._next`) runs the decode batch first, then moves the requests whose
+prompt is done (all but its last token prefilled) to the decode batch, then prefills the next chunk
+of the others. A request whose last chunk was prefilled in step k therefore moves in step k+1 after
+that step's decode, and gets its first token in step k+2: one whole batch step (a decode pass of
+everyone running) after it could. Here each step first moves the requests that were done before it,
+so they decode in that same step: their first token comes in step k+1, in the decode pass the others
+run anyway. Everything else is mlx-lm's step as it is (the move below is its own code, run earlier;
+a request whose prompt is done within the step still moves where mlx-lm moves it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlx_lm.generate import BatchGenerator, PromptProcessingBatch
+
+
+class KVServeBatchGenerator(BatchGenerator):
+    def _next(self) -> tuple[list[Any], list[Any]]:
+        moved = self._move_done_prompts()
+        prompt_responses, generation_responses = super()._next()
+        return moved + prompt_responses, generation_responses
+
+    def _move_done_prompts(self) -> list[Any]:
+        """Move the requests with only their last token left to the decode batch (mlx-lm's split:
+        their cache leaves the prompt batch, the last token becomes their first decode input);
+        returns their end-of-prompt responses."""
+        done = [i for i, seq in enumerate(self._currently_processing) if len(seq[0]) == 1 and len(seq[0][0]) == 1]
+        if not done:
+            return []
+        last_inputs = [self._currently_processing[i][0][0] for i in done]
+        progress = [(self._currently_processing[i][2],) * 2 for i in done]
+        self._currently_processing = [s for i, s in enumerate(self._currently_processing) if i not in set(done)]
+        gen_batch = self._prompt_batch.split(done).generate(last_inputs)
+        self._generation_batch.extend(gen_batch)
+        return [
+            PromptProcessingBatch.Response(uid, p, True, True) for uid, p in zip(gen_batch.uids, progress, strict=True)
+        ]
