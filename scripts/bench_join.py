@@ -33,6 +33,7 @@ VARIANTS = ("join in place", "merge copy", "mlx-lm one cache")
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="model folder (default: the default model)")
+    p.add_argument("--synthetic", help="a random float32 llama of this harness shape instead, e.g. kv-heavy")
     p.add_argument("--words", type=int, default=1400)
     p.add_argument("--reps", type=int, default=4)
     p.add_argument("--out", default=str(ROOT / "results" / "join"))
@@ -47,7 +48,16 @@ def main(argv=None) -> dict:
     from mlx_kvserve.kv import blocks
     from mlx_kvserve.models.loader import load_model
 
-    model_dir = Path(args.model) if args.model else default_model_dir()
+    if args.synthetic:
+        import tempfile
+
+        from harness.synthetic import llama_config, random_llama, write_model_folder
+
+        config = llama_config(args.synthetic)
+        model_dir = Path(tempfile.mkdtemp(prefix="join-")) / "model"
+        write_model_folder(model_dir, config, random_llama(config, dtype=mx.float32))
+    else:
+        model_dir = Path(args.model) if args.model else default_model_dir()
     loaded = load_model(str(model_dir), default_home() / "models", "float32")
     tok = loaded.tokenizer
     prefix = tok.encode(system_prompt("join", target_words=args.words))

@@ -34,6 +34,19 @@ SHAPES: dict[str, dict[str, Any]] = {
         "rope_theta": 500000.0,
         "max_position_embeddings": 32768,
     },
+    # Little compute, Llama-3-8B's KV bytes per token in float32 (128 KiB): a CPU exercises the
+    # cache's data path (assembly, joins, copies, SSD) at realistic sizes without an 8B model's matmuls.
+    "kv-heavy": {
+        "hidden_size": 256,
+        "num_hidden_layers": 32,
+        "intermediate_size": 512,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "vocab_size": 0,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 16384,
+    },
     "tiny": {
         "hidden_size": 64,
         "num_hidden_layers": 2,
