@@ -34,14 +34,14 @@ from pathlib import Path
 from typing import NamedTuple
 
 import httpx
-from harness import ROOT
+from harness import OURS, ROOT, VLLM
+from harness import THEIRS as MLX_LM
 from harness.agent_model import build_model
 from harness.agent_workload import agent_instructions, tool_schemas
 from harness.clients import stream_turn
 from harness.reports import write_report
-from harness.servers import Server, free_port, server_env
+from harness.servers import Server, free_port, server_env, vllm_mlx_server
 
-OURS, VLLM, MLX_LM = "mlx-kvserve", "vllm-mlx", "mlx_lm.server"
 CC_VERSION = "2.1.197.123"
 RECORDED = [Path("/tmp/try-clients/runs"), Path.home() / ".cache" / "mlx-kvserve-try-clients" / "runs"]
 MAX_TOKENS = 16
@@ -309,20 +309,8 @@ def start(name: str, model: Path, vllm_mlx: str | None, work: Path) -> Server:
         cmd = [sys.executable, "-m", "mlx_kvserve", "run", "--model", str(model), "--port", str(port)]
         server = Server(name, cmd, port, dict(env, MLX_KVSERVE_HOME=str(home)), "/health")
     elif name == VLLM:
-        cmd = [
-            vllm_mlx,
-            "serve",
-            str(model),
-            "--port",
-            str(port),
-            "--continuous-batching",
-            "--enable-prefix-cache",
-            "--served-model-name",
-            "default",
-        ]
-        # vllm-mlx saves its prefix cache under ~/.cache/vllm-mlx and loads it on start: a fresh HOME
-        # keeps turn 1 cold, as on the other servers
-        server = Server(name, cmd, port, dict(env, HOME=str(work / "vllm-home")), "/v1/models")
+        server = vllm_mlx_server(vllm_mlx, model, work / "vllm-home", env)  # a fresh HOME: turn 1 cold
+        cmd = server.cmd
     else:
         cmd = [sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--port", str(port)]
         server = Server(name, cmd, port, env, "/v1/models")

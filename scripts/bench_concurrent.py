@@ -1,10 +1,14 @@
-"""Concurrent clients: continuous batching against `mlx_lm.server` (its batching on, as by default).
+"""Concurrent clients: continuous batching against `mlx_lm.server` (its batching on, as by default) and,
+with `--vllm-mlx`, vllm-mlx (continuous batching and its prefix cache on, a fresh HOME).
 
-For C in `clients` (1, 4, 8): C clients at once, each with its own system prompt (~`system_words`
-words) and its growing history, T turns each (a client sends its next turn when its reply is in).
-Then `shared`: 8 clients arriving at once with one shared (cold) system prompt and their own question.
-One server at a time is loaded. Reports mean and p90 TTFT per turn and overall completion tokens/s.
+For C in `clients` (default 1, 4, 8; 16 too with --clients 4,8,16): C clients at once, each with its own
+system prompt (~`system_words` words) and its growing history, T turns each (a client sends its next
+turn when its reply is in). Then `shared`: 8 clients arriving at once with one shared (cold) system
+prompt and their own question. All servers are started first and measured one at a time. Reports mean
+and p90 TTFT per turn, the cold first turns' mean / p99 / max next to the later turns' mean, overall
+completion tokens/s, and issue 26's targets as ratios ours / mlx_lm.server and ours / vllm-mlx.
 Usage: python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_concurrent.py [--quick] [--out DIR]
+           [--clients 4,8,16] [--variants fifo] [--vllm-mlx /tmp/bench-venvs/vllm-mlx/bin/vllm-mlx]
 """
 
 from __future__ import annotations
@@ -57,7 +61,8 @@ def main() -> None:
         default="",
         help=f"also run our server configured as these, comma-separated: {', '.join(VARIANTS)}",
     )
-    parser.add_argument("--model", help="model folder for both servers (default: the default model)")
+    parser.add_argument("--model", help="model folder for every server (default: the default model)")
+    parser.add_argument("--vllm-mlx", help="the vllm-mlx executable of a scratch venv (left out: not run)")
     parser.add_argument("--synthetic", help="a random-weight llama of this shape instead, e.g. llama3-8b (GPU runs)")
     parser.add_argument("--bits", type=int, default=4, help="weight bits of --synthetic (0: float16)")
     args = parser.parse_args()
@@ -67,7 +72,7 @@ def main() -> None:
     model_dir = Path(args.model) if args.model else None
     if args.synthetic:
         model_dir = synthetic_model(args.synthetic, args.bits, Path(tempfile.mkdtemp(prefix="kvserve-model-")) / "m")
-    servers = start_servers(model_dir)
+    servers = start_servers(model_dir, args.vllm_mlx)
     names = (["ssd-off"] if args.ssd_off_too else []) + [v for v in args.variants.split(",") if v]
     for i, name in enumerate(names):
         servers.insert(1 + i, variant_server(servers[0], name))
@@ -75,6 +80,7 @@ def main() -> None:
         result = scenario_concurrent(servers, clients, turns, max_tokens, words)
     finally:
         stop_servers(servers)
+    result["commands"] = {s.name: " ".join(s.cmd) for s in servers}
     write_report(result, Path(args.out), report_lines(result, [s.name for s in servers]))
 
 

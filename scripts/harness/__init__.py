@@ -2,7 +2,8 @@
 
 Every script in scripts/ imports what it shares from here, never from another script, and the tests
 import it too (tests/conftest.py puts scripts/ on sys.path). Modules:
-  servers.py    server processes: free port, start, wait ready, restart, stop; the pair ours + mlx_lm.server
+  servers.py    server processes: free port, start, wait ready, restart, stop; the pair ours + mlx_lm.server,
+                and vllm-mlx from a scratch venv as a third
   clients.py    streamed chat requests timed to the first token
   reports.py    medians, results.json + report.md
   prompts.py    the benches' system prompts and questions
@@ -24,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # mlx_kvserve without an install (a GPU machine's plain python3)
 
-OURS, THEIRS = "mlx-kvserve", "mlx_lm.server"  # the server names in every results.json
+OURS, THEIRS, VLLM = "mlx-kvserve", "mlx_lm.server", "vllm-mlx"  # the server names in every results.json
 
 
 def default_model_dir() -> Path:

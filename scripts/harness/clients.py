@@ -8,10 +8,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import httpx
 
-from harness import OURS
+from harness import OURS, VLLM
 
 if TYPE_CHECKING:
     from harness.servers import Server
+
+# The servers that need the request's model named ("default"; vllm-mlx rejects a body without one);
+# mlx_lm.server would load a model by that name, so it gets none.
+NAMED_MODEL = {OURS, VLLM}
 
 
 class ChatReply(NamedTuple):
@@ -19,12 +23,13 @@ class ChatReply(NamedTuple):
     text: str
     cached_tokens: int | None  # as reported in usage, None when not reported
     completion_tokens: int
+    done_s: float = 0.0  # seconds to the last content piece (decode rate: tokens after the first over done - ttft)
 
 
 def stream_chat(server: Server, messages: list[dict], max_tokens: int, timeout_s: float = 600) -> ChatReply:
     """One streamed greedy chat completion, timed from the request to its first content token."""
     body = {
-        "model": "default" if server.name == OURS else None,
+        "model": "default" if server.name in NAMED_MODEL else None,
         "messages": messages,
         "max_tokens": max_tokens,
         "temperature": 0.0,
@@ -33,7 +38,7 @@ def stream_chat(server: Server, messages: list[dict], max_tokens: int, timeout_s
     }
     body = {k: v for k, v in body.items() if v is not None}
     start = time.perf_counter()
-    first, text, cached, completion = None, [], None, 0
+    first, last, text, cached, completion = None, 0.0, [], None, 0
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=timeout_s) as resp:
         resp.raise_for_status()
         for line in resp.iter_lines():
@@ -43,15 +48,16 @@ def stream_chat(server: Server, messages: list[dict], max_tokens: int, timeout_s
             for choice in chunk.get("choices") or []:
                 piece = (choice.get("delta") or {}).get("content")
                 if piece:
+                    last = time.perf_counter() - start
                     if first is None:
-                        first = time.perf_counter() - start
+                        first = last
                     text.append(piece)
             usage = chunk.get("usage")
             if usage:
                 cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
                 completion = usage.get("completion_tokens") or 0
     ttft = first if first is not None else time.perf_counter() - start
-    return ChatReply(ttft, "".join(text), cached, completion)
+    return ChatReply(ttft, "".join(text), cached, completion, last)
 
 
 def chat_ttft(server: Server, messages: list[dict], max_tokens: int = 8) -> tuple[float, str, int | None]:
@@ -77,7 +83,7 @@ def stream_turn(server: Server, messages: list[dict], tools: list[dict], max_tok
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    if server.name == OURS:
+    if server.name in NAMED_MODEL:
         body["model"] = "default"
     start = time.perf_counter()
     ttft, first, usage = None, "none", {}

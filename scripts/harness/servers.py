@@ -1,5 +1,6 @@
 """Server processes for the benches: a free port, start, wait until ready, restart, stop, and the pair
-every comparison runs (our server and mlx_lm.server on the same model, same BLAS)."""
+every comparison runs (our server and mlx_lm.server on the same model, same BLAS), with vllm-mlx as a
+third where a bench is given its executable."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from harness import OURS, ROOT, THEIRS, default_model_dir
+from harness import OURS, ROOT, THEIRS, VLLM, default_model_dir
 from harness.clients import chat_ttft
 from mlx_kvserve.blas import preload_env
 
@@ -65,8 +66,29 @@ def server_env() -> dict[str, str]:
     return preload_env(dict(os.environ, PYTHONUNBUFFERED="1"))
 
 
-def start_servers(model_dir: Path | None = None) -> list[Server]:
-    """Our server (fresh MLX_KVSERVE_HOME, default budgets) and mlx_lm.server, ready and warmed up."""
+def vllm_mlx_server(executable: str, model_dir: Path, home: Path, env: dict[str, str] | None = None) -> Server:
+    """vllm-mlx (`executable`: a scratch venv's `vllm-mlx`, 0.6.0 measured) serving `model_dir` as
+    "default" on a free port, continuous batching and its prefix cache on; started, not waited for.
+    `home` becomes its HOME: it saves its prefix cache under ~/.cache/vllm-mlx and loads it on start,
+    so a fresh one keeps first turns cold, as on the other servers."""
+    port = free_port()
+    cmd = [
+        executable,
+        "serve",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--continuous-batching",
+        "--enable-prefix-cache",
+        "--served-model-name",
+        "default",
+    ]
+    return Server(VLLM, cmd, port, dict(env or server_env(), HOME=str(home)), "/v1/models")
+
+
+def start_servers(model_dir: Path | None = None, vllm_mlx: str | None = None) -> list[Server]:
+    """Our server (fresh MLX_KVSERVE_HOME, default budgets) and mlx_lm.server, then vllm-mlx where its
+    executable is given (vllm_mlx_server), ready and warmed up."""
     model_dir = model_dir or default_model_dir()
     env = server_env()
     home = tempfile.mkdtemp(prefix="kvserve-bench-")
@@ -86,9 +108,11 @@ def start_servers(model_dir: Path | None = None) -> list[Server]:
         "/v1/models",
     )
     servers = [ours, theirs]
+    if vllm_mlx:
+        servers.append(vllm_mlx_server(vllm_mlx, model_dir, Path(tempfile.mkdtemp(prefix="vllm-mlx-home-")), env))
     try:
         for server in servers:
-            server.wait(server.ready_path)
+            server.wait(server.ready_path, timeout=600)
         for server in servers:
             chat_ttft(server, [{"role": "user", "content": "warm up"}], 4)  # first-use kernel compilation
     except BaseException:

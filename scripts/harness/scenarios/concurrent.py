@@ -1,5 +1,6 @@
 """bench_concurrent.py's measurement, which bench.py runs too: C clients at once, each on its own system
-prompt, then 8 at once on one shared prompt; and its report."""
+prompt, then 8 at once on one shared prompt; and its report (per turn; cold first turns' mean, p99 and max
+next to the later turns' mean; issue 26's targets as ratios ours / each peer)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import statistics
 import threading
 import time
 
+from harness import THEIRS, VLLM
 from harness.clients import stream_chat
 from harness.prompts import QUESTIONS, system_prompt
 from harness.servers import Server
@@ -14,13 +16,23 @@ from harness.servers import Server
 
 def chat(server: Server, messages: list[dict], max_tokens: int) -> tuple[float, str, int]:
     """(seconds to the first content token, text, completion tokens) of one streamed greedy chat."""
-    reply = stream_chat(server, messages, max_tokens, timeout_s=900)
+    reply = stream_chat(server, messages, max_tokens, timeout_s=1800)  # 16 cold ~2k-token prompts: minutes
     return reply.ttft_s, reply.text, reply.completion_tokens
 
 
 def p90(values: list[float]) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))]
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100), linear between the two nearest ranks (numpy's default): with C < 100
+    samples, p99 lies between the two largest."""
+    ordered = sorted(values)
+    pos = q / 100 * (len(ordered) - 1)
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
 def run_clients(server: Server, systems: list[str], turns: int, max_tokens: int) -> dict:
@@ -58,6 +70,8 @@ def run_clients(server: Server, systems: list[str], turns: int, max_tokens: int)
         "ttft": ttft,
         "ttft_mean": [statistics.mean(v) for v in ttft],
         "ttft_p90": [p90(v) for v in ttft],
+        "ttft_p99": [percentile(v, 99) for v in ttft],
+        "ttft_max": [max(v) for v in ttft],
         "completion_tokens": tokens[0],
         "wall_s": wall,
         "tokens_per_s": tokens[0] / wall,
@@ -67,40 +81,154 @@ def run_clients(server: Server, systems: list[str], turns: int, max_tokens: int)
 def scenario_concurrent(
     servers: list[Server], clients: list[int], turns: int, max_tokens: int, system_words: int
 ) -> dict:
-    """{server: {"C=<n>": run_clients(...), "shared8": run_clients(...)}} (each server alone)."""
+    """{server: {"C=<n>": run_clients(...), "shared8": run_clients(...)}} (each server alone). A case that
+    fails is {"error": why} and the run goes on: a peer that breaks under load is a finding, not a crash."""
     out: dict = {"clients": clients, "turns": turns, "max_tokens": max_tokens, "system_words": system_words}
     for server in servers:
         row = out.setdefault(server.name, {})
         for n in clients:
             stamp = time.time()
             systems = [system_prompt(f"{server.name}-{n}-{c}-{stamp}", system_words) for c in range(n)]
-            row[f"C={n}"] = run_clients(server, systems, turns, max_tokens)
-            print(server.name, f"C={n}", [round(v, 3) for v in row[f"C={n}"]["ttft_mean"]], flush=True)
+            row[f"C={n}"] = run_case(server, f"C={n}", systems, turns, max_tokens)
         shared = system_prompt(f"{server.name}-shared-{time.time()}", system_words)
-        row["shared8"] = run_clients(server, [shared] * 8, 1, max_tokens)
-        print(server.name, "shared8", round(row["shared8"]["ttft_mean"][0], 3), flush=True)
+        row["shared8"] = run_case(server, "shared8", [shared] * 8, 1, max_tokens)
     return out
 
 
+def run_case(server: Server, case: str, systems: list[str], turns: int, max_tokens: int) -> dict:
+    """run_clients(...), or {"error": why} (with the server's log) when a request failed."""
+    try:
+        result = run_clients(server, systems, turns, max_tokens)
+    except Exception as exc:
+        result = {"error": f"{type(exc).__name__}: {exc} (log {server.log.name})"}
+        print(server.name, case, result["error"], flush=True)
+        return result
+    print(server.name, case, [round(v, 3) for v in result["ttft_mean"]], flush=True)
+    return result
+
+
+# -- report ------------------------------------------------------------------------------------------
+
+MEASURES = {"later": "later turns, mean TTFT", "first": "first turn (cold), mean TTFT", "tokens_per_s": "tokens/s"}
+
+
+def target(measure: str, peer: str, clients: int) -> tuple[str, float] | None:
+    """Issue 26's bound on ours / `peer` for `measure` at `clients`, as (operator, bound); None where
+    the issue sets none (later turns vs mlx_lm.server and first turns are named at 4, 8 and 16 clients)."""
+    named = clients in (4, 8, 16)
+    if measure == "later" and peer == VLLM:
+        return ("<", 1.0)  # ahead of vllm-mlx at every C
+    if measure == "later" and named:
+        return ("<=", 0.5 if clients == 16 else 0.7)  # 16: more conversations than mlx_lm.server's 10 caches
+    if measure == "first" and peer == THEIRS and named:
+        return ("<=", 0.7)
+    if measure == "tokens_per_s" and named:
+        return (">=", 1.1)
+    return None
+
+
+def is_met(ratio: float, bound: tuple[str, float]) -> bool:
+    op, value = bound
+    return {"<": ratio < value, "<=": ratio <= value, ">=": ratio >= value}[op]
+
+
+def summary(case: dict) -> dict | None:
+    """{first, first_p99, first_max, later, tokens_per_s} of one run_clients result; None if it failed."""
+    if "error" in case:
+        return None
+    later = [t for turn in case["ttft"][1:] for t in turn]
+    return {
+        "first": case["ttft_mean"][0],
+        "first_p99": case["ttft_p99"][0],
+        "first_max": case["ttft_max"][0],
+        "later": statistics.mean(later) if later else None,
+        "tokens_per_s": case["tokens_per_s"],
+    }
+
+
+def ratio_cell(ours: float | None, theirs: float | None, bound: tuple[str, float] | None = None) -> str:
+    if not ours or not theirs:
+        return "-"
+    r = ours / theirs
+    verdict = "" if bound is None else " met" if is_met(r, bound) else " **missed**"
+    return f"{r:.2f}x{verdict}"
+
+
 def report_lines(result: dict, names: list[str]) -> list[str]:
+    """The report: per case and turn, TTFT mean / p90 per server and ours (names[0]) / each peer present
+    (mlx_lm.server, vllm-mlx); tokens/s; cold first turns' mean / p99 / max next to the later turns'
+    mean per server and C; issue 26's targets, met or missed; the cases that failed."""
+    ours, peers = names[0], [n for n in (THEIRS, VLLM) if n in names[1:]]
+    cases = [f"C={n}" for n in result["clients"]] + ["shared8"]
+    turns = {case: max(len(result[n][case].get("ttft_mean", [])) for n in names) for case in cases}
     lines = [
         f"Concurrent clients: own ~{result['system_words']}-word system prompts, {result['turns']} turns, "
-        f"{result['max_tokens']} tokens per reply; `shared8`: 8 clients at once on one cold system prompt.",
+        f"{result['max_tokens']} tokens per reply; `shared8`: 8 clients at once on one cold system prompt. "
+        "Servers one after the other; ratios are ours / peer (below 1: ours faster, for tokens/s above 1).",
         "",
         "| case | turn | "
         + " | ".join(f"{n} TTFT mean / p90 s" for n in names)
-        + " | ratio of means (theirs / ours) |",
-        "|---" * (len(names) + 3) + "|",
+        + "".join(f" | ours / {p}" for p in peers)
+        + " |",
+        "|---" * (len(names) + len(peers) + 2) + "|",
     ]
-    cases = [f"C={n}" for n in result["clients"]] + ["shared8"]
     for case in cases:
-        for turn in range(len(result[names[0]][case]["ttft_mean"])):
+        for turn in range(turns[case]):
+            runs = [result[n][case] for n in names]
             cells = [
-                f"{result[n][case]['ttft_mean'][turn]:.2f} / {result[n][case]['ttft_p90'][turn]:.2f}" for n in names
+                "failed" if "error" in r else f"{r['ttft_mean'][turn]:.2f} / {r['ttft_p90'][turn]:.2f}" for r in runs
             ]
-            ratio = result[names[-1]][case]["ttft_mean"][turn] / result[names[0]][case]["ttft_mean"][turn]
-            lines.append(f"| {case} | {turn + 1} | " + " | ".join(cells) + f" | {ratio:.2f}x |")
+            means = {n: r.get("ttft_mean", [None] * (turn + 1))[turn] for n, r in zip(names, runs, strict=True)}
+            ratios = [ratio_cell(means[ours], means[p]) for p in peers]
+            lines.append(f"| {case} | {turn + 1} | " + " | ".join(cells + ratios) + " |")
     lines += ["", "| case | " + " | ".join(f"{n} tokens/s" for n in names) + " |", "|---" * (len(names) + 1) + "|"]
     for case in cases:
-        lines.append(f"| {case} | " + " | ".join(f"{result[n][case]['tokens_per_s']:.1f}" for n in names) + " |")
+        cells = [f"{result[n][case]['tokens_per_s']:.1f}" if "error" not in result[n][case] else "-" for n in names]
+        lines.append(f"| {case} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Cold first turns (C requests each; p99 interpolated between the two largest) and later turns "
+        f"(turns 2-{result['turns']}), TTFT s:",
+        "",
+        "| clients | server | first turn mean | first turn p99 | first turn max | later turns mean | tokens/s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for n_clients in result["clients"]:
+        for name in names:
+            s = summary(result[name][f"C={n_clients}"])
+            if s is None:
+                lines.append(f"| {n_clients} | {name} | failed | | | | |")
+                continue
+            later = "-" if s["later"] is None else f"{s['later']:.2f}"
+            lines.append(
+                f"| {n_clients} | {name} | {s['first']:.2f} | {s['first_p99']:.2f} | {s['first_max']:.2f} | "
+                f"{later} | {s['tokens_per_s']:.1f} |"
+            )
+    lines += target_lines(result, ours, peers)
+    for name in names:
+        for case in cases:
+            if "error" in result[name][case]:
+                lines.append(f"- {name} {case} failed: {result[name][case]['error']}")
+    return lines
+
+
+def target_lines(result: dict, ours: str, peers: list[str]) -> list[str]:
+    """Issue 26's targets as ratios ours / each peer per C, each marked met or missed where one is set."""
+    lines = [
+        "",
+        "Issue 26's targets (later turns <= 0.7x `mlx_lm.server` at 4 and 8 clients, <= 0.5x at 16, below 1x "
+        "vllm-mlx at every C; first turn <= 0.7x `mlx_lm.server`; tokens/s >= 1.1x both peers):",
+        "",
+        "| clients | measure | " + " | ".join(f"ours / {p}" for p in peers) + " |",
+        "|---|---" + "|---" * len(peers) + "|",
+    ]
+    for n_clients in result["clients"]:
+        mine = summary(result[ours][f"C={n_clients}"])
+        for measure, label in MEASURES.items():
+            cells = []
+            for peer in peers:
+                theirs = summary(result[peer][f"C={n_clients}"])
+                bound = target(measure, peer, n_clients)
+                cells.append(ratio_cell(mine and mine[measure], theirs and theirs[measure], bound))
+            lines.append(f"| {n_clients} | {label} | " + " | ".join(cells) + " |")
     return lines

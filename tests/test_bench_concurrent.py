@@ -1,0 +1,148 @@
+"""scripts/bench_concurrent.py's measurement and report without a model: vllm-mlx's command, C = 16
+clients, the cold first turns' p99 / max and issue 26's targets, against fake OpenAI-style servers
+(vllm-mlx is not installed here; full runs: docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from harness import OURS, THEIRS, VLLM
+from harness.scenarios import concurrent
+from harness.servers import Server, free_port, stop_servers, vllm_mlx_server
+
+# A streaming /v1/chat/completions stand-in. Like vllm-mlx it rejects a body without a model; with
+# --reject-model it rejects one with a model, as mlx_lm.server would try to load a model by that name.
+# It writes its argv and HOME to $HOME/argv.json.
+FAKE_SERVER = """
+import json, os, sys, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+argv = sys.argv[1:]
+home = os.environ["HOME"]
+os.makedirs(home, exist_ok=True)
+with open(os.path.join(home, "argv.json"), "w") as f:
+    json.dump({"argv": argv, "home": home}, f)
+
+
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b'{"data": []}')
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if ("model" in body) == ("--reject-model" in argv):
+            self.send_response(422)
+            self.end_headers()
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        n = body["max_tokens"]
+        for i in range(n):
+            time.sleep(0.002)
+            chunk = {"choices": [{"index": 0, "delta": {"content": f" w{i}"}}]}
+            self.wfile.write(f"data: {json.dumps(chunk)}\\n\\n".encode())
+        usage = {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": n}}
+        self.wfile.write(f"data: {json.dumps(usage)}\\n\\ndata: [DONE]\\n\\n".encode())
+
+
+ThreadingHTTPServer(("127.0.0.1", int(argv[argv.index("--port") + 1])), Handler).serve_forever()
+"""
+
+
+@pytest.fixture
+def fake_server(tmp_path) -> Path:
+    path = tmp_path / "fake-server"
+    path.write_text(f"#!{sys.executable}\n{FAKE_SERVER}")
+    path.chmod(0o755)
+    return path
+
+
+def fake(name: str, script: Path, home: Path, *extra: str) -> Server:
+    port = free_port()
+    cmd = [str(script), "serve", "model", "--port", str(port), *extra]
+    return Server(name, cmd, port, dict(os.environ, HOME=str(home)), "/v1/models")
+
+
+def test_three_servers_sixteen_clients_and_the_report(fake_server, tmp_path):
+    vllm = vllm_mlx_server(str(fake_server), tmp_path / "model", tmp_path / "vllm-home")
+    servers = [
+        fake(OURS, fake_server, tmp_path / "ours"),
+        fake(THEIRS, fake_server, tmp_path / "theirs", "--reject-model"),
+        vllm,
+    ]
+    try:
+        for server in servers:
+            server.wait(server.ready_path, timeout=30)
+        result = concurrent.scenario_concurrent(servers, [1, 16], 2, 4, 20)
+    finally:
+        stop_servers(servers)
+    # vllm-mlx as bench_claude_session runs it: batching and prefix cache on, "default", a fresh HOME
+    started = json.loads((tmp_path / "vllm-home" / "argv.json").read_text())
+    assert started["argv"][:2] == ["serve", str(tmp_path / "model")]
+    assert {"--continuous-batching", "--enable-prefix-cache"} <= set(started["argv"])
+    assert started["argv"][started["argv"].index("--served-model-name") + 1] == "default"
+    for name in (OURS, THEIRS, VLLM):
+        run = result[name]["C=16"]
+        assert "error" not in run, run
+        assert [len(turn) for turn in run["ttft"]] == [16, 16]
+        assert run["completion_tokens"] == 16 * 2 * 4
+        first = sorted(run["ttft"][0])
+        assert first[-2] <= run["ttft_p99"][0] <= run["ttft_max"][0] == first[-1]
+    lines = concurrent.report_lines(result, [s.name for s in servers])
+    assert "| case | turn | mlx-kvserve TTFT mean / p90 s | mlx_lm.server TTFT mean / p90 s | " in lines[2]
+    assert lines[2].endswith("| ours / mlx_lm.server | ours / vllm-mlx |")
+    assert sum(line.startswith("| 16 | ") for line in lines) == 3 + 3  # a row per server, per measure
+    assert any(line.startswith("| 16 | later turns, mean TTFT | ") for line in lines)
+
+
+def case(ttft: list[list[float]], tokens_per_s: float) -> dict:
+    return {
+        "ttft": ttft,
+        "ttft_mean": [sum(t) / len(t) for t in ttft],
+        "ttft_p90": [max(t) for t in ttft],
+        "ttft_p99": [concurrent.percentile(t, 99) for t in ttft],
+        "ttft_max": [max(t) for t in ttft],
+        "tokens_per_s": tokens_per_s,
+    }
+
+
+def test_the_targets_are_ratios_ours_over_each_peer_and_a_failed_peer_is_reported():
+    result = {"clients": [4, 16], "turns": 2, "max_tokens": 16, "system_words": 300}
+    result[OURS] = {
+        "C=4": case([[6.0, 8.0, 10.0, 12.0], [1.0, 1.0, 1.0, 1.0]], 5.5),
+        "C=16": case([[10.0] * 16, [3.0] * 16], 4.0),
+        "shared8": case([[2.0] * 8], 3.0),
+    }
+    result[THEIRS] = {
+        "C=4": case([[20.0] * 4, [2.0] * 4], 5.0),
+        "C=16": case([[20.0] * 16, [5.0] * 16], 4.0),
+        "shared8": case([[9.0] * 8], 1.0),
+    }
+    result[VLLM] = {
+        "C=4": case([[9.0] * 4, [0.5] * 4], 4.0),
+        "C=16": {"error": "ReadTimeout: timed out (log /tmp/x.log)"},
+        "shared8": case([[9.0] * 8], 1.0),
+    }
+    lines = concurrent.report_lines(result, [OURS, THEIRS, VLLM])
+    # first turn at C=4: mean 9, p99 between the two largest, max 12
+    assert "| 4 | mlx-kvserve | 9.00 | 11.94 | 12.00 | 1.00 | 5.5 |" in lines
+    assert "| 4 | later turns, mean TTFT | 0.50x met | 2.00x **missed** |" in lines
+    assert "| 4 | first turn (cold), mean TTFT | 0.45x met | 1.00x |" in lines
+    assert "| 4 | tokens/s | 1.10x met | 1.38x met |" in lines
+    assert "| 16 | later turns, mean TTFT | 0.60x **missed** | - |" in lines  # 16 clients: <= 0.5x
+    assert "| 16 | vllm-mlx | failed | | | | |" in lines
+    assert "| C=16 | 1 | 10.00 / 10.00 | 20.00 / 20.00 | failed | 0.50x | - |" in lines
+    assert lines[-1] == "- vllm-mlx C=16 failed: ReadTimeout: timed out (log /tmp/x.log)"
+    # bench.py's two-server form: one ratio column
+    two = concurrent.report_lines({k: v for k, v in result.items() if k != VLLM}, [OURS, THEIRS])
+    assert "| 4 | tokens/s | 1.10x met |" in two
