@@ -14,6 +14,7 @@ class P:
     req: str
     started: float
     seq: int
+    passed_at: float | None = None
 
 
 def test_cached_first_picks_the_fewest_uncached_tokens():
@@ -22,13 +23,26 @@ def test_cached_first_picks_the_fewest_uncached_tokens():
     assert StartOrder("cached_first", 5.0).pick(pending, uncached, now=1.0).req == "warmer"
 
 
-def test_a_request_past_the_bound_goes_first_oldest_first():
-    pending = [P("cold-a", 0.0, 1), P("cold-b", 1.0, 2), P("warm", 5.5, 3)]
-    uncached = {"cold-a": 2000, "cold-b": 1000, "warm": 10}.get
+def test_a_request_passed_over_for_the_bound_goes_first_oldest_first():
+    pending = [P("cold-a", 0.0, 1), P("cold-b", 1.0, 2), P("warm", 5.5, 3), P("warmer", 5.6, 4)]
+    uncached = {"cold-a": 2000, "cold-b": 1000, "warm": 10, "warmer": 5}.get
     order = StartOrder("cached_first", 5.0)
-    assert order.pick(pending, uncached, now=5.9).req == "cold-a"  # waited 5.9 s
-    assert order.pick(pending[1:], uncached, now=5.9).req == "warm"  # cold-b waited only 4.9 s
-    assert order.pick(pending[1:], uncached, now=6.0).req == "cold-b"
+    pick = order.pick(pending, uncached, now=6.0)
+    assert pick.req == "warmer"  # the colds waited 5-6 s, but for room, not because of the order
+    rest = [p for p in pending if p is not pick]
+    order.passed(rest, pick, now=6.0)
+    assert [p.passed_at for p in rest] == [6.0, 6.0, 6.0]  # every earlier arrival was passed
+    assert order.pick(rest, uncached, now=10.9).req == "warm"  # passed over for 4.9 s: not yet
+    assert order.pick(rest, uncached, now=11.0).req == "cold-a"  # 5 s: oldest first
+    assert order.overdue(rest[0], 11.0) and not order.overdue(P("new", 10.0, 9), 11.0)
+
+
+def test_a_later_pick_does_not_reset_the_time_passed_over():
+    order = StartOrder("cached_first", 5.0)
+    cold, warm1, warm2 = P("cold", 0.0, 1), P("w1", 1.0, 2), P("w2", 3.0, 3)
+    order.passed([cold], warm1, now=1.0)
+    order.passed([cold], warm2, now=3.0)
+    assert cold.passed_at == 1.0
 
 
 def test_fifo_keeps_arrival_order():
@@ -78,3 +92,38 @@ def test_scheduler_starts_the_cached_request_first_and_outputs_match(tiny_model_
     fifo_firsts, fifo_outs = run(StartOrder("fifo"))
     assert fifo_firsts[0] == "cold0"
     assert outs == fifo_outs and len(outs) == 3
+
+
+def test_a_cold_request_waiting_for_room_does_not_jump_a_cached_one(tiny_model_dir):
+    """The batch is full (max_batch 1) while a cold request waits, longer than the bound; a cached
+    request arrives; when room frees, the cached one starts first (the cold one waited for room, no
+    one passed it); the cold one is now passed and starts next."""
+    import time
+
+    model, tokenizer = load(str(tiny_model_dir))
+    bs = 16
+    text = " ".join(f"Note {i}: the orchard row {i} has {i * 5} apple trees by the old wall." for i in range(40))
+    other = " ".join(f"Log {i}: the ferry left pier {i} at {i + 2} pm." for i in range(40))
+    warm_prompt = tokenizer.encode(text)[: 6 * bs]
+    gen = make_generator(model, tokenizer, bs)
+    sched = gen.scheduler
+    sched.order, sched.max_batch = StartOrder("cached_first", 0.05), 1
+    gen.run(GenerationRequest("seed", warm_prompt + tokenizer.encode(" Why?"), SamplingParams(max_tokens=2), lambda e: None))
+    firsts: list[str] = []
+
+    def sink(name):
+        return lambda event: firsts.append(name) if name not in firsts else None
+
+    busy = GenerationRequest("busy", tokenizer.encode(other)[:40], SamplingParams(max_tokens=8), sink("busy"))
+    sched.admit(busy)
+    sched.step()  # busy is in the batch: no room
+    sched.admit(
+        GenerationRequest("cold", tokenizer.encode(other)[50 : 50 + 8 * bs], SamplingParams(max_tokens=2), sink("cold"))
+    )
+    time.sleep(0.1)  # the cold one waits past the bound, for room
+    sched.admit(
+        GenerationRequest("warm", warm_prompt + tokenizer.encode(" Row 3?"), SamplingParams(max_tokens=2), sink("warm"))
+    )
+    while sched.has_work:
+        sched.step()
+    assert firsts == ["busy", "warm", "cold"]

@@ -50,6 +50,7 @@ class Pending:
     req: GenerationRequest
     started: float  # when it reached the scheduler (perf_counter)
     seq: int  # arrival order
+    passed_at: float | None = None  # when a later request first started ahead of it (engine/order.py)
 
 
 @dataclass
@@ -62,5 +63,5 @@ class SchedulerStats:
     decode_s: float = 0.0
     steps: int = 0
     shared_prefix_waits: int = 0  # requests that waited for another's prompt blocks
-    overdue_starts: int = 0  # requests started first because they waited past the bound
+    overdue_starts: int = 0  # requests started first because later ones had passed them for the bound
     max_wait_s: float = 0.0  # the longest any request waited to start (arrival to batch)

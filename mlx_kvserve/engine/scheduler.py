@@ -144,11 +144,12 @@ class Scheduler:
         """Start pending requests, in the order's choice, while the batch has room and fewer than
         prefill_batch_size requests prefill."""
         while self._pending and self.num_started < self.max_batch and self.num_prefilling < self.prefill_batch_size:
-            pick = self.order.pick(self._pending, self._uncached_tokens, time.perf_counter())
+            now = time.perf_counter()
+            pick = self.order.pick(self._pending, self._uncached_tokens, now)
             self._pending.remove(pick)
-            waited = time.perf_counter() - pick.started
-            self.stats.max_wait_s = max(self.stats.max_wait_s, waited)
-            self.stats.overdue_starts += waited >= self.order.max_wait_s
+            self.order.passed(self._pending, pick, now)
+            self.stats.max_wait_s = max(self.stats.max_wait_s, now - pick.started)
+            self.stats.overdue_starts += self.order.overdue(pick, now)
             self._begin(pick.req, pick.started)
 
     def _uncached_tokens(self, req: GenerationRequest) -> int:
