@@ -104,7 +104,10 @@ def test_a_changed_table_is_caught(tmp_path):
     head = json.loads(pristine[8 : 8 + length])
     first, second = slots[0], slots[1]
     edits = [
-        [first._replace(shape=(first.shape[0], -1 + 1 + first.shape[1] * first.shape[2], 1, first.shape[3])), *slots[1:]],
+        [
+            first._replace(shape=(first.shape[0], -1 + 1 + first.shape[1] * first.shape[2], 1, first.shape[3])),
+            *slots[1:],
+        ],
         [first._replace(offset=second.offset), second._replace(offset=first.offset), *slots[2:]],
     ]
     for edited in edits:

@@ -108,7 +108,9 @@ def test_a_cold_request_waiting_for_room_does_not_jump_a_cached_one(tiny_model_d
     gen = make_generator(model, tokenizer, bs)
     sched = gen.scheduler
     sched.order, sched.max_batch = StartOrder("cached_first", 0.05), 1
-    gen.run(GenerationRequest("seed", warm_prompt + tokenizer.encode(" Why?"), SamplingParams(max_tokens=2), lambda e: None))
+    gen.run(
+        GenerationRequest("seed", warm_prompt + tokenizer.encode(" Why?"), SamplingParams(max_tokens=2), lambda e: None)
+    )
     firsts: list[str] = []
 
     def sink(name):

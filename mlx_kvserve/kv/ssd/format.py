@@ -35,7 +35,9 @@ from ...safe_files import open_regular, regular_path
 from .writeback import start_writeback
 
 FORMAT_MAGIC = "mlx-kvserve-block"
-FORMAT_VERSION = 3  # 3: one payload array; 2: an array per layer side, xxh3-128; 1: blake3. Others are deleted at startup
+FORMAT_VERSION = (
+    3  # 3: one payload array; 2: an array per layer side, xxh3-128; 1: blake3. Others are deleted at startup
+)
 BLOCK_SUFFIX = ".safetensors"
 TEMP_SUFFIX = ".tmp.safetensors"  # mx.save_safetensors appends ".safetensors" to any other name
 _MAX_HEADER_BYTES = 16 * 1024 * 1024
@@ -360,9 +362,7 @@ def payload_arrays(header: BlockHeader, payload: mx.array) -> dict[str, mx.array
     slots = decode_table(header.table)
     if (slots[-1].offset + slots[-1].nbytes if slots else 0) != payload.size:
         raise FormatError("array table does not match the payload's size")
-    return {
-        s.name: payload[s.offset : s.offset + s.nbytes].view(_DTYPES[s.dtype]).reshape(s.shape) for s in slots
-    }
+    return {s.name: payload[s.offset : s.offset + s.nbytes].view(_DTYPES[s.dtype]).reshape(s.shape) for s in slots}
 
 
 def read_block_host(path: Path, namespace: bytes, block_hash: bytes) -> tuple[BlockHeader, np.ndarray]:
