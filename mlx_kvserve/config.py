@@ -115,10 +115,12 @@ class GenerationConfig:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    # Speculative decoding for a greedy request decoding alone (engine/speculative.py): "auto" and
-    # "prompt_lookup" draft from the prompt and output (n-gram lookup) where it pays; "off" never.
+    # Speculative decoding for a request decoding alone (engine/speculative.py): "prompt_lookup"
+    # drafts from the prompt and output (n-gram lookup), "draft" with draft_model, "auto" with
+    # draft_model when one is set, else by prompt lookup; where it pays. "off" never.
     mode: str = "auto"
     max_draft_tokens: int = 8  # the most tokens drafted per verify pass; 0 = off
+    draft_model: str = ""  # a small model with the same tokenizer (as model.path); "" = none
 
 
 @dataclass(frozen=True)
@@ -372,8 +374,9 @@ def validate(config: Config) -> Config:
     _check(v.fetch_timeout_s > 0, "vision.fetch_timeout_s", "must be > 0")
     _check(v.encoder_cache_bytes >= 0, "vision.encoder_cache_bytes", "must be >= 0 (0: off)")
     sp = config.speculative
-    modes = ("auto", "off", "prompt_lookup")
+    modes = ("auto", "off", "prompt_lookup", "draft")
     _check(sp.mode in modes, "speculative.mode", f"must be one of {', '.join(modes)}")
+    _check(sp.mode != "draft" or bool(sp.draft_model), "speculative.mode", '"draft" needs speculative.draft_model')
     _check(0 <= sp.max_draft_tokens <= 64, "speculative.max_draft_tokens", "must be 0..64 (0 = off)")
     return config
 

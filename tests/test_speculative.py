@@ -1,6 +1,7 @@
 """Speculative decoding (engine/speculative.py): a greedy request decoding alone with prompt-lookup
 drafts gives exactly the tokens, text, logprobs and finish reason it gives without them; stop
-strings, max_tokens, cancellation and a request joining mid-speculation included."""
+strings, max_tokens, cancellation and a request joining mid-speculation included. Draft models and
+sampled requests: tests/test_speculative_draft.py."""
 
 from __future__ import annotations
 
@@ -148,11 +149,13 @@ def test_request_joining_mid_speculation_gets_the_same_output(smollm):
     assert sched.speculation.stats.rejoins == 1
 
 
-def test_refused_for_sampled_constrained_and_per_request_off():
+def test_which_requests_may_speculate():
     spec = Speculator(None, {0}, "auto", 4)
     assert spec.wants(SamplingParams(max_tokens=4))
-    assert not spec.wants(SamplingParams(max_tokens=4, temperature=0.7))
-    assert not spec.wants(SamplingParams(max_tokens=4, json_schema={"type": "object"}))
+    assert spec.wants(SamplingParams(max_tokens=4, temperature=0.7))  # sampled: engine/spec_sampling.py
+    assert not spec.wants(SamplingParams(max_tokens=4, presence_penalty=0.5))
+    assert not spec.wants(SamplingParams(max_tokens=4, json_schema={"type": "object"}))  # no tokenizer: no grammar
+    assert Speculator(None, {0}, "auto", 4, tokenizer=object()).wants(SamplingParams(max_tokens=4, grammar="x"))
     assert not spec.wants(SamplingParams(max_tokens=4, speculative="off"))
     assert not Speculator(None, {0}, "off", 4).wants(SamplingParams(max_tokens=4))
     assert Speculator(None, {0}, "off", 4).wants(SamplingParams(max_tokens=4, speculative="prompt_lookup"))

@@ -38,6 +38,7 @@ class Grammars:
         import llguidance.hf
 
         self._tokenizer = llguidance.hf.from_tokenizer(getattr(tokenizer, "_tokenizer", tokenizer))
+        self.vocab_size = self._tokenizer.vocab_size  # the width of its masks
 
     @staticmethod
     def _grammar(schema: dict[str, Any]) -> str:
@@ -70,18 +71,24 @@ class Grammars:
         """Why this Lark grammar cannot be enforced ("" when it can)."""
         return self._validate(self._lark, text)
 
-    def processor(self, schema: dict[str, Any] | None = None, lark: str | None = None) -> Any:
+    def matcher(self, schema: dict[str, Any] | None = None, lark: str | None = None) -> Any:
+        """A fresh llguidance matcher for `schema` (or the Lark grammar `lark`): one request's
+        state (the speculative path checks drafts with it: engine/spec_grammar.py)."""
+        import llguidance
+
+        return llguidance.LLMatcher(self._tokenizer, self._grammar(schema) if lark is None else self._lark(lark))
+
+    def processor(self, schema: dict[str, Any] | None = None, lark: str | None = None, matcher: Any = None) -> Any:
         """A logits processor (tokens, logits) -> logits enforcing `schema` (or the Lark grammar
-        `lark`) for one request."""
-        return _SchemaProcessor(self._tokenizer, self._grammar(schema) if lark is None else self._lark(lark))
+        `lark`) for one request; or continuing `matcher` (what it consumed counts as generated)."""
+        return _SchemaProcessor(self._tokenizer, matcher if matcher is not None else self.matcher(schema, lark))
 
 
 class _SchemaProcessor:
-    def __init__(self, tokenizer: Any, grammar: str):
-        import llguidance
+    def __init__(self, tokenizer: Any, matcher: Any):
         import llguidance.numpy
 
-        self._matcher = llguidance.LLMatcher(tokenizer, grammar)
+        self._matcher = matcher
         self._fill = llguidance.numpy.fill_next_token_bitmask
         self._mask = llguidance.numpy.allocate_token_bitmask(1, tokenizer.vocab_size)
         self._vocab = tokenizer.vocab_size

@@ -24,6 +24,7 @@ from .build import build_stack, prefill_step
 from .cache_admin import CacheAdmin
 from .constrain import grammars_for
 from .distributed import BroadcastAdmin, DistributedWorker, World
+from .draft_model import load_draft
 from .front_prefill import SPEEDS_FILE
 from .generate import Generator
 from .order import StartOrder
@@ -70,7 +71,8 @@ class Engine:
         self.vision = build_runtime(loaded.vision, config) if getattr(loaded, "vision", None) is not None else None
         self.generator.scheduler.vision = self.vision
         # Speculative decoding (engine/speculative.py): text models on one machine (ranks measure
-        # their own pass times, and their adaptive choices must not differ).
+        # their own pass times, and their adaptive choices must not differ). [speculative]
+        # draft_model is loaded here (ConfigError when its tokenizer is not this model's).
         self.speculation = (
             build_speculator(
                 loaded.model,
@@ -78,6 +80,7 @@ class Engine:
                 self.prefix_cache.layout,
                 config.speculative.mode,
                 config.speculative.max_draft_tokens,
+                load_draft(config, loaded.tokenizer),
             )
             if world is None and self.vision is None
             else None

@@ -1,6 +1,6 @@
-"""The scheduler's speculative path (engine/speculative.py): a greedy request alone in the batch
-leaves mlx-lm's batch and decodes by prompt-lookup drafts verified k at a time on its own cache;
-it goes back into the batch as soon as another request is admitted. Functions of the Scheduler
+"""The scheduler's speculative path (engine/speculative.py): a request alone in the batch leaves
+mlx-lm's batch and decodes by drafts (prompt lookup or a draft model) verified k at a time on its
+own cache; it goes back into the batch as soon as another request is admitted. Functions of the Scheduler
 (they drive its batch and its per-token path), kept apart so scheduler.py stays one job."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import time
 from typing import TYPE_CHECKING
 
 from .batch_state import Running
+from .spec_sampling import resumed_sampler
 
 if TYPE_CHECKING:
     from .scheduler import Scheduler
@@ -19,7 +20,7 @@ log = logging.getLogger(__name__)
 
 def speculate(self: Scheduler) -> bool:
     """Decode a request that runs alone on the speculative path: one verify pass, True when it
-    ran (the batch does not step). A greedy request alone in the batch, its first token out,
+    ran (the batch does not step). A request alone in the batch, its first token out,
     leaves the batch for it; it goes back as soon as another request is admitted."""
     spec = self.speculation
     assert spec is not None
@@ -29,7 +30,8 @@ def speculate(self: Scheduler) -> bool:
         if run is None or not (run.prompt_registered and run.generated and spec.wants(run.req.params)):
             return False
         cache, tokens = self._generator().remove([run.uid], return_prompt_caches=True)[run.uid]
-        self._guard(run, spec.begin, run, cache, list(tokens), len(run.generated), run.req.params.max_tokens)
+        params, prompt_len = run.req.params, len(run.req.prompt_tokens)
+        self._guard(run, spec.begin, run, cache, list(tokens), len(run.generated), params, prompt_len)
         if spec.solo is None:  # it failed
             return True
     else:
@@ -54,18 +56,22 @@ def speculate(self: Scheduler) -> bool:
                 break
             self._guard(run, self._on_token, run, token)
     if spec.solo is not None and self._running.get(run.uid) is not run:  # it failed
-        spec.end()
+        spec.end(failed=True)
     return True
 
 
 def rejoin(self: Scheduler, run: Running) -> None:
-    """Put the request decoding alone back into the batch, where its last token goes next."""
+    """Put the request decoding alone back into the batch, where its last token goes next (a
+    seeded sampler resumes its key chain at the next position)."""
     assert self.speculation is not None
     solo = self.speculation.end()
     self.speculation.stats.rejoins += 1
+    params = run.req.params
     (uid,) = self._generator().insert_segments(
         [[solo.seq[-1:]]],
-        max_tokens=[run.req.params.max_tokens - solo.num_generated],
+        max_tokens=[params.max_tokens - solo.num_generated],
+        samplers=[run.fault.sampler(resumed_sampler(params, solo.num_generated))],
+        logits_processors=[[run.fault.processor(solo.grammar.processor())]] if solo.grammar is not None else None,
         caches=[solo.cache],
         all_tokens=[solo.kv_tokens],
         stop_sequences=[self._eos],

@@ -1,22 +1,23 @@
-"""Speculative decoding for a request that decodes alone (prompt lookup), on the worker thread.
+"""Speculative decoding for a request that decodes alone, on the worker thread.
 
 mlx-lm's BatchGenerator steps every row by one token, so it cannot verify k drafted tokens per row.
 While one request runs alone (nothing else in the batch, waiting or pending: the local single-user
 case, where decode is the bottleneck) the scheduler takes its KV out of the batch and hands it to
-`Speculator`, which decodes it on its plain per-request cache: draft k tokens from the longest
-recent n-gram match in prompt + output (`PromptLookup`), run the last token and the k drafts through
-the model in one forward pass, keep the longest prefix the target itself would have produced
-(argmax at each position), then trim the cache's rejected positions. When another request arrives
-the scheduler puts the request back into the batch (`rejoin`).
+`Speculator`, which decodes it on its plain per-request cache: draft k tokens, either from the
+longest recent n-gram match in prompt + output (`PromptLookup`) or with a small draft model of the
+same tokenizer (engine/draft_model.py), run the last token and the k drafts through the model in one
+forward pass, keep the longest prefix the request's sampler accepts (engine/spec_sampling.py:
+greedy, or the speculative-sampling rule), then trim the cache's rejected positions. When another
+request arrives the scheduler puts the request back into the batch (`rejoin`).
 
-Greedy only: a greedy request's tokens are the target's argmax at every position, with or without
-drafts. Sampled, constrained (json_schema / grammar), penalised or logit_bias requests stay on the
+Greedy and sampled requests alike; constrained ones (json_schema / tool grammar) have their drafts
+checked against the grammar (engine/spec_grammar.py). Penalised or logit_bias requests stay on the
 batch path; so do layouts whose cache cannot be rewound: recurrent layers (no checkpoint per
 position), sliding windows (a rotated window cannot be trimmed) and rounded KV (cache.kv_bits).
 
 `AdaptiveDepth` picks k per verify pass (0 = a plain one-token step): the expected tokens a pass
-yields, from the request's acceptance rate, over the measured cost of a pass that wide, against the
-measured cost of a one-token step.
+yields, from the request's acceptance rate, over the measured cost of a pass that wide (drafting
+included), against the measured cost of a one-token step; one table per kind of drafter.
 """
 
 from __future__ import annotations
@@ -27,9 +28,14 @@ from typing import Any, NamedTuple
 
 import mlx.core as mx
 
+from .constrain import grammars_for
+from .draft_model import DraftModel, DraftRun
 from .request import SamplingParams
+from .spec_grammar import DraftGrammar
+from .spec_sampling import Acceptance
 
-MODES = ("auto", "off", "prompt_lookup")
+MODES = ("auto", "off", "prompt_lookup", "draft")
+PROMPT_LOOKUP, DRAFT = "prompt_lookup", "draft"
 MARGIN = 0.1  # a pass with drafts must promise this much more than a plain step: measured costs are noisy
 
 
@@ -44,6 +50,8 @@ class SpeculationStats:
     accepted_tokens: int = 0  # of those, kept (the target agreed)
     tokens: int = 0  # tokens the speculative path produced
     seconds: float = 0.0  # time in its forward passes
+    draft_cached_tokens: int = 0  # prompt tokens the draft model found in its block cache when a request went solo
+    draft_prefill_tokens: int = 0  # tokens the draft model prefilled then
 
 
 class SoloToken(NamedTuple):
@@ -120,15 +128,28 @@ class AdaptiveDepth:
 
 
 class SoloRun:
-    """One request decoding alone: `cache` holds the KV of `seq[:-1]`; `seq[-1]` is the next input."""
+    """One request decoding alone: `cache` holds the KV of `seq[:-1]`; `seq[-1]` is the next input.
+    `drafter`: its PromptLookup, or its draft model's run (`kind` says which)."""
 
-    def __init__(self, key: Any, cache: list[Any], tokens: list[int], num_generated: int, max_tokens: int):
+    def __init__(
+        self,
+        key: Any,
+        cache: list[Any],
+        tokens: list[int],
+        num_generated: int,
+        max_tokens: int,
+        params: SamplingParams,
+        drafter: PromptLookup | DraftRun,
+    ):
         self.key = key  # the scheduler's handle on the request
         self.cache = cache
         self.seq = list(tokens)
         self.num_generated = num_generated  # tokens sampled so far (eos included), as the batch counts them
         self.max_tokens = max_tokens
-        self.drafter = PromptLookup()
+        self.drafter = drafter
+        self.kind = DRAFT if isinstance(drafter, DraftRun) else PROMPT_LOOKUP
+        self.acceptance = Acceptance(params, num_generated)
+        self.grammar: DraftGrammar | None = None  # a constrained request's matcher
         self.accepted = 0.0  # decayed counts behind the acceptance rate
         self.rejected = 0.0
 
@@ -137,21 +158,44 @@ class SoloRun:
         """The tokens whose KV `cache` holds."""
         return self.seq[:-1]
 
+    def propose(self, k: int) -> tuple[mx.array, list[int] | None]:
+        """Up to k drafts: (tokens to feed, as an array, lazily for a draft model; the list when known)."""
+        if isinstance(self.drafter, DraftRun):
+            return self.drafter.propose(self.seq, k, self.acceptance), None
+        draft = self.drafter.propose(self.seq, k)
+        return mx.array(draft, mx.uint32), draft
+
 
 class Speculator:
     """The speculative path of one scheduler: which requests may take it, and their verify passes.
-    One request at a time (`solo`). Raises only what the model's forward pass raises."""
+    One request at a time (`solo`). Raises only what the models' forward passes raise."""
 
-    def __init__(self, model: Any, eos_ids: set[int], mode: str = "auto", max_draft_tokens: int = 8):
+    def __init__(
+        self,
+        model: Any,
+        eos_ids: set[int],
+        mode: str = "auto",
+        max_draft_tokens: int = 8,
+        draft: DraftModel | None = None,
+        tokenizer: Any = None,
+    ):
         if mode not in MODES:
             raise ValueError(f"speculative mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.model = model
         self.eos_ids = set(eos_ids)
         self.mode = mode
-        self.depth = AdaptiveDepth(max_draft_tokens)
+        self.draft = draft
+        self.tokenizer = tokenizer  # for constrained requests' grammars (None: they stay on the batch path)
+        # Pass costs per kind of drafter: a draft model's passes include its k draft steps.
+        self.depths = {PROMPT_LOOKUP: AdaptiveDepth(max_draft_tokens), DRAFT: AdaptiveDepth(max_draft_tokens)}
         self.stats = SpeculationStats()
         self.solo: SoloRun | None = None
         self.refused = ""  # why this model's layout cannot be rewound ("" = it can)
+
+    @property
+    def depth(self) -> AdaptiveDepth:
+        """The prompt-lookup depth (the draft model's: depths[DRAFT])."""
+        return self.depths[PROMPT_LOOKUP]
 
     def refuse_layout(self, layout: Any) -> None:
         """Turn speculation off for a cache layout that cannot be rewound (see the module docstring)."""
@@ -162,32 +206,62 @@ class Speculator:
         elif getattr(layout, "kv_bits", 0):
             self.refused = "cache.kv_bits: the batch's rounding cache does not survive extraction"
 
+    def kind(self, params: SamplingParams) -> str:
+        """The drafter a request with these settings gets: DRAFT, PROMPT_LOOKUP or "" (none):
+        "auto" takes the draft model when one is loaded; "draft" without one decodes plainly."""
+        mode = params.speculative or self.mode
+        if mode == DRAFT or (mode == "auto" and self.draft is not None):
+            return DRAFT if self.draft is not None else ""
+        return PROMPT_LOOKUP if mode in ("auto", PROMPT_LOOKUP) else ""
+
     def wants(self, params: SamplingParams) -> bool:
         """Whether a request with these settings may decode on the speculative path."""
-        mode = params.speculative or self.mode
         return (
             not self.refused
-            and mode in ("auto", "prompt_lookup")
+            and bool(self.kind(params))
             and self.depth.max_depth > 0
-            and params.temperature == 0
-            and not params.constrained
+            and (self.tokenizer is not None or not params.constrained)
             and not params.logit_bias
             and not (params.presence_penalty or params.frequency_penalty)
         )
 
-    def begin(self, key: Any, cache: list[Any], tokens: list[int], num_generated: int, max_tokens: int) -> None:
-        """Take over a request whose `cache` holds the KV of `tokens` (prompt and output so far)."""
+    def begin(
+        self,
+        key: Any,
+        cache: list[Any],
+        tokens: list[int],
+        num_generated: int,
+        params: SamplingParams,
+        prompt_len: int,
+    ) -> None:
+        """Take over a request whose `cache` holds the KV of `tokens` (prompt and output so far;
+        `prompt_len` of them the prompt). Its draft model, if it gets one, prefills here."""
         if not all(c.is_trimmable() for c in cache):
             raise ValueError("speculation needs a trimmable cache")
+        drafter: PromptLookup | DraftRun = PromptLookup()
+        if self.kind(params) == DRAFT:
+            assert self.draft is not None
+            drafter = self.draft.open(tokens[:prompt_len], tokens)
+            self.stats.draft_cached_tokens += drafter.cached_tokens
+            self.stats.draft_prefill_tokens += len(drafter.fed) - drafter.cached_tokens
         for c in cache:  # its last token is run again: its logits pick the next one
             c.trim(1)
-        self.solo = SoloRun(key, cache, tokens, num_generated, max_tokens)
+        solo = SoloRun(key, cache, tokens, num_generated, params.max_tokens, params, drafter)
+        if params.constrained:
+            grammars = grammars_for(self.tokenizer)
+            solo.grammar = DraftGrammar(
+                grammars, grammars.matcher(params.json_schema, params.grammar), tokens[prompt_len:]
+            )
+        self.solo = solo
         self.stats.solo_requests += 1
 
-    def end(self) -> SoloRun:
-        """Give the request back (to the batch, or to be finished); its cache holds `kv_tokens`."""
+    def end(self, failed: bool = False) -> SoloRun:
+        """Give the request back (to the batch, or to be finished); its cache holds `kv_tokens`.
+        Its draft model's blocks are registered (unless it `failed`)."""
         run, self.solo = self.solo, None
         assert run is not None
+        if isinstance(run.drafter, DraftRun):
+            run.drafter.close(keep=not failed)
         return run
 
     def step(self) -> list[SoloToken]:
@@ -195,22 +269,28 @@ class Speculator:
         cut at eos and max_tokens; the cache then holds every token but the last."""
         run = self.solo
         assert run is not None
+        depth = self.depths[run.kind]
         room = run.max_tokens - run.num_generated
-        k = min(self.depth.choose(run.accepted, run.rejected), room - 1)
-        draft = run.drafter.propose(run.seq, k)
-        width = 1 + len(draft)
+        k = min(depth.choose(run.accepted, run.rejected), room - 1)
         start = time.perf_counter()
-        logits = self.model(mx.array([run.seq[-1], *draft])[None], cache=run.cache)[0]
+        inputs, draft = run.propose(k)
+        proposed = draft
+        if run.grammar is not None:  # the masks depend on the drafts: know them before the pass
+            proposed = draft = inputs.tolist() if draft is None else draft
+            draft = run.grammar.check(draft)
+            inputs = inputs[: len(draft)]
+        logits = self.model(mx.concatenate([mx.array(run.seq[-1:], mx.uint32), inputs])[None], cache=run.cache)[0]
+        if run.grammar is not None:
+            logits = mx.where(run.grammar.masks(logits.shape[-1]), logits, -mx.inf)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        picks = mx.argmax(logprobs, axis=-1)
-        mx.eval(picks, logprobs)
+        mx.eval(logprobs, inputs)
+        if draft is None:
+            proposed = draft = inputs.tolist()
+        verdict = run.acceptance.verify(logprobs, draft)
         seconds = time.perf_counter() - start
-        targets = picks.tolist()
-        n = 0
-        while n < len(draft) and targets[n] == draft[n]:
-            n += 1
+        width = 1 + len(draft)
         out: list[SoloToken] = []
-        for i, token in enumerate(targets[: n + 1]):
+        for i, token in enumerate(verdict.tokens):
             run.num_generated += 1
             reason = "stop" if token in self.eos_ids else "length" if run.num_generated >= run.max_tokens else None
             out.append(SoloToken(token, logprobs[i], reason))
@@ -219,11 +299,16 @@ class Speculator:
         for c in run.cache:  # keep the KV of the input and of the drafts that were accepted and used
             c.trim(width - len(out))
         run.seq.extend(t.token for t in out)
-        self._account(run, width, len(draft), n, len(out), seconds)
+        run.acceptance.advance(len(out))
+        if run.grammar is not None:
+            run.grammar.commit([t.token for t in out])
+        if isinstance(run.drafter, DraftRun):
+            run.drafter.settle(proposed, run.seq)
+        self._account(run, width, len(draft), verdict.accepted, len(out), seconds)
         return out
 
     def _account(self, run: SoloRun, width: int, drafted: int, accepted: int, produced: int, seconds: float) -> None:
-        self.depth.observe(width, seconds)
+        self.depths[run.kind].observe(width, seconds)
         run.accepted, run.rejected = 0.9 * run.accepted + accepted, 0.9 * run.rejected + (accepted < drafted)
         s = self.stats
         s.verify_passes += 1
@@ -237,6 +322,7 @@ class Speculator:
         s = self.stats
         return {
             "mode": self.mode,
+            "draft_model": self.draft.name if self.draft is not None else "",
             "refused": self.refused,
             "max_draft_tokens": self.depth.max_depth,
             "solo_requests": s.solo_requests,
@@ -246,12 +332,17 @@ class Speculator:
             "accepted_tokens": s.accepted_tokens,
             "acceptance_rate": round(s.accepted_tokens / s.drafted_tokens, 3) if s.drafted_tokens else 0.0,
             "tokens_per_pass": round(s.tokens / s.verify_passes, 2) if s.verify_passes else 0.0,
+            "draft_cached_tokens": s.draft_cached_tokens,
+            "draft_prefill_tokens": s.draft_prefill_tokens,
         }
 
 
-def build_speculator(model: Any, tokenizer: Any, layout: Any, mode: str, max_draft_tokens: int) -> Speculator:
-    """The scheduler's speculative path for this model ([speculative] mode and max_draft_tokens);
-    built with mode "off" too, so a request may still ask for it (kvserve.speculative)."""
-    spec = Speculator(model, set(tokenizer.eos_token_ids), mode, max_draft_tokens)
+def build_speculator(
+    model: Any, tokenizer: Any, layout: Any, mode: str, max_draft_tokens: int, draft: DraftModel | None = None
+) -> Speculator:
+    """The scheduler's speculative path for this model ([speculative] mode, max_draft_tokens and
+    the loaded draft_model); built with mode "off" too, so a request may still ask for it
+    (kvserve.speculative)."""
+    spec = Speculator(model, set(tokenizer.eos_token_ids), mode, max_draft_tokens, draft, tokenizer)
     spec.refuse_layout(layout)
     return spec

@@ -63,7 +63,7 @@ class CompletionRequest:
     # Prompt positions worth a checkpoint (hybrid / sliding-window models): where the prefixes that
     # Anthropic cache_control marks end (set by the messages route from its rendered cuts).
     checkpoint_at: tuple[int, ...] = ()
-    speculative: str = ""  # kvserve.speculative: "auto" | "off" | "prompt_lookup"; "" = the server's mode
+    speculative: str = ""  # kvserve.speculative: "auto" | "off" | "prompt_lookup" | "draft"; "" = the server's mode
     # Image parts of the messages, in order (each is IMAGE_MARK in its message's text): docs/vision.md.
     images: tuple[Any, ...] = ()
 
@@ -282,9 +282,10 @@ def parse_response_format(body: dict[str, Any]) -> dict[str, Any] | None:
 def _parse_speculative(ext: dict[str, Any]) -> str:
     """kvserve.speculative: this request's speculative decoding mode ("" = the server's)."""
     mode = _field(ext, "speculative", (str,), "a string", "")
-    if mode not in ("", "auto", "off", "prompt_lookup"):
+    if mode not in ("", "auto", "off", "prompt_lookup", "draft"):
         raise ValidationError(
-            f"'kvserve.speculative' must be auto, off or prompt_lookup, got {mode!r}", param="kvserve.speculative"
+            f"'kvserve.speculative' must be auto, off, prompt_lookup or draft, got {mode!r}",
+            param="kvserve.speculative",
         )
     return mode
 
