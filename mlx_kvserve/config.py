@@ -60,12 +60,12 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     max_queue: int = 16  # requests waiting for the worker; one more gets 429
-    max_batch: int = 8  # requests decoding together (continuous batching); at most max_queue
+    max_batch: int = 16  # requests decoding together (continuous batching); at most max_queue
     # Which waiting request starts next: "cached_first" (fewest uncached prompt tokens first; one
-    # that has waited max_wait_s goes first) or "fifo" (arrival order). engine/order.py.
+    # that later ones have passed for max_wait_s goes first) or "fifo" (arrival order). engine/order.py.
     scheduling: str = "cached_first"
     max_wait_s: float = 5.0
-    prefill_batch_size: int = 0  # prompts prefilled together; 0 = max_batch
+    prefill_batch_size: int = 0  # long prompts prefilled together (short ones join past it); 0 = 8
     max_body_bytes: int = 4 * 1024 * 1024
     shutdown_timeout_s: float = 30.0  # how long in-flight requests may run after SIGTERM
     log_level: str = "info"

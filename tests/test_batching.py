@@ -371,7 +371,7 @@ def test_max_batch_config():
     from mlx_kvserve.config import load_config
     from mlx_kvserve.errors import ConfigError
 
-    assert load_config().server.batch_limit() == 8
+    assert load_config().server.batch_limit() == 16
     assert load_config(overrides={"server": {"max_queue": 1}}).server.batch_limit() == 1  # one at a time
     assert load_config(overrides={"server": {"max_batch": 32, "max_queue": 64}}).server.batch_limit() == 32
     with pytest.raises(ConfigError) as info:

@@ -129,3 +129,54 @@ def test_a_cold_request_waiting_for_room_does_not_jump_a_cached_one(tiny_model_d
     while sched.has_work:
         sched.step()
     assert firsts == ["busy", "warm", "cold"]
+
+
+def test_a_short_request_joins_while_the_prefill_slots_hold_a_long_prompt(tiny_model_dir):
+    """prefill_batch_size 1 holds a long cold prompt (many chunks); a cached turn arriving meanwhile
+    joins past the limit and has its first token long before the cold prompt's prefill ends; a
+    second long prompt waits for the slot. Every reply equals its reply alone."""
+    model, tokenizer = load(str(tiny_model_dir))
+    bs, step = 16, 32
+    text = " ".join(f"Note {i}: the orchard row {i} has {i * 5} apple trees by the old wall." for i in range(40))
+    other = " ".join(f"Log {i}: the ferry left pier {i} at {i + 2} pm." for i in range(60))
+    warm = tokenizer.encode(text)[: 6 * bs]
+    longs = [tokenizer.encode(other)[i * 300 : (i + 1) * 300] for i in range(2)]
+    params = SamplingParams(max_tokens=3)
+
+    def alone(prompt):
+        gen = make_generator(model, tokenizer, bs, prefill_step_size=step)
+        out = []
+        gen.run(GenerationRequest("a", prompt, params, out.append))
+        return out[-1].token_ids
+
+    gen = make_generator(model, tokenizer, bs, prefill_step_size=step)
+    sched = gen.scheduler
+    sched.prefill_batch_size = 1
+    gen.run(GenerationRequest("seed", warm + tokenizer.encode(" Why?"), params, lambda e: None))
+    first_step: dict[str, int] = {}
+    outs: dict[str, tuple] = {}
+    steps = 0
+
+    def sink(name):
+        def emit(event):
+            first_step.setdefault(name, steps)
+            if isinstance(event, Finished):
+                outs[name] = event.token_ids
+
+        return emit
+
+    sched.admit(GenerationRequest("long0", longs[0], params, sink("long0")))
+    sched.step()
+    steps += 1
+    sched.admit(GenerationRequest("long1", longs[1], params, sink("long1")))
+    sched.admit(GenerationRequest("warm", warm + tokenizer.encode(" Row 3?"), params, sink("warm")))
+    while sched.has_work:
+        sched.step()
+        steps += 1
+    chunks = 300 // step
+    assert first_step["warm"] <= 3 < chunks < first_step["long0"] < first_step["long1"]
+    assert outs == {
+        "long0": alone(longs[0]),
+        "long1": alone(longs[1]),
+        "warm": alone(warm + tokenizer.encode(" Row 3?")),
+    }

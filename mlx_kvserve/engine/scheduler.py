@@ -67,10 +67,10 @@ class Scheduler:
         # Recurrent layers prefill one prompt at a time: mlx-lm right-pads prompts of different
         # lengths prefilled together, and some of its recurrent layers (nemotron_h's in 0.32.2)
         # let the padding into their state. Decoding stays batched.
-        # Otherwise up to prefill_batch_size prompts prefill together (0 = max_batch).
-        self.prefill_batch_size = (
-            1 if prefix_cache.layout.has_state else min(prefill_batch_size or max_batch, max_batch)
-        )
+        # Otherwise up to prefill_batch_size long prompts prefill together (0 = 8, mlx_lm.server's
+        # prompt concurrency), and short ones (one chunk) join beyond that: see _start_pending.
+        self.short_joins = not prefix_cache.layout.has_state
+        self.prefill_batch_size = 1 if not self.short_joins else min(prefill_batch_size or 8, max_batch)
         self.stats = stats if stats is not None else SchedulerStats()
         self._eos = StopSequences([[t] for t in tokenizer.eos_token_ids])
         self._batch: KVServeBatchGenerator | None = None
@@ -129,7 +129,7 @@ class Scheduler:
             self._batch = KVServeBatchGenerator(
                 self.model,
                 completion_batch_size=self.max_batch,
-                prefill_batch_size=self.prefill_batch_size,
+                prefill_batch_size=self.max_batch if self.short_joins else self.prefill_batch_size,
                 prefill_step_size=self.prefill_step_size,
             )
         return self._batch
@@ -141,11 +141,22 @@ class Scheduler:
         self._pending.append(Pending(req, time.perf_counter(), self._arrivals))
 
     def _start_pending(self) -> None:
-        """Start pending requests, in the order's choice, while the batch has room and fewer than
-        prefill_batch_size requests prefill."""
-        while self._pending and self.num_started < self.max_batch and self.num_prefilling < self.prefill_batch_size:
+        """Start pending requests, in the order's choice, while the batch has room: up to
+        prefill_batch_size prefilling at once and, past that, short ones (an uncached rest that
+        fits in one prefill chunk: a later turn of a conversation), so that a cached turn never
+        waits for a round of cold prompts to finish their prefill (at 16 clients it waited 37-43 s
+        behind the second round where mlx_lm.server's took 5 s: docs/benchmarks.md)."""
+        while self._pending and self.num_started < self.max_batch:
+            candidates = self._pending
+            if self.num_prefilling >= self.prefill_batch_size:
+                if not self.short_joins:
+                    return
+                short = self.prefill_step_size
+                candidates = [p for p in self._pending if self._uncached_tokens(p.req) <= short]
+                if not candidates:
+                    return
             now = time.perf_counter()
-            pick = self.order.pick(self._pending, self._uncached_tokens, now)
+            pick = self.order.pick(candidates, self._uncached_tokens, now)
             self._pending.remove(pick)
             self.order.passed(self._pending, pick, now)
             self.stats.max_wait_s = max(self.stats.max_wait_s, now - pick.started)
