@@ -37,7 +37,7 @@ import httpx
 from harness import OURS, ROOT, VLLM
 from harness import THEIRS as MLX_LM
 from harness.agent_model import build_model
-from harness.agent_workload import agent_instructions, tool_schemas
+from harness.agent_workload import USER_TURNS, agent_instructions, tool_schemas
 from harness.clients import stream_turn
 from harness.reports import write_report
 from harness.servers import Server, free_port, server_env, vllm_mlx_server
@@ -108,18 +108,6 @@ def synthetic_shape() -> Shape:
     return Shape(system, tools, opening, "synthetic")
 
 
-USER_TURNS = [
-    "CI failed on main for the payments service. Find out why.",
-    "Which test fails, and what does it assert?",
-    "Show me the code that computes the refund.",
-    "Why is it off by one cent?",
-    "Fix it with decimal arithmetic, please.",
-    "Run the refund tests again.",
-    "Are there other places in the service that use floats for money?",
-    "Fix the invoice total the same way.",
-    "Run the whole payments suite.",
-    "Commit both fixes with a good message.",
-]
 # The assistant part of turns 1-9: text, or (text, tool name, input, the tool's result). Scripted, so
 # every server gets the same requests.
 ASSISTANT = [

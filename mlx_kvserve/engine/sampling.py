@@ -35,6 +35,18 @@ def make_request_sampler(params: SamplingParams) -> Sampler | None:
     return _RequestSampler(params)
 
 
+def filtered(logprobs: mx.array, params: SamplingParams) -> mx.array:
+    """make_sampler's filters in its order (top_p, min_p, top_k); a top_k at or above the width
+    of the logits keeps every token."""
+    if 0 < params.top_p < 1.0:
+        logprobs = apply_top_p(logprobs, params.top_p)
+    if params.min_p != 0.0:
+        logprobs = apply_min_p(logprobs, params.min_p)
+    if 0 < params.top_k < logprobs.shape[-1]:
+        logprobs = apply_top_k(logprobs, params.top_k)
+    return logprobs
+
+
 class _RequestSampler:
     """make_sampler's filters in its order, then a categorical draw: with this request's own key
     chain when it has a seed, else with MLX's global key. A top_k at or above the width of the
@@ -46,12 +58,7 @@ class _RequestSampler:
 
     def __call__(self, logprobs: mx.array) -> mx.array:
         p = self.params
-        if 0 < p.top_p < 1.0:
-            logprobs = apply_top_p(logprobs, p.top_p)
-        if p.min_p != 0.0:
-            logprobs = apply_min_p(logprobs, p.min_p)
-        if 0 < p.top_k < logprobs.shape[-1]:
-            logprobs = apply_top_k(logprobs, p.top_k)
+        logprobs = filtered(logprobs, p)
         if self.key is None:
             return categorical_sampling(logprobs, p.temperature)
         keys = mx.random.split(self.key)

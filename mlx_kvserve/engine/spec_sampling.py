@@ -27,10 +27,9 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from .request import SamplingParams
-from .sampling import make_request_sampler
+from .sampling import filtered, make_request_sampler
 
 
 class Verdict(NamedTuple):
@@ -43,13 +42,7 @@ class Verdict(NamedTuple):
 
 def sampling_logits(logprobs: mx.array, params: SamplingParams) -> mx.array:
     """Rows of logprobs [n, V] as the batch's sampler draws from them: filtered, over temperature."""
-    if 0 < params.top_p < 1.0:
-        logprobs = apply_top_p(logprobs, params.top_p)
-    if params.min_p != 0.0:
-        logprobs = apply_min_p(logprobs, params.min_p)
-    if 0 < params.top_k < logprobs.shape[-1]:
-        logprobs = apply_top_k(logprobs, params.top_k)
-    return logprobs * (1.0 / params.temperature)
+    return filtered(logprobs, params) * (1.0 / params.temperature)
 
 
 class KeyChain:

@@ -98,6 +98,14 @@ def tokenizer_meta(vocab_size: int = 0) -> dict[str, Any]:
     }
 
 
+def _with_overrides(config: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """`config` with `overrides` applied; vocab_size 0 becomes the byte tokenizer's own size."""
+    config.update(overrides)
+    if not config["vocab_size"]:
+        config["vocab_size"] = base_vocab_size()
+    return config
+
+
 def llama_config(shape: str = "tiny", **overrides: Any) -> dict[str, Any]:
     """config.json for a llama of a named shape (see SHAPES), with overrides."""
     config: dict[str, Any] = {
@@ -107,10 +115,7 @@ def llama_config(shape: str = "tiny", **overrides: Any) -> dict[str, Any]:
         "eos_token_id": [2],
         **SHAPES[shape],
     }
-    config.update(overrides)
-    if not config["vocab_size"]:
-        config["vocab_size"] = base_vocab_size()
-    return config
+    return _with_overrides(config, overrides)
 
 
 def random_llama(config: dict[str, Any], seed: int = 0, dtype: mx.Dtype = mx.float32, scale: float = 1.0) -> nn.Module:
@@ -265,10 +270,7 @@ def family_config(model_type: str, **overrides: Any) -> dict[str, Any]:
         "eos_token_id": [2],
         **json.loads(json.dumps(FAMILY_CONFIGS[model_type])),  # a deep copy: callers may mutate
     }
-    config.update(overrides)
-    if not config["vocab_size"]:
-        config["vocab_size"] = base_vocab_size()
-    return config
+    return _with_overrides(config, overrides)
 
 
 def random_model(config: dict[str, Any], seed: int = 0, scale: float = 4.0, dtype: mx.Dtype = mx.float32) -> nn.Module:
