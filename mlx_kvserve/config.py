@@ -66,6 +66,7 @@ class ServerConfig:
     scheduling: str = "cached_first"
     max_wait_s: float = 5.0
     prefill_batch_size: int = 0  # long prompts prefilled together (short ones join past it); 0 = 8
+    short_prefill_tokens: int = 0  # an uncached rest this short joins past prefill_batch_size; 0 = step / 4
     max_body_bytes: int = 4 * 1024 * 1024
     shutdown_timeout_s: float = 30.0  # how long in-flight requests may run after SIGTERM
     log_level: str = "info"
@@ -335,6 +336,7 @@ def validate(config: Config) -> Config:
     _check(s.scheduling in ("cached_first", "fifo"), "server.scheduling", "must be cached_first or fifo")
     _check(s.max_wait_s >= 0, "server.max_wait_s", f"must be >= 0, got {s.max_wait_s}")
     _check(s.prefill_batch_size >= 0, "server.prefill_batch_size", "must be >= 0 (0: max_batch)")
+    _check(s.short_prefill_tokens >= 0, "server.short_prefill_tokens", "must be >= 0 (0: a quarter prefill chunk)")
     _check(s.max_body_bytes >= 1024, "server.max_body_bytes", "must be at least 1KiB")
     _check(s.shutdown_timeout_s >= 0, "server.shutdown_timeout_s", "must be >= 0")
     _check(s.body_read_timeout_s > 0, "server.body_read_timeout_s", "must be > 0 (a slow upload must end)")

@@ -31,6 +31,8 @@ VARIANTS = {
     "fifo": '[server]\nscheduling = "fifo"\nprefill_batch_size = 0\n',
     # cached-first order, one prompt prefilled at a time (shortest uncached rest first)
     "serial": '[server]\nscheduling = "cached_first"\nprefill_batch_size = 1\n',
+    # the short-join rule before: any uncached rest within one prefill chunk joined past the slots
+    "chunk-short": "[server]\nshort_prefill_tokens = 512\n",
 }
 
 

@@ -180,3 +180,49 @@ def test_a_short_request_joins_while_the_prefill_slots_hold_a_long_prompt(tiny_m
         "long1": alone(longs[1]),
         "warm": alone(warm + tokenizer.encode(" Row 3?")),
     }
+
+
+def test_a_cold_prompt_within_one_chunk_waits_for_a_prefill_slot(tiny_model_dir):
+    """Only a short uncached rest (at most short_prefill_tokens, a quarter chunk by default) joins past
+    prefill_batch_size: a cold prompt that fits one chunk but is longer waits for the slot (joining,
+    it would slow the long prompt's chunks), while a cached turn with 4 new tokens joins at once."""
+    model, tokenizer = load(str(tiny_model_dir))
+    bs, step = 16, 32
+    text = " ".join(f"Note {i}: the orchard row {i} has {i * 5} apple trees by the old wall." for i in range(40))
+    other = " ".join(f"Log {i}: the ferry left pier {i} at {i + 2} pm." for i in range(60))
+    warm = tokenizer.encode(text)[: 6 * bs]
+    long0, mid = tokenizer.encode(other)[:300], tokenizer.encode(other)[400:424]  # mid: 24 tokens, cold
+    params = SamplingParams(max_tokens=2)
+    gen = make_generator(model, tokenizer, bs, prefill_step_size=step)
+    sched = gen.scheduler
+    sched.prefill_batch_size = 1
+    assert sched.short_prefill_tokens == step // 4
+    gen.run(GenerationRequest("seed", warm + tokenizer.encode(" Why?"), params, lambda e: None))
+    first_step: dict[str, int] = {}
+    steps = 0
+
+    def sink(name):
+        return lambda event: first_step.setdefault(name, steps)
+
+    sched.admit(GenerationRequest("long0", long0, params, sink("long0")))
+    sched.step()
+    steps += 1
+    sched.admit(GenerationRequest("mid", mid, params, sink("mid")))
+    sched.admit(GenerationRequest("warm", warm + tokenizer.encode(" Row 3?"), params, sink("warm")))
+    while sched.has_work:
+        sched.step()
+        steps += 1
+    assert first_step["warm"] <= 3 < 300 // step < first_step["long0"] <= first_step["mid"]
+
+    sched.short_prefill_tokens = step  # the rule before: any rest within one chunk joined
+    first_step.clear()
+    steps = 0
+    long1 = tokenizer.encode(other)[600:900]
+    sched.admit(GenerationRequest("long1", long1, params, sink("long1")))
+    sched.step()
+    steps += 1
+    sched.admit(GenerationRequest("mid2", tokenizer.encode(other)[1000:1024], params, sink("mid2")))
+    while sched.has_work:
+        sched.step()
+        steps += 1
+    assert first_step["mid2"] <= 3 < first_step["long1"]

@@ -66,6 +66,7 @@ class Engine:
             StartOrder("fifo") if world is not None else StartOrder(config.server.scheduling, config.server.max_wait_s),
             config.server.prefill_batch_size,
             config.server.max_queue,
+            config.server.short_prefill_tokens,
         )
         # A vision-language model's images (vision/runtime.py): prompts built here, prefilled by the scheduler.
         self.vision = build_runtime(loaded.vision, config) if getattr(loaded, "vision", None) is not None else None

@@ -26,13 +26,23 @@ class Generator:
         order: StartOrder | None = None,
         prefill_batch_size: int = 0,
         max_pending: int = 0,
+        short_prefill_tokens: int = 0,
     ):
         self.model = model
         self.tokenizer = tokenizer
         self.prefix_cache = prefix_cache
         self.prefill_step_size = prefill_step_size
         self.scheduler = Scheduler(
-            model, tokenizer, prefix_cache, prefill_step_size, max_batch, stats, order, prefill_batch_size, max_pending
+            model,
+            tokenizer,
+            prefix_cache,
+            prefill_step_size,
+            max_batch,
+            stats,
+            order,
+            prefill_batch_size,
+            max_pending,
+            short_prefill_tokens,
         )
 
     def run(self, req: GenerationRequest) -> None:

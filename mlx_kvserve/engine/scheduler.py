@@ -54,6 +54,7 @@ class Scheduler:
         order: StartOrder | None = None,
         prefill_batch_size: int = 0,
         max_pending: int = 0,
+        short_prefill_tokens: int = 0,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -68,9 +69,11 @@ class Scheduler:
         # lengths prefilled together, and some of its recurrent layers (nemotron_h's in 0.32.2)
         # let the padding into their state. Decoding stays batched.
         # Otherwise up to prefill_batch_size long prompts prefill together (0 = 8, mlx_lm.server's
-        # prompt concurrency), and short ones (one chunk) join beyond that: see _start_pending.
+        # prompt concurrency), and short ones (an uncached rest of at most short_prefill_tokens;
+        # 0 = a quarter chunk) join beyond that: see _start_pending.
         self.short_joins = not prefix_cache.layout.has_state
         self.prefill_batch_size = 1 if not self.short_joins else min(prefill_batch_size or 8, max_batch)
+        self.short_prefill_tokens = short_prefill_tokens or max(1, prefill_step_size // 4)
         self.stats = stats if stats is not None else SchedulerStats()
         self._eos = StopSequences([[t] for t in tokenizer.eos_token_ids])
         self._batch: KVServeBatchGenerator | None = None
@@ -142,16 +145,18 @@ class Scheduler:
 
     def _start_pending(self) -> None:
         """Start pending requests, in the order's choice, while the batch has room: up to
-        prefill_batch_size prefilling at once and, past that, short ones (an uncached rest that
-        fits in one prefill chunk: a later turn of a conversation), so that a cached turn never
-        waits for a round of cold prompts to finish their prefill (at 16 clients it waited 37-43 s
-        behind the second round where mlx_lm.server's took 5 s: docs/benchmarks.md)."""
+        prefill_batch_size prefilling at once and, past that, short ones (an uncached rest of at most
+        short_prefill_tokens: a later turn of a conversation), so that a cached turn never waits for
+        a round of cold prompts to finish their prefill (at 16 clients it waited 37-43 s behind the
+        second round where mlx_lm.server's took 5 s: docs/benchmarks.md). A cold prompt is not
+        short even when it fits one chunk: joining, it would slow every prompt prefilling with it
+        (their chunks run as one batch) and all of them would get their first token at the end."""
         while self._pending and self.num_started < self.max_batch:
             candidates = self._pending
             if self.num_prefilling >= self.prefill_batch_size:
                 if not self.short_joins:
                     return
-                short = self.prefill_step_size
+                short = self.short_prefill_tokens
                 candidates = [p for p in self._pending if self._uncached_tokens(p.req) <= short]
                 if not candidates:
                     return
