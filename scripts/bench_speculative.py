@@ -8,6 +8,13 @@ off, by prompt lookup and by the draft model (each adaptive, as the server runs 
 goes first; figures are medians over rounds. Decode tokens/s = (completion tokens - 1) / (last token -
 first token): the first token is the prefill's. Every variant is checked to give the same tokens.
 
+SmolLM2-135M does not do (c) as asked: its greedy answer explains `json.dumps` in prose and opens the
+JSON object at about token 118 of 120, so (c) drafts from repeats of its own output ("JSON-formatted
+string", "`json.dumps()`"), not from the record. Replayed offline on its greedy tokens with this CPU's
+measured pass costs (a 2-token pass costs about 1.3 one-token steps, a 5- to 8-token one 1.6 to 2),
+even a choice of k that knew each pass's outcome would give about 1.18x (latest-match drafts) or 1.14x
+(llama.cpp's frequency rule); the adaptive k gives 1.03x and 1.10x there.
+
 The draft model is SmolLM2-135M itself (float32): the only model with SmolLM2's tokenizer available
 offline. It agrees with the target always, but one of its steps costs what a target step costs, so it
 cannot pay (a quantized copy is no cheaper here: MLX's quantized matmuls have no BLAS path on the CPU,

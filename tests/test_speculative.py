@@ -60,12 +60,34 @@ def repetitive(tokenizer) -> list[int]:
     return tokenizer.encode(f"Copy this code exactly:\n{code}\nCopy:\n{code[:120]}")
 
 
-def test_prompt_lookup_proposes_the_latest_continuation():
+def test_prompt_lookup_proposes_the_latest_continuation_on_a_tie():
     lookup = PromptLookup(max_ngram=3, min_ngram=2)
     seq = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
-    assert lookup.propose(seq, 3) == [7, 8, 5]
+    assert lookup.propose(seq, 3) == [7, 8, 5]  # (1, 2, 3) was followed by 9 once and by 7 once, later
     assert lookup.propose([*seq, 7], 2) == [8, 5]
     assert lookup.propose([4, 5, 6], 3) == []
+
+
+def test_prompt_lookup_drafts_the_most_frequent_continuation_and_past_one_match():
+    # (1, 2, 3) was followed by 7 twice and by 9 last: 7 (llama.cpp's rule; the latest occurrence
+    # alone drafts 9, 1, 2, 3)
+    seq = [1, 2, 3, 7, 1, 2, 3, 7, 1, 2, 3, 9, 1, 2, 3]
+    assert PromptLookup().propose(seq, 4) == [7, 1, 2, 3]
+    # a draft goes on past the end of the sequence: the drafts are looked up too
+    assert PromptLookup().propose([1, 2, 3, 4, 1, 2, 3], 6) == [4, 1, 2, 3, 4, 1]
+    # continuations that disagree (each a third of the time, down to the 1-gram) draft nothing
+    assert PromptLookup().propose([5, 6, 7, 1, 5, 6, 7, 2, 5, 6, 7, 3, 5, 6, 7], 4) == []
+    # a 1-gram needs two sightings, two thirds of them agreeing (llama.cpp's lax thresholds)
+    assert PromptLookup().propose([4, 8, 0, 4], 2) == []
+    assert PromptLookup().propose([4, 8, 0, 4, 8, 2, 4], 1) == [8]
+
+
+def test_prompt_lookup_index_grows_with_the_sequence():
+    lookup = PromptLookup()
+    seq = [3, 1, 4, 1, 5, 9, 2, 6]
+    assert lookup.propose(seq, 2) == []
+    seq += [3, 1, 4]  # accepted tokens: the index takes in what followed since the last call
+    assert lookup.propose(seq, 3) == [1, 5, 9]
 
 
 def test_adaptive_depth_stays_off_when_drafts_do_not_pay():

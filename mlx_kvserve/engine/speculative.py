@@ -4,11 +4,12 @@ mlx-lm's BatchGenerator steps every row by one token, so it cannot verify k draf
 While one request runs alone (nothing else in the batch, waiting or pending: the local single-user
 case, where decode is the bottleneck) the scheduler takes its KV out of the batch and hands it to
 `Speculator`, which decodes it on its plain per-request cache: draft k tokens, either from the
-longest recent n-gram match in prompt + output (`PromptLookup`) or with a small draft model of the
-same tokenizer (engine/draft_model.py), run the last token and the k drafts through the model in one
-forward pass, keep the longest prefix the request's sampler accepts (engine/spec_sampling.py:
-greedy, or the speculative-sampling rule), then trim the cache's rejected positions. When another
-request arrives the scheduler puts the request back into the batch (`rejoin`).
+n-grams of prompt + output (`PromptLookup`: their most frequent continuations, llama.cpp's rule) or
+with a small draft model of the same tokenizer (engine/draft_model.py), run the last token and the
+k drafts through the model in one forward pass, keep the longest prefix the request's sampler
+accepts (engine/spec_sampling.py: greedy, or the speculative-sampling rule), then trim the cache's
+rejected positions. When another request arrives the scheduler puts the request back into the
+batch (`rejoin`).
 
 Greedy and sampled requests alike; constrained ones (json_schema / tool grammar) have their drafts
 checked against the grammar (engine/spec_grammar.py). Penalised or logit_bias requests stay on the
@@ -63,31 +64,71 @@ class SoloToken(NamedTuple):
     finish_reason: str | None  # "stop" (eos), "length" (max_tokens) or None
 
 
-class PromptLookup:
-    """Drafts from the sequence itself: the tokens that followed the most recent earlier occurrence
-    of its last n tokens (n from `max_ngram` down to `min_ngram`). The n-gram index grows with the
-    sequence, so a proposal costs O(new tokens), not O(length)."""
+class Followers:
+    """The tokens seen right after one n-gram: counts, their sum, and the most frequent one (ties:
+    the one seen last, kept as counts grow so a lookup costs O(1))."""
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 2):
+    __slots__ = ("counts", "total", "best", "best_count")
+
+    def __init__(self) -> None:
+        self.counts: dict[int, int] = {}
+        self.total = 0
+        self.best, self.best_count = -1, 0
+
+    def add(self, token: int) -> None:
+        count = self.counts[token] = self.counts.get(token, 0) + 1
+        self.total += 1
+        if count >= self.best_count:
+            self.best, self.best_count = token, count
+
+
+class PromptLookup:
+    """Drafts from the sequence itself, as llama.cpp's lookup decoding does with its context cache
+    (common/ngram-cache.cpp): for each n-gram of prompt + output (n from `min_ngram` to `max_ngram`)
+    the counts of the tokens that followed it. A draft grows one token at a time: the most frequent
+    follower of the longest n-gram the sequence (drafts included) ends with that was seen at least
+    MIN_SAMPLES[n] times and whose top follower took at least MIN_SHARE[n] of them (a shorter n-gram
+    is tried when one falls short); the draft stops where none qualifies. So a draft runs past the end
+    of any one earlier occurrence, and an n-gram whose continuations disagree drafts nothing rather
+    than the latest of them. The index grows with the sequence: a proposal costs O(new tokens + k)."""
+
+    # llama.cpp's draft_min_sample_size_lax / draft_min_percent_lax, for n = 1, 2, 3, 4 (and above)
+    MIN_SAMPLES = (2, 2, 1, 1)
+    MIN_SHARE = (0.66, 0.5, 0.5, 0.5)
+
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 1):
         self.ngrams = range(max_ngram, min_ngram - 1, -1)
-        self._index: dict[tuple[int, ...], int] = {}  # n-gram -> the position right after its latest occurrence
-        self._indexed = 0  # n-grams ending at positions < this are in the index
+        self._index: dict[tuple[int, ...], Followers] = {}
+        self._indexed = 0  # the followers at positions < this are counted
 
     def propose(self, seq: list[int], k: int) -> list[int]:
-        """Up to k tokens that may follow `seq` (empty when no n-gram of its end occurred before)."""
-        end = len(seq)
-        for stop in range(max(self._indexed, 1), end):  # not the n-grams ending at `end`: that is the query
+        """Up to k tokens that may follow `seq` (empty when no n-gram of its end qualifies)."""
+        for at in range(max(self._indexed, 1), len(seq)):  # seq[at] follows the n-grams ending there
             for n in self.ngrams:
-                if stop >= n:
-                    self._index[tuple(seq[stop - n : stop])] = stop
-        self._indexed = max(self._indexed, end)
-        if k <= 0:
-            return []
+                if at >= n:
+                    self._index.setdefault(tuple(seq[at - n : at]), Followers()).add(seq[at])
+        self._indexed = max(self._indexed, len(seq))
+        draft: list[int] = []
+        while len(draft) < k:
+            token = self._next(seq, draft)
+            if token is None:
+                break
+            draft.append(token)
+        return draft
+
+    def _next(self, seq: list[int], draft: list[int]) -> int | None:
+        """The next draft token after seq + draft, or None."""
+        end = seq[-self.ngrams[0] :] + draft
         for n in self.ngrams:
-            at = self._index.get(tuple(seq[end - n :])) if end >= n else None
-            if at is not None:
-                return seq[at : at + k]
-        return []
+            found = self._index.get(tuple(end[-n:])) if len(end) >= n else None
+            i = min(n, len(self.MIN_SAMPLES)) - 1
+            if (
+                found is not None
+                and found.total >= self.MIN_SAMPLES[i]
+                and found.best_count >= self.MIN_SHARE[i] * found.total
+            ):
+                return found.best
+        return None
 
 
 @dataclass
