@@ -8,12 +8,11 @@ off, by prompt lookup and by the draft model (each adaptive, as the server runs 
 goes first; figures are medians over rounds. Decode tokens/s = (completion tokens - 1) / (last token -
 first token): the first token is the prefill's. Every variant is checked to give the same tokens.
 
-SmolLM2-135M does not do (c) as asked: its greedy answer explains `json.dumps` in prose and opens the
-JSON object at about token 118 of 120, so (c) drafts from repeats of its own output ("JSON-formatted
-string", "`json.dumps()`"), not from the record. Replayed offline on its greedy tokens with this CPU's
-measured pass costs (a 2-token pass costs about 1.3 one-token steps, a 5- to 8-token one 1.6 to 2),
-even a choice of k that knew each pass's outcome would give about 1.18x (latest-match drafts) or 1.14x
-(llama.cpp's frequency rule); the adaptive k gives 1.03x and 1.10x there.
+(c) shows the tool's two earlier calls as an agent's history does (a record, then the call's JSON
+arguments), then a new record: SmolLM2-135M answers with the call's JSON alone, keys from the earlier
+calls and values from the record. (An earlier form of (c) asked for the JSON with no example; this model
+answered it in prose about `json.dumps` and opened the JSON object at token ~118 of 120, so that task
+measured prose: 1.03-1.13x, docs/speculative.md.)
 
 The draft model is SmolLM2-135M itself (float32): the only model with SmolLM2's tokenizer available
 offline. It agrees with the target always, but one of its steps costs what a target step costs, so it
@@ -62,9 +61,15 @@ TASKS = {
     "edit": "Here is a Python file:\n\n" + CODE + "\n\nRewrite the whole file, renaming `store` to `db` everywhere. "
     "Output only the code.",
     "prose": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
-    "json": "Customer record: name Ada Lovelace, email ada@example.com, city London, plan premium, seats 12.\n"
-    'Call the tool create_customer with JSON arguments {"name": ..., "email": ..., "city": ..., "plan": ..., '
-    '"seats": ...} filled from the record. Output only the JSON.',
+    "json": "Convert each customer record to the JSON arguments of the tool create_customer.\n\n"
+    "Record: name Grace Hopper, email grace@navy.mil, city Arlington, plan basic, seats 3.\n"
+    'Arguments: {"name": "Grace Hopper", "email": "grace@navy.mil", "city": "Arlington", "plan": "basic", '
+    '"seats": 3}\n\n'
+    "Record: name Alan Turing, email alan@bletchley.uk, city Manchester, plan team, seats 40.\n"
+    'Arguments: {"name": "Alan Turing", "email": "alan@bletchley.uk", "city": "Manchester", "plan": "team", '
+    '"seats": 40}\n\n'
+    "Record: name Ada Lovelace, email ada@example.com, city London, plan premium, seats 12.\n"
+    "Arguments:",
 }
 VARIANTS = ("off", "lookup", "draft")
 
