@@ -8,10 +8,15 @@ everyone running) after it could. Here each step first moves the requests that w
 so they decode in that same step: their first token comes in step k+1, in the decode pass the others
 run anyway. Everything else is mlx-lm's step as it is (the move below is its own code, run earlier;
 a request whose prompt is done within the step still moves where mlx-lm moves it).
+
+A step that moved requests ends after the decode pass: mlx-lm's step would go on to prefill the next
+chunk of the prompts still prefilling (a whole chunk: seconds on the CPU) before returning, and the
+moved requests' first tokens would wait for it. Those prompts prefill one decode pass later instead.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from mlx_lm.generate import BatchGenerator, PromptProcessingBatch
@@ -20,13 +25,33 @@ from mlx_lm.generate import BatchGenerator, PromptProcessingBatch
 class KVServeBatchGenerator(BatchGenerator):
     def _next(self) -> tuple[list[Any], list[Any]]:
         moved = self._move_done_prompts()
+        if moved and (self._currently_processing or self._unprocessed_sequences):
+            return moved, self._decode_only()
         prompt_responses, generation_responses = super()._next()
         return moved + prompt_responses, generation_responses
+
+    def _decode_only(self) -> list[Any]:
+        """The decode pass of mlx-lm's step (`BatchGenerator._next`'s first part, with its counters)."""
+        start = time.perf_counter()
+        responses = self._generation_batch.next()
+        self._counters.decode_time += time.perf_counter() - start
+        self._counters.generation_tokens += len(responses)
+        self._counters.generation_steps += 1
+        return responses
 
     def _move_done_prompts(self) -> list[Any]:
         """Move the requests with only their last token left to the decode batch (mlx-lm's split:
         their cache leaves the prompt batch, the last token becomes their first decode input);
-        returns their end-of-prompt responses."""
+        returns their end-of-prompt responses. Waiting sequences enter the prompt batch first (mlx-lm's
+        own extend, run earlier), so one inserted with only its last token left (its rest prefilled
+        on its own: engine/side_prefill.py) decodes in this step."""
+        n = min(
+            self.prefill_batch_size - len(self._prompt_batch),
+            self.completion_batch_size - len(self._generation_batch),
+            len(self._unprocessed_sequences),
+        )
+        if n > 0:
+            self._prompt_batch.extend(self._make_batch(n))
         done = [i for i, seq in enumerate(self._currently_processing) if len(seq[0]) == 1 and len(seq[0][0]) == 1]
         if not done:
             return []

@@ -26,6 +26,7 @@ from .prefill import cached_blocks, pick_leader
 from .prefix_cache import PrefixCache
 from .request import Failed, Finished, GenerationRequest, TextDelta, Usage, request_hashes
 from .sampling import RequestFault, make_request_processors, make_request_sampler, repair_random_state, token_logprobs
+from .side_prefill import prefill_rest
 from .solo_path import speculate
 from .speculative import Speculator
 from .stops import StopMatcher
@@ -213,9 +214,7 @@ class Scheduler:
             cached = prepared.match.num_tokens
             params = req.params
             points = self.prefix_cache.checkpoints(req.prompt_tokens, cached, req.checkpoint_at)
-            if req.images and self.vision is not None and self.vision.needs_prefill(req.images, cached):
-                cached = self._vision_prefill(req, prepared, cached, points)  # all but the last token
-                points = [p for p in points if p > cached]
+            cached, points = prefill_rest(self, req, prepared, cached, points)  # images, a short rest
             if self.vision is not None and (delta := self.vision.rope_delta(req.images)) is not None:
                 shift_positions(prepared.prompt_cache, delta)  # M-RoPE: tokens after an image (vision/qwen.py)
             fault = RequestFault()
@@ -409,26 +408,6 @@ class Scheduler:
             self.prefix_cache.register(run.prepared, keys, prompt_len, write=False, upto=prompt_len)
         except Exception:  # the request goes on; its blocks are registered again when it ends
             log.exception("request %s: its prompt's blocks could not be registered", run.req.request_id)
-
-    def _vision_prefill(self, req: GenerationRequest, prepared: Any, cached: int, points: list[int]) -> int:
-        """Prefill all but the last prompt token from input embeddings (images merged in) on the
-        request's own cache, outside the batch, which takes the filled cache like a cached prefix;
-        checkpoints on the way are captured. Returns the position reached."""
-        started = time.perf_counter()
-        cache = prepared.prompt_cache
-        reached = self.vision.prefill(
-            self.model,
-            cache,
-            req.prompt_tokens,
-            req.images,
-            cached,
-            self.prefill_step_size,
-            points,
-            lambda position: self.prefix_cache.capture(prepared, cache, position),
-        )
-        self.stats.prefill_tokens += reached - cached
-        self.stats.prefill_s += time.perf_counter() - started
-        return reached
 
     def _drop(self, run: Running, exc: Exception) -> None:
         """Take a failed request out of the batch without registering anything."""
