@@ -110,7 +110,28 @@ def test_the_first_token_comes_in_the_step_after_the_last_prefill_chunk(tiny):
     assert events[-1].token_ids == greedy(make_generator(model, tokenizer, BS), question, 4)[0]
 
 
-def test_a_first_token_does_not_wait_for_another_prompts_next_chunk(tiny):
+def watch_passes(monkeypatch, sched) -> tuple[list[set[int]], dict[str, int]]:
+    """From now on: the uids in each of the batch's prefill passes, and for each request the number of
+    passes run before the batch produced its first token (its text may wait for the next token)."""
+    passes: list[set[int]] = []
+    first_at: dict[str, int] = {}
+    batch_class = type(sched._batch._prompt_batch)
+    real_prompt, on_token = batch_class.prompt, sched._on_token
+
+    def counted(self, tokens):
+        passes.append(set(self.uids))
+        return real_prompt(self, tokens)
+
+    def first_token(run, r):
+        first_at.setdefault(run.req.request_id, len(passes))
+        return on_token(run, r)
+
+    monkeypatch.setattr(batch_class, "prompt", counted)
+    monkeypatch.setattr(sched, "_on_token", first_token)
+    return passes, first_at
+
+
+def test_a_first_token_does_not_wait_for_another_prompts_next_chunk(tiny, monkeypatch):
     """A short prompt prefilled next to a long one (many chunks) gets its first token in a step of its
     own: mlx-lm's step would prefill the long prompt's next chunk before returning it. Counted in
     prefill passes: the short prompt's first token is out before any pass after its own last one."""
@@ -119,40 +140,14 @@ def test_a_first_token_does_not_wait_for_another_prompts_next_chunk(tiny):
     sched = gen.scheduler
     long_prompt = prompt(tokenizer, "a lighthouse")[:300]  # ~10 chunks
     short_prompt = tokenizer.encode("Name a colour.")
-    passes: list[set[int]] = []  # the uids in each prefill pass
-    first_at: dict[str, int] = {}
-
-    def sink(name, out):
-        def emit(event):
-            out.append(event)
-
-        return emit
-
     outs: dict[str, list] = {"long": [], "short": []}
     params = SamplingParams(max_tokens=3, temperature=0.0)
-    sched.admit(GenerationRequest("long", long_prompt, params, sink("long", outs["long"])))
+    sched.admit(GenerationRequest("long", long_prompt, params, outs["long"].append))
     sched.step()  # the long prompt's first chunk
-    batch = sched._batch
-    real_prompt = batch._prompt_batch.__class__.prompt
-
-    def counted(self, tokens):
-        passes.append(set(self.uids))
-        return real_prompt(self, tokens)
-
-    batch._prompt_batch.__class__.prompt = counted
-    on_token = sched._on_token
-
-    def first_token(run, r):  # when the batch produced it (its text may wait for the next token)
-        first_at.setdefault(run.req.request_id, len(passes))
-        return on_token(run, r)
-
-    sched._on_token = first_token
-    try:
-        sched.admit(GenerationRequest("short", short_prompt, params, sink("short", outs["short"])))
-        while sched.has_work:
-            sched.step()
-    finally:
-        batch._prompt_batch.__class__.prompt = real_prompt
+    passes, first_at = watch_passes(monkeypatch, sched)
+    sched.admit(GenerationRequest("short", short_prompt, params, outs["short"].append))
+    while sched.has_work:
+        sched.step()
     uid = next(iter(passes[0] - passes[1]))  # the short prompt's uid: its ~5 tokens take one pass
     last_short_pass = max(i for i, run in enumerate(passes) if uid in run) + 1
     assert first_at["short"] == last_short_pass < first_at["long"]
@@ -160,55 +155,28 @@ def test_a_first_token_does_not_wait_for_another_prompts_next_chunk(tiny):
         assert outs[name][-1].token_ids == greedy(make_generator(model, tokenizer, BS), tokens, 3)[0]
 
 
-def test_a_short_rest_beside_a_long_prefill_is_prefilled_alone_and_decodes_next_step(tiny):
+def test_a_short_rest_beside_a_long_prefill_is_prefilled_alone_and_decodes_next_step(tiny, monkeypatch):
     """A request whose uncached rest is short (at most short_prefill_tokens) arriving while a long prompt
     prefills is prefilled on its own cache before it joins (engine/side_prefill.py): it is never in one
     of the batch's padded prefill passes, its first token comes before the long prompt's next pass after
-    it joined, and
-    both replies equal their replies alone."""
+    it joined, and both replies equal their replies alone."""
     model, tokenizer = tiny
     gen = make_generator(model, tokenizer, BS, prefill_step_size=32)
     sched = gen.scheduler
     long_prompt = prompt(tokenizer, "a lighthouse")[:300]
     short_prompt = prompt(tokenizer, "a cat")[:6]  # a rest of 5 tokens <= 32 // 4
-    passes: list[set[int]] = []
-    first_at: dict[str, int] = {}
     outs: dict[str, list] = {"long": [], "short": []}
-
-    def sink(name):
-        def emit(event):
-            outs[name].append(event)
-
-        return emit
-
     params = SamplingParams(max_tokens=3, temperature=0.0)
-    sched.admit(GenerationRequest("long", long_prompt, params, sink("long")))
+    sched.admit(GenerationRequest("long", long_prompt, params, outs["long"].append))
     sched.step()
-    batch = sched._batch
-    real_prompt = batch._prompt_batch.__class__.prompt
-
-    def counted(self, tokens):
-        passes.append(set(self.uids))
-        return real_prompt(self, tokens)
-
-    batch._prompt_batch.__class__.prompt = counted
-    on_token = sched._on_token
-
-    def first_token(run, r):  # when the batch produced it (its text may wait for the next token)
-        first_at.setdefault(run.req.request_id, len(passes))
-        return on_token(run, r)
-
-    sched._on_token = first_token
-    try:
-        prefilled = sched.stats.prefill_tokens
-        sched.admit(GenerationRequest("short", short_prompt, params, sink("short")))
+    passes, first_at = watch_passes(monkeypatch, sched)
+    prefilled = sched.stats.prefill_tokens
+    sched.admit(GenerationRequest("short", short_prompt, params, outs["short"].append))
+    sched.step()
+    assert sched.stats.prefill_tokens - prefilled == len(short_prompt) - 1  # its rest, on its own
+    joined_at = len(passes)
+    while sched.has_work:
         sched.step()
-        assert sched.stats.prefill_tokens - prefilled == len(short_prompt) - 1  # its rest, on its own
-        joined_at = len(passes)
-        while sched.has_work:
-            sched.step()
-    finally:
-        batch._prompt_batch.__class__.prompt = real_prompt
     assert all(len(run) <= 1 for run in passes)  # the long prompt's passes only
     assert first_at["short"] == joined_at < first_at["long"]  # no pass of the long one before it
     for name, tokens in (("long", long_prompt), ("short", short_prompt)):
