@@ -26,11 +26,16 @@ import threading
 import time
 
 import mlx.core as mx
-from bench_models import LARGE, prompt  # the models and prompts of bench_models.py's fairness run
 from harness.synthetic import llama_config, random_llama
 from mlx_lm.generate import BatchGenerator
 
+LARGE = {"hidden_size": 1024, "num_hidden_layers": 8, "intermediate_size": 2816, "num_attention_heads": 16}
+LARGE |= {"num_key_value_heads": 4, "max_position_embeddings": 8192}
 STEP = 512  # the prefill chunk (the engine's on the CPU)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return [(i * 37 + seed * 101) % 250 + 3 for i in range(n)]
 
 
 def first_token(gen: BatchGenerator, tokens: list[int]) -> float:
