@@ -2,6 +2,7 @@
 # Every GPU benchmark the issues name, in one device call (docs/benchmarks.md "GPU").
 # Usage on the lent machine, after the two staging calls of ../shared/DEVICE.md:
 #   export PYTHONPATH=/tmp/site:$PWD && bash scripts/gpu_run.sh $OUT
+# Only some steps, e.g.: STEPS=engine,prefix WORDS=1400,2900 LENGTHS=8192,16384 bash scripts/gpu_run.sh $OUT
 # CPU smoke run (tiny shape, short prompts):  SHAPE=tiny BITS=0 LENGTHS=256,512 WORDS=60 bash scripts/gpu_run.sh /tmp/gpurun
 # Each step runs under its own time limit (SIGINT, so the scripts stop their servers) and writes
 # its figures and log under OUT; a step that runs out of time leaves the others' figures intact.
@@ -12,9 +13,11 @@ py=${PYTHON:-python3}
 shape=${SHAPE:-llama3-8b}
 bits=${BITS:-4}
 lengths=${LENGTHS:-2048,8192,16384}
-words=${WORDS:-1400}
+words=${WORDS:-1400}   # comma-separated: one prefix run per size (1400 words ~7.7k tokens, 2900 ~16k)
+steps=${STEPS:-engine,ssd_io,prefix,concurrent,model_threads}  # which steps to run
 step() {  # step NAME SECONDS CMD...
   local name=$1 secs=$2; shift 2
+  case ",$steps," in *",${name%%_[0-9]*},"*) ;; *) echo "== $name skipped (STEPS)"; return;; esac
   echo "== $name (limit ${secs}s) $(date +%T)"
   local t0=$SECONDS
   timeout -s INT -k 10 "$secs" "$@" > "$out/$name.log" 2>&1
@@ -23,7 +26,7 @@ step() {  # step NAME SECONDS CMD...
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | tee "$out/device.txt"
 $py -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())" | tee -a "$out/device.txt"
 step engine "${T_ENGINE:-210}" $py scripts/bench_gpu.py --shape "$shape" --bits "$bits" \
-  --lengths "$lengths" --out "$out/engine"
+  --lengths "$lengths" --reps "${REPS:-2}" --out "$out/engine"
 step ssd_io "${T_SSD:-40}" $py scripts/bench_ssd_io.py --small --out "$out/ssd_io"
 model=$(mktemp -d)/m
 $py - "$shape" "$bits" "$model" <<'PY' > "$out/model.log" 2>&1
@@ -33,8 +36,11 @@ sys.path.insert(0, "scripts")
 from harness.synthetic import synthetic_model
 print(synthetic_model(sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])))
 PY
-step prefix "${T_PREFIX:-120}" $py scripts/bench_prefix.py --quick --scenarios system --model "$model" \
-  --system-words "$words" --out "$out/prefix"
+for w in ${words//,/ }; do
+  step "prefix_$w" "${T_PREFIX:-120}" $py scripts/bench_prefix.py --quick --scenarios system --model "$model" \
+    --system-words "$w" --out "$out/prefix_$w"
+done
 step concurrent "${T_CONC:-130}" $py scripts/bench_concurrent.py --quick --clients 4,8 --model "$model" \
   --out "$out/concurrent"
+step model_threads "${T_THREADS:-60}" $py scripts/bench_model_threads.py --repeats 3
 echo "== done $(date +%T)"
