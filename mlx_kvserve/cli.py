@@ -95,6 +95,7 @@ def run(config_path, model, dtype, host, port, api_key, api_key_file, distribute
     """Load the model and serve the OpenAI API."""
     blas.reexec_with_fast_blas()
     launcher = os.getppid()  # distributed: mlx.launch (the ranks leave when it is gone: rank_exit.py)
+    _leave_with_parent()
     config = _load(config_path, _overrides(model, dtype, host, port, api_key, api_key_file))
     _setup_logging(config.server.log_level)
     try:
@@ -168,6 +169,17 @@ def run(config_path, model, dtype, host, port, api_key, api_key_file, distribute
             rank_exit.deadline("shut down")
 
 
+def _leave_with_parent() -> None:
+    """A model's own process (server/model_process.py) stops as SIGTERM stops it once the server that
+    started it is gone (a crash, kill -9), so it never keeps the port and the cache folder's lock."""
+    parent = os.environ.get("MLX_KVSERVE_PARENT_PID", "")
+    if not parent.isdigit():
+        return
+    from .rank_exit import RankExit
+
+    RankExit(0, 0).watch_parent(lambda: os.kill(os.getpid(), signal.SIGTERM), int(parent), poll_s=0.5)
+
+
 def _registry_app(config: Config, config_path: str | None, model: str | None, distributed: str | None, keys):
     """The app of a server with several models, or None without [[models]] in the config file."""
     from .model_entries import load_model_entries
@@ -183,8 +195,9 @@ def _registry_app(config: Config, config_path: str | None, model: str | None, di
     from .engine.model_front import RoutedEngine
     from .engine.registry import ModelRegistry, registry_entries
     from .server.app import create_app
+    from .server.model_process import load_entry
 
-    registry = ModelRegistry(config, registry_entries(entries, model))
+    registry = ModelRegistry(config, registry_entries(entries, model), loader=load_entry)
     log.info("models: %s (memory budget %.2f GiB)", ", ".join(registry.names), registry.budget_bytes / 2**30)
     return create_app(RoutedEngine(registry), keys, registry)
 

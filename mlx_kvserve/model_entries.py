@@ -32,6 +32,7 @@ class ModelEntry:
     pooling: str = "last"  # embedding: "last" (the last token's state) or "mean" (of the input's tokens)
     normalize: bool = True  # embedding: L2-normalize each vector
     min_dimensions: int = 0  # embedding: the smallest `dimensions` a request may ask (Matryoshka); 0 = own size only
+    process: bool = False  # served by a process of its own (server/model_process.py): fair beside other models
 
 
 def _entry(i: int, raw: Any) -> ModelEntry:

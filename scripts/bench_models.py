@@ -1,7 +1,8 @@
 """Several models in one server (issue 27), in process through the HTTP app: load time, the cost of a
 switch under a budget that holds one model, the hit after a reload (SSD), the memory an unload gives
 back, and a small model's TTFT while a large one prefills: on a server of its own (idle, and beside the large
-one's own server in another process) and on one server with both, steps running when ready or taking turns.
+one's own server in another process) and on one server with both, steps running when ready or taking turns,
+or the large one in a process of its own (`process = true`).
 
     .venv/bin/python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_models.py [--out results/models.json]
 """
@@ -28,6 +29,7 @@ from mlx_kvserve.engine.registry import ModelRegistry
 from mlx_kvserve.engine.step_turns import StepTurns, share_turns
 from mlx_kvserve.model_entries import ModelEntry
 from mlx_kvserve.server.app import create_app
+from mlx_kvserve.server.model_process import load_entry
 
 LARGE = {"hidden_size": 1024, "num_hidden_layers": 8, "intermediate_size": 2816, "num_attention_heads": 16}
 LARGE |= {"num_key_value_heads": 4, "max_position_embeddings": 8192}
@@ -73,13 +75,17 @@ def ttft(client: TestClient, model: str, tokens: list[int], max_tokens: int = 4)
     return first or time.perf_counter() - started, usage
 
 
-def app(folders: dict[str, Path], root: Path, budget: int) -> tuple[TestClient, ModelRegistry]:
+def app(
+    folders: dict[str, Path], root: Path, budget: int, own_process: frozenset[str] = frozenset()
+) -> tuple[TestClient, ModelRegistry]:
+    """One server (the HTTP app in this process) with `folders`' models; those in `own_process` are
+    served by a process of their own (`process = true`)."""
     overrides = {
         "server": {"model_memory_bytes": budget},
         "ssd": {"cache_dir": str(root / "kv")},
     }
-    entries = tuple(ModelEntry(name, str(folder)) for name, folder in folders.items())
-    registry = ModelRegistry(load_config(overrides=overrides), entries)
+    entries = tuple(ModelEntry(name, str(f), process=name in own_process) for name, f in folders.items())
+    registry = ModelRegistry(load_config(overrides=overrides), entries, loader=load_entry)
     client = TestClient(create_app(RoutedEngine(registry), ApiKeys("", ""), registry))
     client.__enter__()
     return client, registry
@@ -171,8 +177,19 @@ def fairness(folders: dict[str, Path], root: Path, repeats: int = 3, n: int = 20
         runs = [beside_in_process(client, n, 500 + 10 * k + i, large) for i in range(repeats)]  # cold prompts
         out[mode] = {"small_ttft_s": median(runs), "large_ttft_s": median(large)}
     client.__exit__(None, None, None)
-    for mode in ("two_servers", "one_server_no_turns", "one_server_turns"):
+    client, registry = app(folders, root / "fair-process", 2**36, frozenset({"large"}))
+    ttft(client, "small", prompt(64, 9))
+    ttft(client, "large", prompt(64, 9))
+    large = []
+    runs = [beside_in_process(client, n, 600 + i, large) for i in range(repeats)]
+    out["one_server_large_in_own_process"] = {"small_ttft_s": median(runs), "large_ttft_s": median(large)}
+    client.__exit__(None, None, None)
+    modes = ("two_servers", "one_server_no_turns", "one_server_turns", "one_server_large_in_own_process")
+    for mode in modes:
         out[mode]["ratio_to_alone"] = round(out[mode]["small_ttft_s"] / out["small_alone"], 2)
+    out["large_in_own_process_vs_two_servers"] = round(
+        out["one_server_large_in_own_process"]["small_ttft_s"] / out["two_servers"]["small_ttft_s"], 2
+    )
     out["load_avg_end"] = os.getloadavg()
     return out
 

@@ -40,7 +40,7 @@ for w in ${words//,/ }; do
   step "prefix_$w" "${T_PREFIX:-120}" $py scripts/bench_prefix.py --quick --scenarios system --model "$model" \
     --system-words "$w" --out "$out/prefix_$w"
 done
-step concurrent "${T_CONC:-130}" $py scripts/bench_concurrent.py --quick --clients 4,8 --model "$model" \
+step concurrent "${T_CONC:-130}" $py scripts/bench_concurrent.py --quick --clients ${CLIENTS:-4,8} --model "$model" \
   --out "$out/concurrent"
 step model_threads "${T_THREADS:-60}" $py scripts/bench_model_threads.py --repeats 3
 echo "== done $(date +%T)"

@@ -1,6 +1,7 @@
 """scripts/bench_concurrent.py's measurement and report without a model: vllm-mlx's command, C = 16
 clients, the cold first turns' p99 / max and issue 26's targets, against fake OpenAI-style servers
-(vllm-mlx is not installed here; full runs: docs/benchmarks.md)."""
+(vllm-mlx is not installed here; full runs: docs/benchmarks.md); --rounds' alternating order, new
+prompts per round and median ratios, on a stand-in for each run."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import json
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from harness import OURS, THEIRS, VLLM
-from harness.scenarios import concurrent
+from harness.scenarios import concurrent, concurrent_rounds
 from harness.servers import Server, free_port, stop_servers, vllm_mlx_server
 
 # A streaming /v1/chat/completions stand-in. Like vllm-mlx it rejects a body without a model; with
@@ -146,3 +148,51 @@ def test_the_targets_are_ratios_ours_over_each_peer_and_a_failed_peer_is_reporte
     # bench.py's two-server form: one ratio column
     two = concurrent.report_lines({k: v for k, v in result.items() if k != VLLM}, [OURS, THEIRS])
     assert "| 4 | tokens/s | 1.10x met |" in two
+
+
+def test_rounds_alternate_the_order_on_new_prompts_and_the_targets_take_the_median_ratio(monkeypatch):
+    # round r's figures per server: first-turn TTFT, later-turns TTFT, tokens/s
+    figures = {
+        OURS: [(6.0, 1.0, 5.5), (9.0, 1.0, 4.0), (5.0, 1.0, 6.0)],
+        THEIRS: [(10.0, 2.0, 5.0), (10.0, 1.0, 5.0), (10.0, 4.0, 5.0)],
+        VLLM: [(9.0, 0.5, 4.0), (9.0, 0.5, 4.0), (9.0, 0.5, 4.0)],
+    }
+    calls = []
+
+    def fake_run_case(server, label, systems, turns, max_tokens):
+        calls.append((server.name, label, systems))
+        first, later, tokens_per_s = figures[server.name][int(label.rsplit(" ", 1)[1]) - 1]
+        return case([[first] * len(systems), [later] * len(systems)][:turns], tokens_per_s)
+
+    monkeypatch.setattr(concurrent_rounds, "run_case", fake_run_case)
+    servers = [SimpleNamespace(name=n) for n in (OURS, THEIRS, VLLM)]
+    result = concurrent_rounds.scenario_rounds(servers, [4], 2, 16, 20, 3)
+    forward, backward = [OURS, THEIRS, VLLM], [VLLM, THEIRS, OURS]
+    assert [runs["order"]["C=4"] for runs in result["rounds"]] == [forward, backward, forward]
+    assert [name for name, label, _ in calls if label.startswith("C=4")] == forward + backward + forward
+    assert [label for _, label, _ in calls[:3]] == ["C=4 round 1"] * 3
+    # every round on its own prompts, the round leading the nonce: no round meets another's cache
+    prompts = [set(systems) for name, _, systems in calls if name == THEIRS]
+    assert all(a.isdisjoint(b) for i, a in enumerate(prompts) for b in prompts[i + 1 :])
+    assert all(p.startswith("Session round2-") for _, label, systems in calls if "round 2" in label for p in systems)
+    # the per-round raw figures stay in the results
+    assert result["rounds"][1][OURS]["C=4"]["ttft"][0] == [9.0] * 4
+
+    lines = concurrent_rounds.rounds_report_lines(result, [OURS, THEIRS, VLLM])
+    assert "| C=4 | 2 | 1 | vllm-mlx | 9.00 | 0.50 | 4.0 |" in lines  # round 2 reversed: vllm-mlx first
+    assert "| C=4 | 2 | 3 | mlx-kvserve | 9.00 | 1.00 | 4.0 |" in lines
+    assert "| shared8 | 1 | 1 | mlx-kvserve | 6.00 | - | 5.5 |" in lines
+    assert (
+        "| C=4 | first turn (cold), mean TTFT | ours / mlx_lm.server | 0.60x | 0.90x | 0.50x | 0.60x | 0.50x - 0.90x |"
+        in lines
+    )
+    assert (
+        "| C=4 | later turns, mean TTFT | ours / mlx_lm.server | 0.50x | 1.00x | 0.25x | 0.50x | 0.25x - 1.00x |"
+        in lines
+    )
+    assert not any(line.startswith("| shared8 | later turns") for line in lines)  # one turn
+    # the targets on the median ratios
+    assert any("on the median ratio over 3 rounds" in line for line in lines)
+    assert "| 4 | later turns, mean TTFT | 0.50x met | 2.00x **missed** |" in lines
+    assert "| 4 | first turn (cold), mean TTFT | 0.60x met | 0.67x |" in lines
+    assert "| 4 | tokens/s | 1.10x met | 1.38x met |" in lines

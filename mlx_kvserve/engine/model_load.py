@@ -89,7 +89,10 @@ def estimate_bytes(entry: ModelEntry) -> int:
 
 
 def kv_ram_bytes(engine: Any) -> int:
-    """Bytes of KV blocks and tails `engine` holds in RAM now (0 while its cache is off)."""
+    """Bytes of KV blocks and tails `engine` holds in RAM now (0 while its cache is off); a model in
+    a process of its own reports its process's (server/model_process.py)."""
+    if callable(getattr(engine, "kv_ram_bytes", None)):
+        return engine.kv_ram_bytes()
     manager = getattr(getattr(engine, "prefix_cache", None), "manager", None)
     if manager is None:
         return 0

@@ -376,6 +376,8 @@ class ModelRegistry:
     def ssd_bytes(self, slot: ModelSlot) -> int | None:
         """The bytes of `slot`'s SSD folder: its store's while loaded, the shared budget's record
         while not; None when unknown (never loaded, no SSD tier). Not under `_cond`."""
+        if callable(getattr(slot.engine, "ssd_bytes", None)):  # a model in a process of its own
+            return slot.engine.ssd_bytes()
         if self.ssd is not None:
             return self.ssd.bytes_of(slot.entry.name)
         store = engine_store(slot.engine)
@@ -400,6 +402,7 @@ class ModelRegistry:
                 "unloads": slot.num_unloads,
                 "load_s": round(slot.load_s, 3),
                 "error": slot.error,
+                "process": slot.engine.process_info() if callable(getattr(slot.engine, "process_info", None)) else None,
             }
 
     def describe(self) -> dict[str, Any]:

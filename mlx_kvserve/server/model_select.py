@@ -10,7 +10,8 @@ registry's own. A chat model named on /v1/embeddings, or an embedding model anyw
 anything loads.
 
 A streamed request whose model is not loaded gets its SSE headers at once and keep-alives while the model
-loads (load_stream.py), as a long prefill does.
+loads (load_stream.py), as a long prefill does. A model in a process of its own (`process = true`) is
+leased the same way; its requests then pass through to that process (model_proxy.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from .embeddings import EMBEDDINGS_PATH, not_an_embedding_model
 from .gate import ADMIN_PREFIX, BODY_METHODS, LIMITED_PATHS, error_response, note_error, replay
 from .keep_alive import requested_keep_alive
 from .load_stream import StreamedLoad, is_stream
+from .model_process import ModelProcess
+from .model_proxy import forward
 
 MODELS_ADMIN_PREFIX = ADMIN_PREFIX + "/models"
 
@@ -103,6 +106,12 @@ class ModelSelect:
             return
         if keep_alive is not None:
             self.registry.set_keep_alive(lease.slot, keep_alive)
+        if isinstance(lease.engine, ModelProcess):  # a model in a process of its own serves it there
+            try:
+                await forward(lease.engine, scope, receive, send)
+            finally:
+                lease.release()
+            return
         token = bind(lease, name)
         try:
             await self.app(scope, receive, send)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+from collections.abc import Callable
 
 from harness import THEIRS, VLLM
 from harness.clients import stream_chat
@@ -87,12 +88,21 @@ def scenario_concurrent(
     for server in servers:
         row = out.setdefault(server.name, {})
         for n in clients:
-            stamp = time.time()
-            systems = [system_prompt(f"{server.name}-{n}-{c}-{stamp}", system_words) for c in range(n)]
+            systems = case_systems(server.name, f"C={n}", system_words)
             row[f"C={n}"] = run_case(server, f"C={n}", systems, turns, max_tokens)
-        shared = system_prompt(f"{server.name}-shared-{time.time()}", system_words)
-        row["shared8"] = run_case(server, "shared8", [shared] * 8, 1, max_tokens)
+        row["shared8"] = run_case(server, "shared8", case_systems(server.name, "shared8", system_words), 1, max_tokens)
     return out
+
+
+def case_systems(server: str, case: str, words: int, salt: str = "") -> list[str]:
+    """The system prompts of `case` ("C=<n>": n of their own; "shared8": one for all 8 clients) on `server`,
+    cold: a nonce of `salt`, the server, the case and the time leads each. The salt comes first, so
+    prompts under two salts (two rounds) part right after "Session " and share no cached prefix."""
+    stamp = time.time()
+    if case == "shared8":
+        return [system_prompt(f"{salt}{server}-shared-{stamp}", words)] * 8
+    n = int(case.removeprefix("C="))
+    return [system_prompt(f"{salt}{server}-{n}-{c}-{stamp}", words) for c in range(n)]
 
 
 def run_case(server: Server, case: str, systems: list[str], turns: int, max_tokens: int) -> dict:
@@ -146,12 +156,23 @@ def summary(case: dict) -> dict | None:
     }
 
 
-def ratio_cell(ours: float | None, theirs: float | None, bound: tuple[str, float] | None = None) -> str:
-    if not ours or not theirs:
+def quotient(ours: float | None, theirs: float | None) -> float | None:
+    """ours / theirs; None where either is missing or zero."""
+    return ours / theirs if ours and theirs else None
+
+
+def case_ratio(runs: dict, ours: str, peer: str, case: str, measure: str) -> float | None:
+    """ours / `peer` for `measure` (a summary() key) in `case` of `runs` ({server: {case: run_clients
+    result}}); None where either failed or has no such figure (later turns of a one-turn case)."""
+    mine, theirs = summary(runs[ours][case]), summary(runs[peer][case])
+    return quotient(mine and mine[measure], theirs and theirs[measure])
+
+
+def ratio_cell(ratio: float | None, bound: tuple[str, float] | None = None) -> str:
+    if ratio is None:
         return "-"
-    r = ours / theirs
-    verdict = "" if bound is None else " met" if is_met(r, bound) else " **missed**"
-    return f"{r:.2f}x{verdict}"
+    verdict = "" if bound is None else " met" if is_met(ratio, bound) else " **missed**"
+    return f"{ratio:.2f}x{verdict}"
 
 
 def report_lines(result: dict, names: list[str]) -> list[str]:
@@ -179,7 +200,7 @@ def report_lines(result: dict, names: list[str]) -> list[str]:
                 "failed" if "error" in r else f"{r['ttft_mean'][turn]:.2f} / {r['ttft_p90'][turn]:.2f}" for r in runs
             ]
             means = {n: r.get("ttft_mean", [None] * (turn + 1))[turn] for n, r in zip(names, runs, strict=True)}
-            ratios = [ratio_cell(means[ours], means[p]) for p in peers]
+            ratios = [ratio_cell(quotient(means[ours], means[p])) for p in peers]
             lines.append(f"| {case} | {turn + 1} | " + " | ".join(cells + ratios) + " |")
     lines += ["", "| case | " + " | ".join(f"{n} tokens/s" for n in names) + " |", "|---" * (len(names) + 1) + "|"]
     for case in cases:
@@ -204,7 +225,9 @@ def report_lines(result: dict, names: list[str]) -> list[str]:
                 f"| {n_clients} | {name} | {s['first']:.2f} | {s['first_p99']:.2f} | {s['first_max']:.2f} | "
                 f"{later} | {s['tokens_per_s']:.1f} |"
             )
-    lines += target_lines(result, ours, peers)
+    lines += target_lines(
+        result["clients"], peers, lambda measure, peer, n: case_ratio(result, ours, peer, f"C={n}", measure)
+    )
     for name in names:
         for case in cases:
             if "error" in result[name][case]:
@@ -212,23 +235,21 @@ def report_lines(result: dict, names: list[str]) -> list[str]:
     return lines
 
 
-def target_lines(result: dict, ours: str, peers: list[str]) -> list[str]:
-    """Issue 26's targets as ratios ours / each peer per C, each marked met or missed where one is set."""
+def target_lines(
+    clients: list[int], peers: list[str], ratio: Callable[[str, str, int], float | None], basis: str = ""
+) -> list[str]:
+    """Issue 26's targets per C in `clients`: ratio(measure, peer, C), ours / each peer, marked met or
+    missed where one is set; `basis` ends the heading (how the ratios were formed, where not plain)."""
     lines = [
         "",
         "Issue 26's targets (later turns <= 0.7x `mlx_lm.server` at 4 and 8 clients, <= 0.5x at 16, below 1x "
-        "vllm-mlx at every C; first turn <= 0.7x `mlx_lm.server`; tokens/s >= 1.1x both peers):",
+        f"vllm-mlx at every C; first turn <= 0.7x `mlx_lm.server`; tokens/s >= 1.1x both peers){basis}:",
         "",
         "| clients | measure | " + " | ".join(f"ours / {p}" for p in peers) + " |",
         "|---|---" + "|---" * len(peers) + "|",
     ]
-    for n_clients in result["clients"]:
-        mine = summary(result[ours][f"C={n_clients}"])
+    for n_clients in clients:
         for measure, label in MEASURES.items():
-            cells = []
-            for peer in peers:
-                theirs = summary(result[peer][f"C={n_clients}"])
-                bound = target(measure, peer, n_clients)
-                cells.append(ratio_cell(mine and mine[measure], theirs and theirs[measure], bound))
+            cells = [ratio_cell(ratio(measure, p, n_clients), target(measure, p, n_clients)) for p in peers]
             lines.append(f"| {n_clients} | {label} | " + " | ".join(cells) + " |")
     return lines
