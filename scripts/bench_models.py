@@ -166,6 +166,7 @@ def fairness(folders: dict[str, Path], root: Path, repeats: int = 3, n: int = 20
     proc.join()
     own.__exit__(None, None, None)
     out["two_servers"] = {"small_ttft_s": median(runs), "large_ttft_s": median(large)}
+    print("small alone", out["small_alone"], "two servers", out["two_servers"], flush=True)
     client, registry = app(folders, root / "fair", 2**36)
     ttft(client, "small", prompt(64, 9))
     ttft(client, "large", prompt(64, 9))  # both loaded and warm
@@ -176,6 +177,7 @@ def fairness(folders: dict[str, Path], root: Path, repeats: int = 3, n: int = 20
         large = []
         runs = [beside_in_process(client, n, 500 + 10 * k + i, large) for i in range(repeats)]  # cold prompts
         out[mode] = {"small_ttft_s": median(runs), "large_ttft_s": median(large)}
+        print(mode, out[mode], flush=True)
     client.__exit__(None, None, None)
     client, registry = app(folders, root / "fair-process", 2**36, frozenset({"large"}))
     ttft(client, "small", prompt(64, 9))
@@ -183,6 +185,7 @@ def fairness(folders: dict[str, Path], root: Path, repeats: int = 3, n: int = 20
     large = []
     runs = [beside_in_process(client, n, 600 + i, large) for i in range(repeats)]
     out["one_server_large_in_own_process"] = {"small_ttft_s": median(runs), "large_ttft_s": median(large)}
+    print("one_server_large_in_own_process", out["one_server_large_in_own_process"], flush=True)
     client.__exit__(None, None, None)
     modes = ("two_servers", "one_server_no_turns", "one_server_turns", "one_server_large_in_own_process")
     for mode in modes:
