@@ -144,6 +144,20 @@ def test_its_replies_equal_the_model_served_in_the_servers_own_process(servers):
     health = httpx.get(f"{server.base_url}/health", timeout=10).json()
     b_row = next(m for m in health["models"] if m["id"] == "b")
     assert health["status"] == "ok" and b_row["cache"]["enabled"] and b_row["batch"]["max_batch"] >= 1
+    # A client that leaves mid-stream stops the generation in the model's process.
+    body = {"model": "b", "prompt": "hello", "max_tokens": 1500, "temperature": 0, "stream": True}
+    body["logit_bias"] = {"2": -100}  # never its end token (<|im_end|>): 1500 tokens take seconds unless cancelled
+    decoded = b_row["batch"]["decode_tokens"]
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=60) as r:
+        events = 0
+        for line in r.iter_lines():
+            events += line.startswith("data: {")
+            if events == 3:
+                break
+    time.sleep(2.5)  # the child's figures are polled every second
+    health = httpx.get(f"{server.base_url}/health", timeout=10).json()
+    batch = next(m for m in health["models"] if m["id"] == "b")["batch"]
+    assert batch["running"] == 0 and batch["decode_tokens"] - decoded < 1000, batch
     # The child listens on loopback and answers only its server's key.
     port = row["process"]["port"]
     refused = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "b", "prompt": "x"}, timeout=10)
