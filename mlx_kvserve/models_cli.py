@@ -10,7 +10,12 @@ import click
 
 from .cache_cli import DEFAULT_URL, _call, table
 
-COLUMNS = ["id", "kind", "state", "in_use", "memory_bytes", "loads", "unloads", "load_s", "idle_s", "pinned"]
+COLUMNS = ["id", "kind", "state", "in_use", "memory_bytes", "loads", "unloads", "load_s", "idle_s", "pinned", "pid"]
+
+
+def rows(models: list[dict]) -> list[dict]:
+    """The admin API's rows with `pid`: the model's own process (`process = true`), "-" for none."""
+    return [row | {"pid": (row.get("process") or {}).get("pid") or "-"} for row in models]
 
 
 @click.group("models")
@@ -31,7 +36,7 @@ def list_models(ctx: click.Context, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(data, indent=2))
         return
-    click.echo(table(data["models"], COLUMNS))
+    click.echo(table(rows(data["models"]), COLUMNS))
     click.echo(f"memory: {data['memory_used_bytes']} of {data['memory_budget_bytes']} bytes")
 
 
@@ -40,7 +45,7 @@ def list_models(ctx: click.Context, as_json: bool) -> None:
 @click.pass_context
 def load(ctx: click.Context, model: str) -> None:
     """Load MODEL now (unloading idle ones when the memory budget needs room)."""
-    click.echo(table([_call(ctx, "POST", "/v1/cache/models/load", {"model": model})], COLUMNS))
+    click.echo(table(rows([_call(ctx, "POST", "/v1/cache/models/load", {"model": model})]), COLUMNS))
 
 
 @models_group.command()
@@ -48,4 +53,4 @@ def load(ctx: click.Context, model: str) -> None:
 @click.pass_context
 def unload(ctx: click.Context, model: str) -> None:
     """Unload MODEL now (its KV blocks stay on the SSD)."""
-    click.echo(table([_call(ctx, "POST", "/v1/cache/models/unload", {"model": model})], COLUMNS))
+    click.echo(table(rows([_call(ctx, "POST", "/v1/cache/models/unload", {"model": model})]), COLUMNS))

@@ -11,6 +11,8 @@ import concurrent.futures
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import httpx
@@ -144,6 +146,14 @@ def test_its_replies_equal_the_model_served_in_the_servers_own_process(servers):
     health = httpx.get(f"{server.base_url}/health", timeout=10).json()
     b_row = next(m for m in health["models"] if m["id"] == "b")
     assert health["status"] == "ok" and b_row["cache"]["enabled"] and b_row["batch"]["max_batch"] >= 1
+    listed = subprocess.run(
+        [sys.executable, "-m", "mlx_kvserve", "models", "--url", server.base_url, "list"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    pids = {line.split()[0]: line.split()[-1] for line in listed.splitlines()[2:] if line.strip()}
+    assert (pids["a"], pids["b"]) == ("-", str(row["process"]["pid"]))
     # A client that leaves mid-stream stops the generation in the model's process.
     body = {"model": "b", "prompt": "hello", "max_tokens": 1500, "temperature": 0, "stream": True}
     body["logit_bias"] = {"2": -100}  # never its end token (<|im_end|>): 1500 tokens take seconds unless cancelled
