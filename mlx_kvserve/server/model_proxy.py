@@ -45,18 +45,19 @@ async def forward(child: ModelProcess, scope: Scope, receive: Receive, send: Sen
     headers.append((b"authorization", f"Bearer {child.key}".encode()))
     query = scope.get("query_string", b"").decode("latin-1")
     started = False
-    async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+    # Loopback: no TLS context (creating one costs 40-60 ms of CPU) and no proxy from the environment.
+    async with httpx.AsyncClient(timeout=TIMEOUT, verify=False, trust_env=False) as client:
         for attempt in (1, 2):  # a process found dead before its reply began: once more on the next one
             if not child.ready(0) and not await anyio.to_thread.run_sync(child.ready, child.start_timeout_s):
                 await _refuse(unavailable(child, "its process is not serving"), scope, send)
                 return
-            url = child.url(scope["path"]) + (f"?{query}" if query else "")
+            url, proc = child.url(scope["path"]) + (f"?{query}" if query else ""), child.proc
             try:
                 request = client.build_request(scope["method"], url, headers=headers, content=body)
                 reply = await client.send(request, stream=True)
                 break
             except httpx.HTTPError as exc:
-                if attempt == 1 and child.exited():
+                if attempt == 1 and await anyio.to_thread.run_sync(child.lost, proc):
                     log.warning("model %s: its process is gone; waiting for the next one", child.model_name)
                     continue
                 await _refuse(unavailable(child, f"its process failed: {exc!r}"), scope, send)
