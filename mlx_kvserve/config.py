@@ -112,6 +112,7 @@ class GenerationConfig:
     temperature: float = 0.7
     top_p: float = 1.0
     prefill_step_size: int = 0  # 0 = by device: 2048 on a GPU, 512 on the CPU (engine/build.py)
+    prefill_step_shared: bool = True  # prompts prefilling together share a step's tokens (batch_generator.py)
 
 
 @dataclass(frozen=True)

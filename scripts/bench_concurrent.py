@@ -38,6 +38,8 @@ VARIANTS = {
     "serial": '[server]\nscheduling = "cached_first"\nprefill_batch_size = 1\n',
     # the short-join rule before: any uncached rest within one prefill chunk joined past the slots
     "chunk-short": "[server]\nshort_prefill_tokens = 512\n",
+    # each prompt prefilling a whole chunk per step (mlx-lm's step), before prompts shared a step's tokens
+    "step-each": "[generation]\nprefill_step_shared = false\n",
 }
 
 

@@ -12,6 +12,11 @@ a request whose prompt is done within the step still moves where mlx-lm moves it
 A step that moved requests ends after the decode pass: mlx-lm's step would go on to prefill the next
 chunk of the prompts still prefilling (a whole chunk: seconds on the CPU) before returning, and the
 moved requests' first tokens would wait for it. Those prompts prefill one decode pass later instead.
+
+With `share_step` (the default; `generation.prefill_step_shared`), the prompts prefilling together share
+one step's `prefill_step_size` tokens (each its part, at least MIN_SHARE), as vLLM's per-step token budget
+does: in mlx-lm's step each prompt prefills a whole chunk, so n cold prompts make a step n chunks long
+(8 on the CPU: ~40 s), and every running request's next token and every later turn waits for all of it.
 """
 
 from __future__ import annotations
@@ -21,13 +26,26 @@ from typing import Any
 
 from mlx_lm.generate import BatchGenerator, PromptProcessingBatch
 
+MIN_SHARE = 32  # prompt tokens per prompt and step, however many prefill together
+
 
 class KVServeBatchGenerator(BatchGenerator):
+    share_step = True
+
     def _next(self) -> tuple[list[Any], list[Any]]:
         moved = self._move_done_prompts()
         if moved and (self._currently_processing or self._unprocessed_sequences):
             return moved, self._decode_only()
-        prompt_responses, generation_responses = super()._next()
+        step = self.prefill_step_size
+        if self.share_step and len(self._currently_processing) > 1:
+            # mlx-lm cuts each prompt's chunk by this attribute in its step; the prompt batch
+            # keeps whole passes (its own attribute) so that a chunk is never split again.
+            self._prompt_batch.prefill_step_size = step
+            self.prefill_step_size = max(MIN_SHARE, step // len(self._currently_processing))
+        try:
+            prompt_responses, generation_responses = super()._next()
+        finally:
+            self.prefill_step_size = step
         return moved + prompt_responses, generation_responses
 
     def _decode_only(self) -> list[Any]:

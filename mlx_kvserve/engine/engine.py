@@ -71,6 +71,7 @@ class Engine:
         # A vision-language model's images (vision/runtime.py): prompts built here, prefilled by the scheduler.
         self.vision = build_runtime(loaded.vision, config) if getattr(loaded, "vision", None) is not None else None
         self.generator.scheduler.vision = self.vision
+        self.generator.scheduler.share_prefill_step = config.generation.prefill_step_shared
         # Speculative decoding (engine/speculative.py): text models on one machine (ranks measure
         # their own pass times, and their adaptive choices must not differ). [speculative]
         # draft_model is loaded here (ConfigError when its tokenizer is not this model's).

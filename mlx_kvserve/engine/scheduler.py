@@ -76,6 +76,7 @@ class Scheduler:
         self.prefill_batch_size = 1 if not self.short_joins else min(prefill_batch_size or 8, max_batch)
         self.short_prefill_tokens = short_prefill_tokens or max(1, prefill_step_size // 4)
         self.stats = stats if stats is not None else SchedulerStats()
+        self.share_prefill_step = True  # prompts prefilling together share a step (batch_generator.py)
         self._eos = StopSequences([[t] for t in tokenizer.eos_token_ids])
         self._batch: KVServeBatchGenerator | None = None
         self._running: dict[int, Running] = {}  # by BatchGenerator uid
@@ -136,6 +137,7 @@ class Scheduler:
                 prefill_batch_size=self.max_batch if self.short_joins else self.prefill_batch_size,
                 prefill_step_size=self.prefill_step_size,
             )
+            self._batch.share_step = self.share_prefill_step
         return self._batch
 
     def admit(self, req: GenerationRequest) -> None:
