@@ -65,7 +65,7 @@ class ServerConfig:
     # that later ones have passed for max_wait_s goes first) or "fifo" (arrival order). engine/order.py.
     scheduling: str = "cached_first"
     max_wait_s: float = 5.0
-    prefill_batch_size: int = 0  # long prompts prefilled together (short ones join past it); 0 = 8
+    prefill_batch_size: int = 0  # long prompts prefilled together (short ones join past it); 0 = 1
     short_prefill_tokens: int = 0  # an uncached rest this short joins past prefill_batch_size; 0 = step / 4
     max_body_bytes: int = 4 * 1024 * 1024
     shutdown_timeout_s: float = 30.0  # how long in-flight requests may run after SIGTERM

@@ -40,6 +40,8 @@ VARIANTS = {
     "chunk-short": "[server]\nshort_prefill_tokens = 512\n",
     # each prompt prefilling a whole chunk per step (mlx-lm's step), before prompts shared a step's tokens
     "step-each": "[generation]\nprefill_step_shared = false\n",
+    # every waiting long prompt prefilled together (up to 8, mlx_lm.server's prompt concurrency): the default before
+    "batch8": "[server]\nprefill_batch_size = 8\n",
 }
 
 

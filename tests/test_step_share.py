@@ -32,6 +32,7 @@ def run_together(model, tokenizer, share: bool, monkeypatch) -> tuple[list[int],
     """(prompt tokens of each prefill pass, each request's greedy tokens), four cold prompts at once."""
     gen = make_generator(model, tokenizer, BS, prefill_step_size=STEP)
     gen.scheduler.share_prefill_step = share
+    gen.scheduler.prefill_batch_size = 4  # the four cold prompts prefill together (the default is one at a time)
     passes: list[int] = []
     real = PromptProcessingBatch.prompt
 

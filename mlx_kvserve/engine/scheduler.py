@@ -69,11 +69,12 @@ class Scheduler:
         # Recurrent layers prefill one prompt at a time: mlx-lm right-pads prompts of different
         # lengths prefilled together, and some of its recurrent layers (nemotron_h's in 0.32.2)
         # let the padding into their state. Decoding stays batched.
-        # Otherwise up to prefill_batch_size long prompts prefill together (0 = 8, mlx_lm.server's
-        # prompt concurrency), and short ones (an uncached rest of at most short_prefill_tokens;
-        # 0 = a quarter chunk) join beyond that: see _start_pending.
+        # Otherwise up to prefill_batch_size long prompts prefill together (0 = 1: one at a time, in
+        # the order's choice, so the first finishes first instead of all together at the end), and
+        # short ones (an uncached rest of at most short_prefill_tokens; 0 = a quarter chunk) join
+        # beyond that: see _start_pending.
         self.short_joins = not prefix_cache.layout.has_state
-        self.prefill_batch_size = 1 if not self.short_joins else min(prefill_batch_size or 8, max_batch)
+        self.prefill_batch_size = 1 if not self.short_joins else min(prefill_batch_size or 1, max_batch)
         self.short_prefill_tokens = short_prefill_tokens or max(1, prefill_step_size // 4)
         self.stats = stats if stats is not None else SchedulerStats()
         self.share_prefill_step = True  # prompts prefilling together share a step (batch_generator.py)
