@@ -43,7 +43,7 @@ VARIANTS = {
     # every waiting long prompt prefilled together (up to 8, mlx_lm.server's prompt concurrency): the default before
     "batch8": "[server]\nprefill_batch_size = 8\n",
     # half the CPU's prefill chunk: a later turn arriving during a cold prompt's chunk waits for less of it
-    "step256": "[generation]\nprefill_step_size = 256\n",
+    "step256": "[generation]\nprefill_step_size = 256\n[server]\nshort_prefill_tokens = 128\n",
 }
 
 
