@@ -138,6 +138,7 @@ def test_a_first_token_does_not_wait_for_another_prompts_next_chunk(tiny, monkey
     model, tokenizer = tiny
     gen = make_generator(model, tokenizer, BS, prefill_step_size=32)
     sched = gen.scheduler
+    sched.prefill_batch_size, sched.short_prefill_tokens = 2, 1  # both prefill in the batch's passes
     long_prompt = prompt(tokenizer, "a lighthouse")[:300]  # ~10 chunks
     short_prompt = tokenizer.encode("Name a colour.")
     outs: dict[str, list] = {"long": [], "short": []}

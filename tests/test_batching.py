@@ -234,22 +234,24 @@ def test_smollm_greedy_batch_equals_each_alone(smollm_dir):
 
 
 def test_shared_prefix_arriving_together_is_prefilled_once(tiny):
-    """4 long prompts with one uncached prefix, admitted in the same step: the first prefills the
-    prefix, the others wait for its blocks and look up again (the engine's prefill-token counter
-    proves it), and every output is still the alone one."""
+    """4 long prompts with one uncached prefix, admitted in the same step: prefilling together (4 prefill
+    slots), the first prefills the prefix, the others wait for its blocks and look up again; one at a
+    time (the default), the others start after it as hits. Either way the engine's prefill-token counter
+    shows the prefix prefilled once, and every output is still the alone one."""
     model, tokenizer = tiny
     text = " ".join(f"Rule {i}: a visitor to room {i} signs the book at desk {i * 2}." for i in range(40))
     shared = tokenizer.encode(text)[: 16 * BS]
     identical = [shared + tokenizer.encode(" Question: who signs?")] * 4
     different = [shared + tokenizer.encode(f" Question {q}: which desk is for room {q}?") for q in range(4)]
     params = SamplingParams(max_tokens=8)
-    for prompts in (identical, different):
+    for prompts, slots in ((identical, 4), (different, 4), (different, 0)):
         expected = [alone(model, tokenizer, p, params) for p in prompts]
         gen = make_generator(model, tokenizer, BS)
+        gen.scheduler.prefill_batch_size = slots or gen.scheduler.prefill_batch_size
         outs = run_batch(gen, [(p, params) for p in prompts])
         assert [o.key() for o in outs] == [e.key() for e in expected]
         stats = gen.scheduler.stats
-        assert stats.shared_prefix_waits == 3
+        assert stats.shared_prefix_waits == (3 if slots else 0)
         suffixes = sum(len(p) - len(shared) for p in prompts)
         assert stats.prefill_tokens <= len(shared) + suffixes + 3 * BS < 2 * len(shared)  # not 4 x shared
         assert all(o.done.usage.cached_tokens >= len(shared) for o in outs[1:])
