@@ -14,7 +14,7 @@ shape=${SHAPE:-llama3-8b}
 bits=${BITS:-4}
 lengths=${LENGTHS:-2048,8192,16384}
 words=${WORDS:-1400}   # comma-separated: one prefix run per size (1400 words ~7.7k tokens, 2900 ~16k)
-steps=${STEPS:-engine,ssd_io,prefix,concurrent,model_threads}  # which steps to run
+steps=${STEPS:-engine,ssd_io,prefix,concurrent,model_threads,models}  # which steps to run
 step() {  # step NAME SECONDS CMD...
   local name=$1 secs=$2; shift 2
   case ",$steps," in *",${name%%_[0-9]*},"*) ;; *) echo "== $name skipped (STEPS)"; return;; esac
@@ -43,4 +43,8 @@ done
 step concurrent "${T_CONC:-130}" $py scripts/bench_concurrent.py --quick --clients ${CLIENTS:-4,8} --model "$model" \
   --out "$out/concurrent"
 step model_threads "${T_THREADS:-60}" $py scripts/bench_model_threads.py --repeats 3
+# a small model's first token while a Llama-3-8B-shaped one prefills 16k tokens: two servers, one process,
+# the large one in a process of its own (issue 27)
+step models "${T_MODELS:-240}" $py scripts/bench_models.py --large "$shape" --prefill 16384 --skip-switching \
+  --repeats 5 --out "$out/models.json"
 echo "== done $(date +%T)"
