@@ -3,7 +3,8 @@
 server's own process (completions, a stream, /v1/messages); it unloads by ending its process and a reload
 is an SSD hit with the same text; a killed model process is started again and a killed server takes its
 model processes with it; eight first requests at once start one process; the child takes requests only
-with the key its server sends; a model that cannot load is a 500 and the other model goes on serving."""
+with the key its server sends; a response it stored is found, continued and deleted through its server; a model
+that cannot load is a 500 and the other model goes on serving."""
 
 from __future__ import annotations
 
@@ -154,6 +155,15 @@ def test_its_replies_equal_the_model_served_in_the_servers_own_process(servers):
     ).stdout
     pids = {line.split()[0]: line.split()[-1] for line in listed.splitlines()[2:] if line.strip()}
     assert (pids["a"], pids["b"]) == ("-", str(row["process"]["pid"]))
+    # A response stored by the model's process is found through this server, continued, and deleted.
+    url = f"{server.base_url}/v1/responses"
+    first = httpx.post(url, json={"model": "b", "input": "hello", "max_output_tokens": 4}, timeout=60).json()
+    assert httpx.get(f"{url}/{first['id']}", timeout=10).json()["id"] == first["id"]
+    body = {"model": "b", "input": "and then?", "max_output_tokens": 4, "previous_response_id": first["id"]}
+    assert httpx.post(url, json=body, timeout=60).status_code == 200
+    assert httpx.delete(f"{url}/{first['id']}", timeout=10).json()["deleted"] is True
+    assert httpx.get(f"{url}/{first['id']}", timeout=10).status_code == 404
+    assert httpx.get(f"{url}/resp_none", timeout=10).json()["error"]["code"] == "response_not_found"
     # A client that leaves mid-stream stops the generation in the model's process.
     body = {"model": "b", "prompt": "hello", "max_tokens": 1500, "temperature": 0, "stream": True}
     body["logit_bias"] = {"2": -100}  # never its end token (<|im_end|>): 1500 tokens take seconds unless cancelled

@@ -33,6 +33,7 @@ from .keep_alive import requested_keep_alive
 from .load_stream import StreamedLoad, is_stream
 from .model_process import ModelProcess
 from .model_proxy import forward
+from .response_lookup import is_lookup, lookup
 
 MODELS_ADMIN_PREFIX = ADMIN_PREFIX + "/models"
 
@@ -77,6 +78,9 @@ class ModelSelect:
         self.app, self.registry = app, registry
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if is_lookup(scope):  # a stored response may live in a model's own process
+            await lookup(self.app, self.registry, scope, receive, send)
+            return
         if scope["type"] != "http" or not _is_selected(scope):
             await self.app(scope, receive, send)
             return
