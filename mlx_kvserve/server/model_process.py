@@ -90,7 +90,11 @@ class ModelProcess:
     def start(cls, entry: ModelEntry, config: Config) -> Loaded:
         """The child started and serving, with its weights' size from its /v1/models."""
         child = cls(entry, config)
-        child.spawn()
+        try:
+            child.spawn()
+        except ModelLoadError:
+            child.stop(0)  # its folder (the config with the key) and its client go with it
+            raise
         child._watch = threading.Thread(target=child._watch_loop, name=f"model-process-{entry.name}", daemon=True)
         child._watch.start()
         row = next(iter(child.get("/v1/cache/models").get("models", [])), {})
