@@ -172,12 +172,18 @@ def run(config_path, model, dtype, host, port, api_key, api_key_file, distribute
 def _leave_with_parent() -> None:
     """A model's own process (server/model_process.py) stops as SIGTERM stops it once the server that
     started it is gone (a crash, kill -9), so it never keeps the port and the cache folder's lock."""
-    parent = os.environ.get("MLX_KVSERVE_PARENT_PID", "")
-    if not parent.isdigit():
+    parent = _parent_pid()
+    if parent is None:
         return
     from .rank_exit import RankExit
 
-    RankExit(0, 0).watch_parent(lambda: os.kill(os.getpid(), signal.SIGTERM), int(parent), poll_s=0.5)
+    RankExit(0, 0).watch_parent(lambda: os.kill(os.getpid(), signal.SIGTERM), parent, poll_s=0.5)
+
+
+def _parent_pid() -> int | None:
+    """The server this process serves a model for (server/model_process.py sets it), else None."""
+    value = os.environ.get("MLX_KVSERVE_PARENT_PID", "")
+    return int(value) if value.isdigit() else None
 
 
 def _registry_app(config: Config, config_path: str | None, model: str | None, distributed: str | None, keys):
@@ -197,7 +203,10 @@ def _registry_app(config: Config, config_path: str | None, model: str | None, di
     from .server.app import create_app
     from .server.model_process import load_entry
 
-    registry = ModelRegistry(config, registry_entries(entries, model), loader=load_entry)
+    # A model's own process (its parent set MLX_KVSERVE_PARENT_PID) keeps its one folder within the
+    # ssd.max_bytes its parent lent it: no budget over the other folders, which the parent counts.
+    own_process = _parent_pid() is not None
+    registry = ModelRegistry(config, registry_entries(entries, model), single=own_process, loader=load_entry)
     log.info("models: %s (memory budget %.2f GiB)", ", ".join(registry.names), registry.budget_bytes / 2**30)
     return create_app(RoutedEngine(registry), keys, registry)
 

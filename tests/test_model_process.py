@@ -33,12 +33,13 @@ def other_model(tmp_path_factory):
     return tinymodel.build_mlx_model(tmp_path_factory.mktemp("tiny-b") / "tiny-wide", seed=1, hidden_size=96)
 
 
-def write_config(path, a, b, b_process: bool = True, b_source: str | None = None):
+def write_config(path, a, b, b_process: bool = True, b_source: str | None = None, ssd_max_bytes: int = 0):
     path.write_text(
         f"""[cache]
 block_size = {BS}
 [ssd]
 async_writes = false
+max_bytes = {ssd_max_bytes}
 
 [[models]]
 name = "a"
@@ -218,3 +219,32 @@ def test_a_model_process_that_cannot_load_is_a_500_and_the_other_model_serves(se
     assert reply.status_code == 500 and "failed to load" in reply.json()["error"]["message"]
     assert rows(server)["b"]["state"] == "unloaded"
     assert complete(server, "a")["choices"][0]["text"]
+
+
+def test_a_model_process_keeps_its_folder_within_the_share_of_the_ssd_budget_lent_it(
+    start_server, tiny_model_dir, other_model, tmp_path
+):
+    budget = 1024 * 1024
+    config = write_config(tmp_path / "budget.toml", tiny_model_dir, other_model, ssd_max_bytes=budget)
+    server = start_server(tiny_model_dir, config=config, home=tmp_path / "home-budget")
+    complete(server, prompt=[5, *PROMPT])
+    time.sleep(1.5)  # the child's figures are polled every second
+    one_prompt = rows(server)["b"]["ssd_bytes"]
+    assert one_prompt and one_prompt < budget // 8
+    written = 1
+    while written * one_prompt < budget:  # more than its share
+        complete(server, prompt=[6 + written, *PROMPT], max_tokens=1)
+        written += 1
+    time.sleep(1.5)
+    models = rows(server)
+    row, share = models["b"], budget // len(models)  # an equal share per registered model
+    assert row["process"]["ssd_max_bytes"] == share
+    assert share - 2 * one_prompt <= row["ssd_bytes"] <= share, (row["ssd_bytes"], one_prompt)
+    health = httpx.get(f"{server.base_url}/health", timeout=10).json()
+    assert health["ssd_budget_bytes"] == budget and health["ssd_used_bytes"] >= share  # lent: counted whole
+    complete(server, "a")
+    unloaded = httpx.post(f"{server.base_url}/v1/cache/models/unload", json={"model": "b"}, timeout=120)
+    assert unloaded.status_code == 200
+    health = httpx.get(f"{server.base_url}/health", timeout=10).json()
+    on_disk = sum(p.stat().st_size for p in (tmp_path / "home-budget").rglob("*.safetensors"))
+    assert row["ssd_bytes"] <= health["ssd_used_bytes"] <= budget and on_disk <= budget  # b's folder at rest counted

@@ -152,3 +152,43 @@ def test_the_plan_takes_idle_headroom_first_then_files_least_recently_used_first
     assert lru_trims(uses, tmp_path / "asking", 10**6) == [Trim(tmp_path / "new", 0), *everything[1:]]
     uses[2] = use("old", 100, 100, 40, 1, held=True)  # unloading or loading: left alone
     assert all(t.folder != tmp_path / "old" for t in lru_trims(uses, tmp_path / "asking", 100))
+
+
+def test_a_share_lent_to_another_process_is_counted_whole_and_freed_when_given_back(tmp_path, one_block):
+    """A model in a process of its own budgets its folder alone within the bytes lent it: the lend
+    trims the least recently used folder for it, the loaded stores stay within what is left, and
+    giving it back lets them grow again, its folder then counted at rest at its own bytes."""
+    budget = SSDBudget(10 * one_block, lru_trims, FakeClock())
+    a, b = open_store(tmp_path, "a"), open_store(tmp_path, "b")
+    budget.attach(a)
+    budget.attach(b)
+    fill(a, range(0, 4))
+    fill(b, range(10, 14))
+    before_b = b.used_bytes()
+    assert budget.lend(tmp_path / "<process of c>", 5 * one_block) == 5 * one_block
+    assert a.used_bytes() == 5 * one_block - before_b and b.used_bytes() == before_b  # a, the oldest, gave
+    fill(b, range(14, 18))  # b may not grow into the lent share: a, then b's own oldest, give
+    assert b.used_bytes() + a.used_bytes() <= 5 * one_block and b.used_bytes() >= before_b
+    assert budget.describe()["ssd_used_bytes"] == a.used_bytes() + b.used_bytes() + 5 * one_block
+    budget.check_integrity()
+    c = open_store(tmp_path, "c")  # what that process wrote, within its cap
+    fill(c, range(20, 22))
+    c.flush()
+    budget.give_back(tmp_path / "<process of c>")
+    assert budget.add_folder(c.cache_dir, c.namespace, last_used=0.0)
+    assert budget.used_of(c.cache_dir) == 2 * one_block
+    b_before = b.used_bytes()
+    fill(b, range(18, 21))  # room again: b keeps all it had and adds three
+    assert b.used_bytes() == b_before + 3 * one_block and disk_bytes(tmp_path) <= 10 * one_block
+    budget.check_integrity()
+
+
+def test_a_lend_gets_what_pins_leave(tmp_path, one_block):
+    pins: set[bytes] = set()
+    budget = SSDBudget(6 * one_block, lru_trims, FakeClock())
+    a = open_store(tmp_path, "a", pins)
+    budget.attach(a)
+    pins.update(fill(a, range(0, 4)))
+    assert budget.lend(tmp_path / "<process of b>", 6 * one_block) == 2 * one_block
+    assert a.used_bytes() == 4 * one_block
+    budget.check_integrity()

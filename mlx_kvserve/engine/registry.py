@@ -17,7 +17,9 @@ Contract:
   in RAM are written first), its folder lock goes; a later load finds those blocks on the SSD.
 - SSD: with `[ssd] max_bytes`, the models' namespace folders share that one budget (engine/ssd_share.py):
   a model's store that needs room trims the least recently used models' folders first, loaded or not,
-  never below their pinned blocks. Without [[models]] (`single`) the one folder has it to itself.
+  never below their pinned blocks. Without [[models]] (`single`) the one folder has it to itself. A
+  model in a process of its own (`process = true`) is lent a share (RegistrySSD.lend) that its process,
+  a `single` registry, keeps its folder within.
 - One lock (`_cond`) guards every slot's state, leases and counters; loads and unloads run outside it,
   and so does every call into the SSD budget (which may trim folders).
 """
@@ -188,13 +190,18 @@ class ModelRegistry:
 
     def _load(self, slot: ModelSlot) -> Lease:
         started = time.monotonic()
+        config, lent = self.config, self.ssd is not None and slot.entry.process
         if self.ssd is not None:
             self.ssd.hold(slot.entry.name)  # no trim of its folder while its engine takes the lock
+            if lent:  # a process of its own budgets its folder alone, within the share lent it
+                config = self.ssd.lend(slot.entry.name, self.config, len(self.slots))
         try:
-            loaded = self._loader(slot.entry, self.config)
+            loaded = self._loader(slot.entry, config)
         except Exception as exc:
             if self.ssd is not None:
                 self.ssd.hold(slot.entry.name, False)
+                if lent:
+                    self.ssd.returned(slot.entry.name)
             with self._cond:
                 slot.state, slot.error = UNLOADED, str(getattr(exc, "message", "") or exc)
                 slot.failures += 1
@@ -263,6 +270,8 @@ class ModelRegistry:
         finally:
             if self.ssd is not None:
                 self.ssd.unloaded(slot.entry.name)
+                if slot.entry.process:
+                    self.ssd.returned(slot.entry.name)
             with self._cond:
                 slot.engine, slot.state = None, UNLOADED
                 slot.num_unloads += 1

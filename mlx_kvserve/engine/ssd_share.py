@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,8 @@ class RegistrySSD:
     def __init__(self, config: Config, clock: Any = time.monotonic):
         self.budget = SSDBudget(config.ssd.max_bytes, lru_trims, clock)
         self.folders: dict[str, Path] = {}  # model name -> its namespace folder (once loaded)
-        self._discover(config.ssd_path(), clock)
+        self._root, self._clock = config.ssd_path(), clock
+        self._discover(self._root, clock)
 
     @classmethod
     def for_config(cls, config: Config) -> RegistrySSD | None:
@@ -88,6 +90,22 @@ class RegistrySSD:
                 age = 0.0
             if not self.budget.add_folder(folder, namespace, now - max(0.0, age)):
                 log.info("SSD budget: %s is held by another process; not counted", folder)
+
+    def lend(self, name: str, config: Config, num_models: int) -> Config:
+        """`name` is served by a process of its own (server/model_process.py), which budgets its
+        folder alone: it gets a share of the budget (`max_bytes` over the number of models, others
+        trimmed for it least recently used first, within what pins leave) as its `ssd.max_bytes`,
+        counted here whole until `returned(name)`. The config that process starts with."""
+        cap = self.budget.lend(self._lent_key(name), self.budget.max_bytes // max(1, num_models))
+        return replace(config, ssd=replace(config.ssd, max_bytes=max(1, cap)))
+
+    def returned(self, name: str) -> None:
+        """`name`'s process ended: its share is free and its folder, at rest now, is counted."""
+        self.budget.give_back(self._lent_key(name))
+        self._discover(self._root, self._clock)
+
+    def _lent_key(self, name: str) -> Path:
+        return self._root / f"<process of {name}>"  # never a folder: names the lent share
 
     def loaded(self, name: str, engine: Any) -> None:
         """`name`'s engine started: its store joins the budget (and gets its cap now)."""

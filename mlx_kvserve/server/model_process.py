@@ -271,6 +271,7 @@ class ModelProcess:
             "port": self.port,
             "starts": self.starts,
             "serving": serving,
+            "ssd_max_bytes": self.config.ssd.max_bytes,  # the share of ssd.max_bytes lent it (0: no cap)
         }
 
     def kv_ram_bytes(self) -> int:

@@ -15,7 +15,9 @@ Contract:
 - A folder at rest is trimmed by opening it briefly under its folder lock (FolderLock.acquire, role
   BUDGET_ROLE), with its pins and leases read from its files: a folder another process holds is
   skipped (`busy`) and not counted, since its owner budgets it.
-- The total (live caps plus folders at rest) stays within `max_bytes`, except by pinned bytes: a
+- `lend(key, want)` sets bytes aside for a folder another process of this server budgets alone (its
+  cap), trimming others for it; counted whole until `give_back(key)`.
+- The total (live caps, lent bytes and folders at rest) stays within `max_bytes`, except by pinned bytes: a
   store whose pins pass its cap keeps them and adds nothing more.
 - Lock order: the budget's lock, then a store's; a store never calls the budget holding its own.
 """
@@ -117,12 +119,14 @@ class SSDBudget:
             use.pinned_bytes = usage.pinned_bytes
 
     def add_folder(self, folder: Path, namespace: bytes, last_used: float) -> bool:
-        """Count a folder at rest found under the cache root (measured under its lock). False when
-        another process holds it (not counted) or it cannot be read."""
+        """Count a folder at rest found under the cache root (measured under its lock; one found busy
+        before is measured again). False when another process holds it (not counted) or it cannot
+        be read."""
         with self._lock:
-            if folder in self._uses:
+            known = self._uses.get(folder)
+            if known is not None and not known.busy:
                 return True
-            use = FolderUse(folder, namespace, last_used=last_used)
+            use = known or FolderUse(folder, namespace, last_used=last_used)
             if self._trim_at_rest(use, None) is None:
                 return False
             self._uses[folder] = use
@@ -133,6 +137,25 @@ class SSDBudget:
         with self._lock:
             if folder in self._uses:
                 self._uses[folder].last_used = self._clock()
+
+    def lend(self, key: Path, want: int) -> int:
+        """Set aside up to `want` bytes for a folder another process of this server budgets alone (a
+        model in a process of its own: `key` names it, its folder is not known here): other folders
+        are trimmed for it as for a store asking room. Counted whole and never trimmed until
+        `give_back(key)`. Returns the bytes lent, the cap that process keeps its folder within."""
+        with self._lock:
+            use = FolderUse(key, b"", last_used=self._clock(), held=True)
+            self._uses[key] = use
+            self._refresh()
+            room = self._make_room(use, want)
+            use.used_bytes = use.cap_bytes = min(room, want)
+            return use.cap_bytes
+
+    def give_back(self, key: Path) -> None:
+        """That process ended: its lent bytes are free (its folder, at rest now, is counted by the
+        next add_folder)."""
+        with self._lock:
+            self._uses.pop(key, None)
 
     # --- room -----------------------------------------------------------------------------------
 
@@ -151,6 +174,16 @@ class SSDBudget:
         missing; a pass that frees nothing ends it (pins, busy folders): the store then evicts its own."""
         self._refresh()
         want = use.used_bytes + num_bytes
+        room = self._make_room(use, want)
+        live = sum(1 for u in self._uses.values() if u.is_live and not u.held)
+        share = max(0, room - want) // max(1, live)
+        cap = min(room, want + share) if room >= want else room
+        use.used_bytes, use.pinned_bytes, _ = use.store.trim_to(cap)
+        use.cap_bytes = max(cap, use.used_bytes)  # pins may keep it above: they count
+
+    def _make_room(self, use: FolderUse, want: int) -> int:
+        """Trim other folders as the plan says until `use` has room for `want` bytes, or a pass
+        frees nothing (pins, busy folders); the room it has then (lock held)."""
         for _ in range(len(self._uses) + 1):
             missing = want - self._room(use)
             if missing <= 0:
@@ -162,12 +195,7 @@ class SSDBudget:
                     break
             if self._counted() >= before:
                 break
-        room = self._room(use)
-        live = sum(1 for u in self._uses.values() if u.is_live and not u.held)
-        share = max(0, room - want) // max(1, live)
-        cap = min(room, want + share) if room >= want else room
-        use.used_bytes, use.pinned_bytes, _ = use.store.trim_to(cap)
-        use.cap_bytes = max(cap, use.used_bytes)  # pins may keep it above: they count
+        return self._room(use)
 
     def _room(self, use: FolderUse) -> int:
         """What `use` may hold: the budget less every other counted folder (lock held)."""
