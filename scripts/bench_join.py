@@ -10,6 +10,8 @@ rep by rep in one process:
   its length, then copied again when the question's prefill grows it): the code before this change;
 - `mlx-lm one cache`: what `mlx_lm.server` does for one conversation: a deep copy of the prompt cache
   holding the prefix, then `stream_generate` on the question (the serial floor: no blocks, no batch).
+Next to them, the physical floor measured in the same run: one copy of the prefix's KV bytes (what
+assembling a hit must move) and one read of them (what the question's attention must read).
 
 Usage: python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_join.py [--words 1400] [--reps 4]
 """
@@ -36,6 +38,7 @@ def main(argv=None) -> dict:
     p.add_argument("--synthetic", help="a random float32 llama of this harness shape instead, e.g. kv-heavy")
     p.add_argument("--words", type=int, default=1400)
     p.add_argument("--reps", type=int, default=4)
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of: " + ", ".join(VARIANTS))
     p.add_argument("--out", default=str(ROOT / "results" / "join"))
     args = p.parse_args(argv)
 
@@ -64,15 +67,20 @@ def main(argv=None) -> dict:
     engine = Engine(loaded, load_config(overrides={"ssd": {"enabled": False}, "speculative": {"mode": "off"}}))
     engine.start()
     served_ttft(engine, prefix + tok.encode(" Warm up."))  # computes and caches the prefix
+    variants = [v for v in VARIANTS if v in args.variants.split(",")]
     one_cache = make_prompt_cache(loaded.model)
-    for _ in stream_generate(loaded.model, tok, prefix, max_tokens=1, prompt_cache=one_cache):
-        pass
+    if "mlx-lm one cache" in variants:
+        for _ in stream_generate(loaded.model, tok, prefix, max_tokens=1, prompt_cache=one_cache):
+            pass
+    kv_bytes = kv_bytes_per_token(loaded.model) * len(prefix)
     in_place = blocks._merge_alone
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    cached: dict[str, list[int]] = {v: [] for v in VARIANTS[:2]}
+    times: dict[str, list[float]] = {v: [] for v in [*variants, *FLOORS]}
+    cached: dict[str, list[int]] = {v: [] for v in variants if v != "mlx-lm one cache"}
     try:
         for rep in range(args.reps):
-            for variant in VARIANTS if rep % 2 == 0 else VARIANTS[::-1]:
+            for name, seconds in floor_times(kv_bytes).items():
+                times[name].append(seconds)
+            for variant in variants if rep % 2 == 0 else variants[::-1]:
                 question = tok.encode(f" Question {rep} for {variant}: which river is the longest?")
                 if variant == "mlx-lm one cache":
                     start = time.perf_counter()
@@ -90,24 +98,55 @@ def main(argv=None) -> dict:
         blocks._merge_alone = in_place
         engine.stop()
     medians = {v: statistics.median(ts) for v, ts in times.items()}
-    base = medians["mlx-lm one cache"]
+    base_name = next(v for v in ("mlx-lm one cache", FLOORS[0]) if v in medians)
     lines = [
         "# One client's cached turn: joining the batch",
         "",
-        f"{loaded.name}, prefix {len(prefix)} tokens, a new question each rep, {args.reps} reps alternated, "
-        f"medians; mx {mx.__version__} on {mx.default_device()}",
+        f"{loaded.name}, prefix {len(prefix)} tokens ({kv_bytes / 2**30:.2f} GiB of KV), a new question each rep, "
+        f"{args.reps} reps alternated, medians; mx {mx.__version__} on {mx.default_device()}",
         "",
-        "| variant | TTFT s (median) | all reps | cached tokens | / mlx-lm one cache |",
+        f"| variant | TTFT s (median) | all reps | cached tokens | / {base_name} |",
         "|---|---|---|---|---|",
         *(
             f"| {v} | {medians[v]:.3f} | {', '.join(f'{t:.3f}' for t in times[v])} | "
-            f"{cached[v][0] if v in cached else '-'} | {medians[v] / base:.2f}x |"
-            for v in VARIANTS
+            f"{cached[v][0] if v in cached else '-'} | {medians[v] / medians[base_name]:.2f}x |"
+            for v in times
         ),
     ]
-    results = {"prefix_tokens": len(prefix), "times": times, "cached": cached, "medians": medians}
+    results = {"prefix_tokens": len(prefix), "kv_bytes": kv_bytes, "times": times, "cached": cached}
+    results["medians"] = medians
     write_report(results, Path(args.out), lines)
     return results
+
+
+FLOORS = ("floor: one copy of the KV", "floor: one read of the KV")
+
+
+def kv_bytes_per_token(model) -> int:
+    """Keys and values of every layer for one token, in the model's dtype."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    model(mx.array([[1]]), cache=cache)
+    return sum(c.keys[..., :1, :].nbytes + c.values[..., :1, :].nbytes for c in cache)
+
+
+def floor_times(num_bytes: int) -> dict[str, float]:
+    """Seconds for one copy and one read of `num_bytes` (float32) on this machine, now."""
+    import mlx.core as mx
+
+    source = mx.random.normal((num_bytes // 4,))
+    mx.eval(source)
+    start = time.perf_counter()
+    mx.eval(source + 0)  # reads every byte and writes as many: a copy
+    copied = time.perf_counter() - start
+    start = time.perf_counter()
+    mx.eval(source.sum())
+    read = time.perf_counter() - start
+    del source
+    mx.clear_cache()
+    return {FLOORS[0]: copied, FLOORS[1]: read}
 
 
 if __name__ == "__main__":

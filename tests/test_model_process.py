@@ -92,6 +92,16 @@ def streamed_text(server, model: str) -> str:
     return text
 
 
+def token_counters(server) -> dict[str, float]:
+    """This server's /metrics token counters: prompt, cached_prompt, completion."""
+    text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    found = {}
+    for kind in ("prompt", "cached_prompt", "completion"):
+        line = next(x for x in text.splitlines() if x.startswith(f"mlx_kvserve_{kind}_tokens_total "))
+        found[kind] = float(line.split()[1])
+    return found
+
+
 def messages_text(server, model: str) -> str:
     body = {"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 6, "temperature": 0}
     reply = httpx.post(f"{server.base_url}/v1/messages", json=body, timeout=60)
@@ -221,7 +231,7 @@ def test_a_model_process_that_cannot_load_is_a_500_and_the_other_model_serves(se
     assert complete(server, "a")["choices"][0]["text"]
 
 
-def test_a_model_process_keeps_its_folder_within_the_share_of_the_ssd_budget_lent_it(
+def test_a_model_process_keeps_its_ssd_share_and_its_requests_count_in_the_servers_metrics(
     start_server, tiny_model_dir, other_model, tmp_path
 ):
     budget = 1024 * 1024
@@ -242,6 +252,16 @@ def test_a_model_process_keeps_its_folder_within_the_share_of_the_ssd_budget_len
     assert share - 2 * one_prompt <= row["ssd_bytes"] <= share, (row["ssd_bytes"], one_prompt)
     health = httpx.get(f"{server.base_url}/health", timeout=10).json()
     assert health["ssd_budget_bytes"] == budget and health["ssd_used_bytes"] >= share  # lent: counted whole
+    # Its requests count in this server's /metrics as a model served here would: a stream without
+    # usage of its own included (the child closes it with a usage comment for its server).
+    chat = {"model": "b", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 6, "temperature": 0}
+    usage = httpx.post(f"{server.base_url}/v1/chat/completions", json=chat, timeout=60).json()["usage"]
+    before = token_counters(server)
+    assert streamed_text(server, "b")
+    after = token_counters(server)
+    assert after["prompt"] - before["prompt"] == usage["prompt_tokens"]
+    assert 0 < after["cached_prompt"] - before["cached_prompt"] <= usage["prompt_tokens"]  # the same prompt again
+    assert after["completion"] - before["completion"] == usage["completion_tokens"] > 0
     complete(server, "a")
     unloaded = httpx.post(f"{server.base_url}/v1/cache/models/unload", json={"model": "b"}, timeout=120)
     assert unloaded.status_code == 200

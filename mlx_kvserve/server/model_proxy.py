@@ -1,7 +1,8 @@
 """Requests for a model in a process of its own (server/model_process.py) pass through to that process:
 the method, path, query, headers (the client's key replaced by the child's) and the body this server
 already read and checked, and back the child's status, headers and body as they arrive (a stream's events
-one by one, keep-alives included). The client leaving closes the upstream request, and the child cancels
+one by one, keep-alives included), their token counts read on the way for the request log and /metrics
+(server/reply_usage.py). The client leaving closes the upstream request, and the child cancels
 the generation as it does for any client. A child that is restarting is waited for (the model's start
 bound); one that cannot be reached before its reply began is a 503 in the API's error shape; one that dies
 mid-reply ends the reply there."""
@@ -16,8 +17,9 @@ from starlette.types import Receive, Scope, Send
 
 from ..errors import KVServeError
 from .anthropic.reply import error_response as anthropic_error
-from .gate import error_response, note_error
+from .gate import RECORD_KEY, error_response, note_error
 from .model_process import ModelProcess
+from .reply_usage import USAGE_HEADER, ReplyUsage
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,7 @@ async def forward(child: ModelProcess, scope: Scope, receive: Receive, send: Sen
         body = (await receive()).get("body", b"")
     headers = [(k, v) for k, v in scope["headers"] if k.lower() not in DROPPED_HEADERS]
     headers.append((b"authorization", f"Bearer {child.key}".encode()))
+    headers.append((USAGE_HEADER.encode(), b"1"))  # a stream's closing usage comment (reply_usage.py)
     query = scope.get("query_string", b"").decode("latin-1")
     started = False
     # Loopback: no TLS context (creating one costs 40-60 ms of CPU) and no proxy from the environment.
@@ -68,8 +71,11 @@ async def forward(child: ModelProcess, scope: Scope, receive: Receive, send: Sen
                 out = [(k, v) for k, v in reply.headers.raw if k.lower() not in REPLY_DROPPED]
                 await send({"type": "http.response.start", "status": reply.status_code, "headers": out})
                 started = True
+                usage = ReplyUsage(scope.get(RECORD_KEY), reply.headers.get("content-type", ""))
                 async for chunk in reply.aiter_raw():
+                    usage.feed(chunk)
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                usage.close()
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 tasks.cancel_scope.cancel()
         except (httpx.HTTPError, OSError) as exc:  # the child died mid-reply, or the client left

@@ -16,10 +16,12 @@ import json
 from typing import Any
 
 from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from ..engine.request import Event, GenerationRequest
 from .deadlines import EventTracker
+from .gate import RECORD_KEY
+from .reply_usage import USAGE_HEADER, usage_comment
 
 KEEP_ALIVE_S = 5.0  # seconds without an event before a stream sends a keep-alive
 KEEP_ALIVE = object()  # what next_or_keep_alive returns when a keep-alive is due
@@ -58,8 +60,22 @@ class GenerationStream(StreamingResponse):
         self.gen_reqs = gen_reqs
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        record = scope.get(RECORD_KEY)
+        if record is not None and any(k.decode("latin-1").lower() == USAGE_HEADER for k, _ in scope["headers"]):
+            send = _usage_last(send, record)  # our server relaying a model's own process asks for it
         try:
             await super().__call__(scope, receive, send)
         finally:
             for gen_req in self.gen_reqs:
                 gen_req.cancel()  # a no-op once the generation has finished
+
+
+def _usage_last(send: Send, record: Any) -> Send:
+    """`send`, with the request's closing usage comment (server/reply_usage.py) before the end."""
+
+    async def send_usage_last(message: Message) -> None:
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            await send({"type": "http.response.body", "body": usage_comment(record), "more_body": True})
+        await send(message)
+
+    return send_usage_last
