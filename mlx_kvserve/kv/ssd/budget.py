@@ -148,7 +148,7 @@ class SSDBudget:
             self._uses[key] = use
             self._refresh()
             room = self._make_room(use, want)
-            use.used_bytes = use.cap_bytes = min(room, want)
+            use.used_bytes = use.cap_bytes = max(0, min(room, want))  # pins may leave nothing
             return use.cap_bytes
 
     def give_back(self, key: Path) -> None:
