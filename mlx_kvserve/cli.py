@@ -182,7 +182,9 @@ def _leave_with_parent() -> None:
 
 def _parent_pid() -> int | None:
     """The server this process serves a model for (server/model_process.py sets it), else None."""
-    value = os.environ.get("MLX_KVSERVE_PARENT_PID", "")
+    from .server.model_process import PARENT_PID_ENV
+
+    value = os.environ.get(PARENT_PID_ENV, "")
     return int(value) if value.isdigit() else None
 
 
@@ -203,7 +205,7 @@ def _registry_app(config: Config, config_path: str | None, model: str | None, di
     from .server.app import create_app
     from .server.model_process import load_entry
 
-    # A model's own process (its parent set MLX_KVSERVE_PARENT_PID) keeps its one folder within the
+    # A model's own process (its parent set PARENT_PID_ENV) keeps its one folder within the
     # ssd.max_bytes its parent lent it: no budget over the other folders, which the parent counts.
     own_process = _parent_pid() is not None
     registry = ModelRegistry(config, registry_entries(entries, model), single=own_process, loader=load_entry)

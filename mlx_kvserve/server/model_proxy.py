@@ -45,7 +45,7 @@ async def forward(child: ModelProcess, scope: Scope, receive: Receive, send: Sen
         body = (await receive()).get("body", b"")
     headers = [(k, v) for k, v in scope["headers"] if k.lower() not in DROPPED_HEADERS]
     headers.append((b"authorization", f"Bearer {child.key}".encode()))
-    headers.append((USAGE_HEADER.encode(), b"1"))  # a stream's closing usage comment (reply_usage.py)
+    headers.append((USAGE_HEADER, b"1"))  # a stream's closing usage comment (reply_usage.py)
     query = scope.get("query_string", b"").decode("latin-1")
     started = False
     # Loopback: no TLS context (creating one costs 40-60 ms of CPU) and no proxy from the environment.

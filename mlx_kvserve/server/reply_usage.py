@@ -25,7 +25,7 @@ from typing import Any
 from .metrics import RequestRecord
 
 MAX_JSON_BYTES = 16 * 2**20
-USAGE_HEADER = "x-mlx-kvserve-usage"  # asks a stream for its closing usage comment
+USAGE_HEADER = b"x-mlx-kvserve-usage"  # asks a stream for its closing usage comment (ASGI: lowercase bytes)
 USAGE_COMMENT = b": usage "
 OUTPUT_EVENTS = ("content_block_delta", "response.output_text.delta", "response.function_call_arguments.delta")
 

@@ -61,7 +61,7 @@ class GenerationStream(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         record = scope.get(RECORD_KEY)
-        if record is not None and any(k.decode("latin-1").lower() == USAGE_HEADER for k, _ in scope["headers"]):
+        if record is not None and any(name == USAGE_HEADER for name, _ in scope["headers"]):
             send = _usage_last(send, record)  # our server relaying a model's own process asks for it
         try:
             await super().__call__(scope, receive, send)
