@@ -1,14 +1,17 @@
 """Cached turns arriving while cold prompts prefill (issue 26): their time to first token and the cold
-prompts', with the product (a short rest prefilled on its own before it joins, engine/side_prefill.py;
-a step that moved requests to decoding ends after its decode pass, engine/batch_generator.py) next to
-the code before (the short rest padded into the cold prompts' prefill passes; mlx-lm's step, which goes
-on to prefill the next chunk before returning the moved requests' first tokens).
+prompts', with the product (a short rest prefilled on its own, last token included, its first token
+sampled from that pass: it joins decoding at once, engine/direct_join.py; a step that a request joined
+ends after its decode pass, engine/batch_generator.py) next to the two codes before: `side prefill`
+(the short rest prefilled on its own but for its last token, which the batch's move to decoding ran in
+a one-token pass of its own, a step later: engine/side_prefill.py) and `before` (the short rest padded
+into the cold prompts' prefill passes; mlx-lm's step, which goes on to prefill the next chunk before
+returning the moved requests' first tokens).
 
 In process, on the engine's Generator (SmolLM2 or --model, SSD off): `--cold` clients send a cold
 ~`words`-word prompt (several prefill chunks); one batch step later `--warm` clients send a later turn
 of a conversation whose earlier turns are cached (a few dozen new tokens, a short join). Reports the
-later turns' mean TTFT and the cold prompts' mean TTFT for both step variants, alternated round by
-round in one process; every reply is checked equal between the variants.
+later turns' mean TTFT and the cold prompts' mean TTFT for each variant, alternated round by round in
+one process; every reply is checked equal between the variants.
 
 Usage: python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_turn_beside_prefill.py [--rounds 3]
 """
@@ -76,7 +79,7 @@ def main(argv=None) -> dict:
     from mlx_lm.generate import BatchGenerator
 
     from mlx_kvserve.config import default_home
-    from mlx_kvserve.engine import batch_generator, side_prefill
+    from mlx_kvserve.engine import batch_generator, direct_join, side_prefill
     from mlx_kvserve.engine.request import GenerationRequest, SamplingParams
     from mlx_kvserve.models.loader import load_model
 
@@ -84,18 +87,22 @@ def main(argv=None) -> dict:
         str(Path(args.model) if args.model else default_model_dir()), default_home() / "models", "float32"
     )
     tok = loaded.tokenizer
-    product = batch_generator.KVServeBatchGenerator._next, side_prefill._short_beside_long
+    product = batch_generator.KVServeBatchGenerator._next, side_prefill._short_beside_long, direct_join.fits
+
+    def place(variant) -> None:
+        batch_generator.KVServeBatchGenerator._next, side_prefill._short_beside_long, direct_join.fits = variant
 
     def mlx_lm_step(self):  # the step before: moved requests' first tokens wait for the next chunk
         moved = self._move_done_prompts()
         prompts, generated = BatchGenerator._next(self)
         return moved + prompts, generated
 
-    variants = {"product": product, "before": (mlx_lm_step, lambda *args: False)}
+    never = lambda *args: False  # noqa: E731
+    variants = {"product": product, "side prefill": (*product[:2], never), "before": (mlx_lm_step, never, never)}
     results: dict[str, list[dict]] = {v: [] for v in variants}
     for r in range(args.rounds):
         for name in variants if r % 2 == 0 else list(variants)[::-1]:
-            batch_generator.KVServeBatchGenerator._next, side_prefill._short_beside_long = variants[name]
+            place(variants[name])
             gen = make_generator(loaded.model, tok, 16)
             # The warm conversations' earlier turns, cached (a RAM hit up to the new message).
             histories = [tok.encode(system_prompt(f"warm{i}", target_words=150)) for i in range(args.warm)]
@@ -106,9 +113,11 @@ def main(argv=None) -> dict:
             gen.scheduler.prefill_batch_size = args.cold
             results[name].append(one_round(gen, colds, warms, args.max_tokens))
             mx.clear_cache()
-    batch_generator.KVServeBatchGenerator._next, side_prefill._short_beside_long = product
+    place(product)
     names = list(variants)
-    same = all(a["replies"] == b["replies"] for a, b in zip(results[names[0]], results[names[1]], strict=True))
+    same = all(
+        a["replies"] == b["replies"] for n in names[1:] for a, b in zip(results[names[0]], results[n], strict=True)
+    )
     med = {v: {k: statistics.median(x[k] for x in rs) for k in ("cold_ttft", "warm_ttft")} for v, rs in results.items()}
     lines = [
         "# Cached turns beside cold prefills: a short rest prefilled alone, the first token in its step",
@@ -123,7 +132,7 @@ def main(argv=None) -> dict:
     out = {"medians": med, "same_replies": same}
     write_report(out, Path(args.out), lines)
     if not same:
-        raise SystemExit("the two steps gave different replies")
+        raise SystemExit("the variants gave different replies")
     return out
 
 

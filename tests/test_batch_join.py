@@ -156,11 +156,11 @@ def test_a_first_token_does_not_wait_for_another_prompts_next_chunk(tiny, monkey
         assert outs[name][-1].token_ids == greedy(make_generator(model, tokenizer, BS), tokens, 3)[0]
 
 
-def test_a_short_rest_beside_a_long_prefill_is_prefilled_alone_and_decodes_next_step(tiny, monkeypatch):
+def test_a_short_rest_beside_a_long_prefill_is_prefilled_alone_and_decodes_at_once(tiny, monkeypatch):
     """A request whose uncached rest is short (at most short_prefill_tokens) arriving while a long prompt
-    prefills is prefilled on its own cache before it joins (engine/side_prefill.py): it is never in one
-    of the batch's padded prefill passes, its first token comes before the long prompt's next pass after
-    it joined, and both replies equal their replies alone."""
+    prefills is prefilled on its own cache, last token included, and joins decoding with its first
+    token (engine/direct_join.py): it is never in one of the batch's padded prefill passes, its first
+    token comes before the long prompt's next pass, and both replies equal their replies alone."""
     model, tokenizer = tiny
     gen = make_generator(model, tokenizer, BS, prefill_step_size=32)
     sched = gen.scheduler
@@ -173,9 +173,9 @@ def test_a_short_rest_beside_a_long_prefill_is_prefilled_alone_and_decodes_next_
     passes, first_at = watch_passes(monkeypatch, sched)
     prefilled = sched.stats.prefill_tokens
     sched.admit(GenerationRequest("short", short_prompt, params, outs["short"].append))
-    sched.step()
-    assert sched.stats.prefill_tokens - prefilled == len(short_prompt) - 1  # its rest, on its own
     joined_at = len(passes)
+    sched.step()
+    assert sched.stats.prefill_tokens - prefilled == len(short_prompt)  # its whole prompt (nothing cached), alone
     while sched.has_work:
         sched.step()
     assert all(len(run) <= 1 for run in passes)  # the long prompt's passes only

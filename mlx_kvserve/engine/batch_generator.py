@@ -9,9 +9,10 @@ so they decode in that same step: their first token comes in step k+1, in the de
 run anyway. Everything else is mlx-lm's step as it is (the move below is its own code, run earlier;
 a request whose prompt is done within the step still moves where mlx-lm moves it).
 
-A step that moved requests ends after the decode pass: mlx-lm's step would go on to prefill the next
-chunk of the prompts still prefilling (a whole chunk: seconds on the CPU) before returning, and the
-moved requests' first tokens would wait for it. Those prompts prefill one decode pass later instead.
+A step that moved requests, or that a request joined directly (`insert_decoding`), ends after the
+decode pass: mlx-lm's step would go on to prefill the next chunk of the prompts still prefilling (a
+whole chunk: seconds on the CPU) before returning, and their first tokens would wait for it. Those
+prompts prefill one decode pass later instead.
 
 With `share_step` (the default; `generation.prefill_step_shared`), the prompts prefilling together share
 one step's `prefill_step_size` tokens (each its part, at least MIN_SHARE), as vLLM's per-step token budget
@@ -24,17 +25,20 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from mlx_lm.generate import BatchGenerator, PromptProcessingBatch
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch, TokenBuffer, _merge_caches
 
 MIN_SHARE = 32  # prompt tokens per prompt and step, however many prefill together
 
 
 class KVServeBatchGenerator(BatchGenerator):
     share_step = True
+    _joined_directly = False  # a request entered the decode batch since the last step (insert_decoding)
 
     def _next(self) -> tuple[list[Any], list[Any]]:
         moved = self._move_done_prompts()
-        if moved and (self._currently_processing or self._unprocessed_sequences):
+        joined, self._joined_directly = self._joined_directly, False
+        if (moved or joined) and (self._currently_processing or self._unprocessed_sequences):
             return moved, self._decode_only()
         step = self.prefill_step_size
         if self.share_step and len(self._currently_processing) > 1:
@@ -47,6 +51,41 @@ class KVServeBatchGenerator(BatchGenerator):
         finally:
             self.prefill_step_size = step
         return moved + prompt_responses, generation_responses
+
+    def insert_decoding(
+        self,
+        cache: list[Any],
+        tokens: list[int],
+        first: mx.array,
+        logprobs: mx.array,
+        max_tokens: int,
+        sampler: Any,
+        processors: list[Any],
+        stop_sequences: Any,
+    ) -> int:
+        """Put a request straight into the decode batch: `cache` holds the KV of all its `tokens`
+        (the whole prompt) and `first` (with `logprobs`, [1, V]) was sampled from their last logits
+        (engine/direct_join.py). The next decode pass reports `first` and computes the token after
+        it, as for a request the batch moved there itself (mlx-lm's GenerationBatch fields, set as
+        its __init__ and _step would have). Returns its uid."""
+        uid = self._uid_count
+        self._uid_count += 1
+        joining = GenerationBatch.empty(self.model, self.sampler)
+        joining.uids = [uid]
+        joining.prompt_cache = _merge_caches([cache])
+        joining.tokens = [list(tokens)]
+        joining.samplers = [sampler]
+        joining.logits_processors = [processors]
+        joining.stop_sequences = [stop_sequences]
+        joining.max_tokens = [max_tokens]
+        joining._next_tokens = first
+        joining._next_logprobs = list(logprobs)
+        joining._token_context = [TokenBuffer(list(tokens))]
+        joining._num_tokens = [0]
+        joining._matchers = [stop_sequences.matcher()]
+        self._generation_batch.extend(joining)
+        self._joined_directly = True
+        return uid
 
     def _decode_only(self) -> list[Any]:
         """The decode pass of mlx-lm's step (`BatchGenerator._next`'s first part, with its counters)."""

@@ -24,6 +24,7 @@ class Running:
     stops: StopMatcher
     generated: list[int] = field(default_factory=list)  # every sampled token, eos included
     num_generated: int = 0  # completion tokens sent to the client (eos not counted)
+    ended_by_eos: bool = False  # the last sampled token was eos (usage counts it, as vLLM and mlx-lm do)
     first_token_s: float = 0.0
     prefill_done: bool = False  # the whole prompt's KV is in the batch cache
     prompt_registered: bool = False

@@ -4,9 +4,10 @@ A request joins between steps: its cached prefix is assembled (PrefixCache.prepa
 tails) and handed to the batch as its starting cache, with the uncached rest of the prompt to
 prefill. Each `step` runs one decode step for the running requests and one prefill chunk
 (`prefill_step_size` tokens) for the joining ones, so a long prompt never stalls the others for
-more than a chunk. A request leaves at eos, max_tokens, a stop string or cancellation; its
-sequence's KV is then extracted from the batch cache and registered as blocks. Its prompt's
-blocks are registered earlier, right after its first token, so requests arriving later reuse them.
+more than a chunk; a short rest joins decoding directly with its first token (direct_join.py).
+A request leaves at eos, max_tokens, a stop string or cancellation; its sequence's KV is then
+extracted from the batch cache and registered as blocks. Its prompt's blocks are registered
+earlier, right after its first token, so requests arriving later reuse them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 from mlx_lm.generate import StopSequences
 
 from ..kv.blocks import shift_positions
+from . import direct_join
 from .batch_generator import KVServeBatchGenerator
 from .batch_state import Pending, Running, SchedulerStats, Waiting
 from .constrain import grammars_for
@@ -76,6 +78,7 @@ class Scheduler:
         self.short_joins = not prefix_cache.layout.has_state
         self.prefill_batch_size = 1 if not self.short_joins else min(prefill_batch_size or 1, max_batch)
         self.short_prefill_tokens = short_prefill_tokens or max(1, prefill_step_size // 4)
+        self.direct_join_budget = prefill_step_size  # tokens left this step for direct joins (direct_join.py)
         self.stats = stats if stats is not None else SchedulerStats()
         self.share_prefill_step = True  # prompts prefilling together share a step (batch_generator.py)
         self._eos = StopSequences([[t] for t in tokenizer.eos_token_ids])
@@ -217,22 +220,28 @@ class Scheduler:
             cached = prepared.match.num_tokens
             params = req.params
             points = self.prefix_cache.checkpoints(req.prompt_tokens, cached, req.checkpoint_at)
-            cached, points = prefill_rest(self, req, prepared, cached, points)  # images, a short rest
+            direct = direct_join.fits(self, req, cached, points)  # a short rest: first token from its prefill
+            if not direct:
+                cached, points = prefill_rest(self, req, prepared, cached, points)  # images, a short rest
             if self.vision is not None and (delta := self.vision.rope_delta(req.images)) is not None:
                 shift_positions(prepared.prompt_cache, delta)  # M-RoPE: tokens after an image (vision/qwen.py)
             fault = RequestFault()
             processors = make_request_processors(params)
             if params.constrained:
                 processors.append(grammars_for(self.tokenizer).processor(params.json_schema, params.grammar))
-            (uid,) = self._generator().insert_segments(
-                [_segments(req.prompt_tokens, cached, points)],
-                max_tokens=[params.max_tokens],
-                caches=[prepared.prompt_cache],
-                all_tokens=[list(req.prompt_tokens[:cached])],
-                samplers=[fault.sampler(make_request_sampler(params))],
-                logits_processors=[[fault.processor(p) for p in processors]] if processors else None,
-                stop_sequences=[self._eos],
-            )
+            sampler, processors = fault.sampler(make_request_sampler(params)), [fault.processor(p) for p in processors]
+            if direct:
+                uid = direct_join.join(self, req, prepared.prompt_cache, cached, sampler, processors)
+            else:
+                (uid,) = self._generator().insert_segments(
+                    [_segments(req.prompt_tokens, cached, points)],
+                    max_tokens=[params.max_tokens],
+                    caches=[prepared.prompt_cache],
+                    all_tokens=[list(req.prompt_tokens[:cached])],
+                    samplers=[sampler],
+                    logits_processors=[processors] if processors else None,
+                    stop_sequences=[self._eos],
+                )
         except Exception as exc:
             self.prefix_cache.release(prepared)
             self._emit_end(req, Failed(exc))
@@ -249,6 +258,7 @@ class Scheduler:
             block_hashes=hashes,
             checkpoints=set(points),
             fault=fault,
+            prefill_done=direct,
         )
 
     def _start_waiting(self) -> None:
@@ -276,6 +286,7 @@ class Scheduler:
         then cancelled requests leave (their KV is registered)."""
         if self.speculation is not None and speculate(self):
             return
+        self.direct_join_budget = self.prefill_step_size
         if self._waiting:
             self._start_waiting()
         if self._pending:
@@ -333,7 +344,8 @@ class Scheduler:
             self.prefix_cache.mark_first_token(run.prepared)
         if req.cancelled.is_set():
             return self._end(run, "cancelled", r)
-        if r.finish_reason == "stop":  # eos: its text is not sent
+        if r.finish_reason == "stop":  # eos: its text is not sent, the token counts in usage
+            run.ended_by_eos = True
             return self._end(run, "stop", r)
         run.num_generated += 1
         run.detok.add_token(token)
@@ -381,7 +393,8 @@ class Scheduler:
         except Exception:
             log.exception("request %s: its KV blocks could not be registered", req.request_id)
         try:
-            usage = Usage(len(req.prompt_tokens), run.num_generated, run.prepared.match.num_tokens)
+            generated = run.num_generated + run.ended_by_eos
+            usage = Usage(len(req.prompt_tokens), generated, run.prepared.match.num_tokens)
             completion = tuple(run.generated[: run.num_generated])
             req.emit(Finished(reason, usage, run.first_token_s, completion))
         except Exception:

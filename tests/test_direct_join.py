@@ -1,0 +1,114 @@
+"""A short rest's first token comes from its own prefill (engine/direct_join.py, issue 26): a later
+turn is answered in the step that starts it, where mlx-lm's batch took two steps and a one-token pass
+of its own; and every reply is the one the batch's own path gives (greedy, sampled, constrained,
+with logprobs), alone or beside others."""
+
+from __future__ import annotations
+
+import pytest
+from kvharness import greedy, make_generator
+from mlx_lm.utils import load
+
+from mlx_kvserve.engine import direct_join
+from mlx_kvserve.engine.request import Finished, GenerationRequest, SamplingParams, TextDelta
+
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return load(str(tiny_model_dir))
+
+
+def story(tokenizer, topic: str) -> list[int]:
+    return tokenizer.encode(f"Write a long story about {topic}, with many details. " * 6)
+
+
+def run(gen, prompt: list[int], params: SamplingParams) -> tuple[list, int]:
+    """(events, steps until the first text) of one request run alone to its end."""
+    events: list = []
+    scheduler = gen.scheduler
+    req = GenerationRequest("r", list(prompt), params, events.append)
+    scheduler.admit(req)
+    steps, first = 0, 0
+    while scheduler.is_running(req):
+        scheduler.step()
+        steps += 1
+        if not first and any(isinstance(e, TextDelta) for e in events):
+            first = steps
+    assert isinstance(events[-1], Finished), events
+    return events, first
+
+
+def batch_path(monkeypatch) -> None:
+    monkeypatch.setattr(direct_join, "fits", lambda *a: False)
+
+
+def test_a_later_turn_is_answered_in_the_step_that_starts_it(tiny, monkeypatch):
+    model, tokenizer = tiny
+    base = story(tokenizer, "a lighthouse")
+    question = base + tokenizer.encode(" And the keeper?")
+    params = SamplingParams(max_tokens=10, temperature=0.0)
+    firsts, outputs = {}, {}
+    for name in ("direct", "batch"):
+        if name == "batch":
+            batch_path(monkeypatch)
+        gen = make_generator(model, tokenizer, BS)
+        greedy(gen, base + tokenizer.encode(" The end?"), 4)  # caches the story
+        events, firsts[name] = run(gen, question, params)
+        done = events[-1]
+        assert done.usage.cached_tokens >= len(base) // BS * BS
+        assert len(question) - done.usage.cached_tokens <= gen.scheduler.short_prefill_tokens
+        outputs[name] = done.token_ids
+    assert firsts == {"direct": 1, "batch": 2}
+    cold = greedy(make_generator(model, tokenizer, BS), question, 10)[0]
+    assert outputs["direct"] == outputs["batch"] == cold
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=8, temperature=0.9, seed=7, top_k=20),
+        SamplingParams(max_tokens=8, temperature=0.0, logprobs=True, top_logprobs=3),
+        SamplingParams(max_tokens=8, temperature=0.0, frequency_penalty=1.5, logit_bias=((5, 4.0),)),
+        SamplingParams(max_tokens=1, temperature=0.0),
+    ],
+    ids=["seeded", "logprobs", "penalties", "one-token"],
+)
+def test_a_direct_join_samples_as_the_batch_does(tiny, monkeypatch, params):
+    model, tokenizer = tiny
+    prompt = tokenizer.encode("Tell me about rivers.")
+    replies = {}
+    for name in ("direct", "batch"):
+        if name == "batch":
+            batch_path(monkeypatch)
+        events, first = run(make_generator(model, tokenizer, BS), prompt, params)
+        deltas = [e for e in events if isinstance(e, TextDelta)]
+        logprobs = [(lp.token, round(lp.logprob, 4)) for d in deltas for lp in d.logprobs or ()]
+        replies[name] = (events[-1].token_ids, events[-1].usage.completion_tokens, logprobs, first)
+    direct, batch = replies["direct"], replies["batch"]
+    assert direct[:3] == batch[:3]
+    assert len(direct[0]) == min(params.max_tokens, direct[1])
+    assert direct[3] < batch[3]
+    if params.logprobs:
+        assert len(direct[2]) == len(direct[0]) > 0
+
+
+def test_a_burst_of_short_rests_shares_one_steps_budget(tiny):
+    """More short requests than one step's prefill budget: the first ones join directly, the rest take
+    the batch's prompt step; every reply is its cold one."""
+    model, tokenizer = tiny
+    prompts = [tokenizer.encode(f"Question {i}: name a river in country number {i}.") for i in range(5)]
+    expected = [greedy(make_generator(model, tokenizer, BS), p, 6)[0] for p in prompts]
+    gen = make_generator(model, tokenizer, BS)
+    scheduler = gen.scheduler
+    scheduler.prefill_step_size = 2 * max(len(p) for p in prompts)  # room for two direct joins a step
+    events: list[list] = [[] for _ in prompts]
+    for i, p in enumerate(prompts):
+        scheduler.admit(GenerationRequest(f"q{i}", p, SamplingParams(max_tokens=6, temperature=0.0), events[i].append))
+    scheduler.step()
+    answered = [any(isinstance(e, TextDelta) for e in evs) for evs in events]
+    assert answered.count(True) == 2  # the budget's two; the others were prefilled in the batch's step
+    while scheduler.has_work:
+        scheduler.step()
+    assert [evs[-1].token_ids for evs in events] == expected
