@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 from kvharness import greedy, make_generator
+from mlx_lm.generate import GenerationBatch
 from mlx_lm.utils import load
 
 from mlx_kvserve.engine import direct_join
@@ -94,9 +95,10 @@ def test_a_direct_join_samples_as_the_batch_does(tiny, monkeypatch, params):
         assert len(direct[2]) == len(direct[0]) > 0
 
 
-def test_a_burst_of_short_rests_shares_one_steps_budget(tiny):
+def test_a_burst_of_short_rests_shares_one_steps_budget(tiny, monkeypatch):
     """More short requests than one step's prefill budget: the first ones join directly, the rest take
-    the batch's prompt step; every reply is its cold one."""
+    the batch's prompt step; those joining directly enter the decode batch together (one extend of its
+    cache); every reply is its cold one."""
     model, tokenizer = tiny
     prompts = [tokenizer.encode(f"Question {i}: name a river in country number {i}.") for i in range(5)]
     expected = [greedy(make_generator(model, tokenizer, BS), p, 6)[0] for p in prompts]
@@ -106,9 +108,13 @@ def test_a_burst_of_short_rests_shares_one_steps_budget(tiny):
     events: list[list] = [[] for _ in prompts]
     for i, p in enumerate(prompts):
         scheduler.admit(GenerationRequest(f"q{i}", p, SamplingParams(max_tokens=6, temperature=0.0), events[i].append))
+    extends = []
+    real_extend = GenerationBatch.extend
+    monkeypatch.setattr(GenerationBatch, "extend", lambda self, other: extends.append(1) or real_extend(self, other))
     scheduler.step()
     answered = [any(isinstance(e, TextDelta) for e in evs) for evs in events]
     assert answered.count(True) == 2  # the budget's two; the others were prefilled in the batch's step
+    assert len(extends) == 1  # the two entered the decode batch together
     while scheduler.has_work:
         scheduler.step()
     assert [evs[-1].token_ids for evs in events] == expected

@@ -33,11 +33,14 @@ MIN_SHARE = 32  # prompt tokens per prompt and step, however many prefill togeth
 
 class KVServeBatchGenerator(BatchGenerator):
     share_step = True
-    _joined_directly = False  # a request entered the decode batch since the last step (insert_decoding)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._joining: list[tuple] = []  # requests inserted by insert_decoding, entering at the next step
 
     def _next(self) -> tuple[list[Any], list[Any]]:
+        joined = self._enter_joining()
         moved = self._move_done_prompts()
-        joined, self._joined_directly = self._joined_directly, False
         if (moved or joined) and (self._currently_processing or self._unprocessed_sequences):
             return moved, self._decode_only()
         step = self.prefill_step_size
@@ -66,26 +69,48 @@ class KVServeBatchGenerator(BatchGenerator):
         """Put a request straight into the decode batch: `cache` holds the KV of all its `tokens`
         (the whole prompt) and `first` (with `logprobs`, [1, V]) was sampled from their last logits
         (engine/direct_join.py). The next decode pass reports `first` and computes the token after
-        it, as for a request the batch moved there itself (mlx-lm's GenerationBatch fields, set as
-        its __init__ and _step would have). Returns its uid."""
+        it, as for a request the batch moved there itself. The requests joining before a step enter
+        together at its start (one merge of their caches, one extend of the batch's). Returns its uid."""
         uid = self._uid_count
         self._uid_count += 1
-        joining = GenerationBatch.empty(self.model, self.sampler)
-        joining.uids = [uid]
-        joining.prompt_cache = _merge_caches([cache])
-        joining.tokens = [list(tokens)]
-        joining.samplers = [sampler]
-        joining.logits_processors = [processors]
-        joining.stop_sequences = [stop_sequences]
-        joining.max_tokens = [max_tokens]
-        joining._next_tokens = first
-        joining._next_logprobs = list(logprobs)
-        joining._token_context = [TokenBuffer(list(tokens))]
-        joining._num_tokens = [0]
-        joining._matchers = [stop_sequences.matcher()]
-        self._generation_batch.extend(joining)
-        self._joined_directly = True
+        self._joining.append(
+            (uid, cache, list(tokens), first, logprobs, max_tokens, sampler, processors, stop_sequences)
+        )
         return uid
+
+    def _enter_joining(self) -> bool:
+        """Extend the decode batch with the requests inserted by `insert_decoding` since the last
+        step: mlx-lm's GenerationBatch fields set as its __init__ and _step would have, the first
+        token as the next input. Whether any entered."""
+        if not self._joining:
+            return False
+        uids, caches, tokens, firsts, logprobs, max_tokens, samplers, processors, stops = zip(
+            *self._joining, strict=True
+        )
+        self._joining = []
+        joining = GenerationBatch.empty(self.model, self.sampler)
+        joining.uids = list(uids)
+        joining.prompt_cache = _merge_caches(list(caches))  # alone: no copy (kv/blocks.py _merge_alone)
+        joining.tokens = list(tokens)
+        joining.samplers = list(samplers)
+        joining.logits_processors = list(processors)
+        joining.stop_sequences = list(stops)
+        joining.max_tokens = list(max_tokens)
+        joining._next_tokens = mx.concatenate(firsts)
+        joining._next_logprobs = [lp[0] for lp in logprobs]
+        joining._token_context = [TokenBuffer(t) for t in tokens]
+        joining._num_tokens = [0] * len(uids)
+        joining._matchers = [stop.matcher() for stop in stops]
+        self._generation_batch.extend(joining)
+        return True
+
+    def remove(self, uids: Any, return_prompt_caches: bool = False) -> Any:
+        self._enter_joining()
+        return super().remove(uids, return_prompt_caches)
+
+    def extract_cache(self, uids: Any) -> Any:
+        self._enter_joining()
+        return super().extract_cache(uids)
 
     def _decode_only(self) -> list[Any]:
         """The decode pass of mlx-lm's step (`BatchGenerator._next`'s first part, with its counters)."""
