@@ -8,9 +8,10 @@ before it joins mlx-lm's BatchGenerator, which then takes the filled cache like 
   their chunk (hundreds of tokens), cost that pass a whole extra row, and got its first token only when
   the pass ended (in process, 2 cold ~870-token prompts and 2 later turns: the later turns' TTFT 23.2 s,
   the cold ones' 33.2 s; prefilled alone: 0.75 s and 17.6 s). Prefilled alone first, it joins with only
-  its last token left and decodes in the step it joins (engine/batch_generator.py). Only for layouts
-  that prefill several prompts together (no recurrent state), with no checkpoint to capture, on one
-  machine (ranks must run the same passes).
+  its last token left and decodes in the step it joins (engine/batch_generator.py). Such a rest now
+  joins decoding directly with its first token (engine/direct_join.py); this path takes those past
+  that step's budget. Only for layouts that prefill several prompts together (no recurrent state),
+  with no checkpoint to capture, on one machine (ranks must run the same passes).
 """
 
 from __future__ import annotations
