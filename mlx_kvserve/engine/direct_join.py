@@ -67,6 +67,7 @@ def join(sched: Any, req: Any, cache: list[Any], cached: int, sampler: Any, proc
     token, logprobs = first_token(sched.model, cache, tokens, cached, sampler or batch.sampler, processors)
     rest = len(tokens) - cached
     sched.direct_join_budget -= rest
-    sched.stats.prefill_tokens += rest
-    sched.stats.prefill_s += time.perf_counter() - started
+    if rest > 1:  # counted as the batch counts a prompt: all but its last token (a one-token pass is no prefill speed)
+        sched.stats.prefill_tokens += rest - 1
+        sched.stats.prefill_s += time.perf_counter() - started
     return batch.insert_decoding(cache, tokens, token, logprobs, req.params.max_tokens, sampler, processors, sched._eos)
