@@ -29,6 +29,25 @@ def _close_ssd_tiers():
             tier.writer.stop(5)
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """An Engine a failing test left running keeps its non-daemon worker and SSD writer threads:
+    stop them here (after the report), or the test process would wait for them forever at exit."""
+    import gc
+
+    from mlx_kvserve.engine.engine import Engine
+    from mlx_kvserve.kv.ssd.writer import SSDWriterThread
+
+    live = [o for o in gc.get_objects() if isinstance(o, Engine | SSDWriterThread)]
+    for obj in sorted(live, key=lambda o: isinstance(o, SSDWriterThread)):  # engines first: they stop their writers
+        try:
+            if isinstance(obj, Engine) and obj.worker.is_alive:
+                obj.stop(5)
+            elif isinstance(obj, SSDWriterThread) and obj.is_alive:
+                obj.stop(5)
+        except Exception as exc:  # a broken engine must not hide the report
+            print(f"conftest: could not stop {type(obj).__name__}: {exc}", file=sys.stderr)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     return tinymodel.build_mlx_model(tmp_path_factory.mktemp("tiny") / "tiny-llama")
