@@ -41,7 +41,7 @@ def decode_case(server: Server, clients: int, max_tokens: int, tag: str) -> dict
     wall = run_threads(client, clients)
     rates = [(r.completion_tokens - 1) / (r.done_s - r.ttft_s) for r in replies if r.done_s > r.ttft_s]
     return {
-        "decode_tokens_per_s": statistics.mean(rates),
+        "decode_tokens_per_s": statistics.mean(rates) if rates else 0.0,  # 0: every reply came in one piece
         "tokens_per_s": sum(r.completion_tokens for r in replies) / wall,
         "completion_tokens": [r.completion_tokens for r in replies],
     }
