@@ -396,3 +396,40 @@ def test_a_content_length_of_thousands_of_digits_is_not_a_crash():
     huge = {"headers": [(b"content-length", b"9" * 5000)]}
     assert _declared_length(huge) is None  # left to the streamed size, which the limit bounds
     assert _declared_length({"headers": [(b"content-length", b"1234")]}) == 1234
+
+
+def request_log_line(caplog, marker: str) -> str:
+    """The request log line that contains `marker` (waits for it: the server logs when the request ends)."""
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        lines = [r.getMessage() for r in caplog.records if marker in r.getMessage()]
+        if lines:
+            return lines[-1]
+        time.sleep(0.05)
+    raise AssertionError(f"no request log line with {marker!r}")
+
+
+def test_a_client_gone_mid_answer_is_logged_as_a_499_with_its_tokens(live, caplog):
+    """A non-streamed request whose client leaves while it generates: status 499, error=client_closed,
+    and the tokens generated before the server saw the client leave."""
+    caplog.set_level(logging.INFO)
+    body = {"prompt": "left before the answer", "max_tokens": 1900, "temperature": 0.0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(live.base_url + TEXT, json=body, timeout=httpx.Timeout(30, read=0.5))
+    line = request_log_line(caplog, "status=499")
+    assert "error=client_closed" in line and f"endpoint={TEXT}" in line
+    assert int(line.split("completion_tokens=")[1].split()[0]) > 0
+
+
+def test_a_stream_the_client_cuts_logs_the_tokens_it_sent(live, caplog):
+    caplog.set_level(logging.INFO)
+    body = {"prompt": "cut the stream", "max_tokens": 1900, "temperature": 0.0, "stream": True}
+    pieces = 0
+    with httpx.stream("POST", live.base_url + TEXT, json=body, timeout=30) as reply:
+        for line in reply.iter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                pieces += 1
+            if pieces == 5:
+                break
+    line = request_log_line(caplog, "stream=true")
+    assert int(line.split("completion_tokens=")[1].split()[0]) >= 5, line

@@ -206,4 +206,9 @@ def test_a_one_model_server_answers_embeddings_with_a_400(tiny_model_dir, tmp_pa
     with TestClient(create_app(engine, ApiKeys("", ""))) as client:
         reply = client.post("/v1/embeddings", json={"input": "x"})
         assert reply.status_code == 400 and reply.json()["error"]["code"] == "model_not_embedding"
+        reply = client.post("/v1/embeddings", json={"model": "tiny", "input": "x"})
+        assert reply.status_code == 400 and reply.json()["error"]["code"] == "model_not_embedding"
+        reply = client.post("/v1/embeddings", json={"model": "embed", "input": "x"})  # a name not served: as chat does
+        assert reply.status_code == 404 and reply.json()["error"]["code"] == "model_not_found"
+        assert "'embed' not found" in reply.json()["error"]["message"]
         assert client.post("/v1/embeddings", json={"input": []}).status_code == 422

@@ -8,7 +8,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from ..engine.request import Event, Finished, Usage
+from ..engine.request import Event, Finished, TextDelta, Usage
 from ..errors import KVServeError, RequestTimeoutError
 from .metrics import RequestRecord
 
@@ -80,6 +80,8 @@ class EventTracker:
         if ev is not None and not self.got_first:
             self.got_first = True
             self.record.mark_first_token()
+        if isinstance(ev, TextDelta):  # counted as they come: a stream the client cuts still logs its tokens
+            self.record.completion_tokens += ev.num_tokens
         return ev
 
     def finished(self, ev: Finished) -> None:

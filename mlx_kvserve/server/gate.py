@@ -215,6 +215,8 @@ class RequestGate:
         async def send_recording(message: Message) -> None:
             if message["type"] == "http.response.start":
                 record.status = message["status"]
+                if record.status == CLIENT_CLOSED:  # a route saw the client leave (never reaches anyone)
+                    record.error = record.error or "client_closed"
             await send(message)
 
         admitted = False

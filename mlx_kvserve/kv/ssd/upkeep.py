@@ -56,7 +56,7 @@ class StoreUpkeep:
             counts = reconcile(self._index, self.cache_dir, self.namespace, check_headers, self.is_owner, others_write)
             evicted = self._evict_to_fit(0, partial=True) or 0
             self._dirty = True  # sizes, adoptions and order may have changed; one write at startup
-        report = ValidationReport(**counts, evicted=evicted, elapsed_s=time.perf_counter() - start)
+        report = ValidationReport(**counts, evicted=evicted, elapsed_s=round(time.perf_counter() - start, 4))
         log.info("SSD index validated: %s", report._asdict())
         return report
 
