@@ -4,9 +4,7 @@ prefill, not together. Their TTFT with the product (a short rest prefilled on it
 included, its first token sampled there: it joins decoding in the step that starts it,
 engine/direct_join.py) and with `side prefill` (the code before: the short rest prefilled in the
 batch's step, or on its own beside a long prompt, but for its last token, which the move to decoding
-ran in a one-token pass of its own a step later), and with `decode first` (mlx-lm's order in a step that
-ends a cold prompt: the decode pass before the chunk, the move and another decode pass in the next step;
-engine/batch_generator.py `prefill_first`), alternated round by round in one process.
+ran in a one-token pass of its own a step later), alternated round by round in one process.
 
 On the engine's Generator with the server's scheduling defaults (SmolLM2 or --model; SSD off, no
 HTTP): each client has its own ~`words`-word system prompt (cold), then `turns - 1` later turns.
@@ -97,7 +95,6 @@ def main(argv=None) -> dict:
 
     from mlx_kvserve.config import Config, default_home
     from mlx_kvserve.engine import direct_join
-    from mlx_kvserve.engine.batch_generator import KVServeBatchGenerator
     from mlx_kvserve.engine.order import StartOrder
     from mlx_kvserve.engine.request import GenerationRequest, SamplingParams
     from mlx_kvserve.models.loader import load_model
@@ -107,13 +104,12 @@ def main(argv=None) -> dict:
     )
     tok, server = loaded.tokenizer, Config().server
     product = direct_join.fits
-    # (how a short rest joins, whether a step ending a prompt runs its chunk before the decode pass)
-    variants = {"product": (product, True), "side prefill": (lambda *a: False, True), "decode first": (product, False)}
+    variants = {"product": product, "side prefill": lambda *a: False}
     results: dict[str, list[dict]] = {v: [] for v in variants}
     for r in range(args.rounds):
-        nonce = f"{r}-{time.time()}"  # new prompts each round, the same for every variant
+        nonce = f"{r}-{time.time()}"  # new prompts each round, the same for both variants
         for name in variants if r % 2 == 0 else list(variants)[::-1]:
-            direct_join.fits, KVServeBatchGenerator.prefill_first = variants[name]
+            direct_join.fits = variants[name]
             gen = make_generator(loaded.model, tok, 64)
             gen.scheduler.max_batch = server.batch_limit()
             gen.scheduler.order = StartOrder(server.scheduling, server.max_wait_s)
@@ -121,11 +117,9 @@ def main(argv=None) -> dict:
             gen.run(GenerationRequest("warm", warm, SamplingParams(max_tokens=4), lambda e: None))
             results[name].append(conversations(gen, tok, args.clients, args.words, args.turns, args.max_tokens, nonce))
             mx.clear_cache()
-    direct_join.fits, KVServeBatchGenerator.prefill_first = product, True
+    direct_join.fits = product
     names = list(variants)
-    same = all(
-        a["replies"] == b["replies"] for n in names[1:] for a, b in zip(results[names[0]], results[n], strict=True)
-    )
+    same = all(a["replies"] == b["replies"] for a, b in zip(results[names[0]], results[names[1]], strict=True))
     keys = ("first_ttft", "later_ttft", "wall_s", "tokens_per_s")
     med = {v: {k: statistics.median(x[k] for x in rs) for k in keys} for v, rs in results.items()}
     lines = [

@@ -20,9 +20,9 @@ def test_staggered_turns_both_variants(tmp_path, tiny_model_dir):
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     assert results["same_replies"] is True
-    assert set(results["rounds"]) == {"product", "side prefill", "decode first"}
+    assert set(results["rounds"]) == {"product", "side prefill"}
     for rounds in results["rounds"].values():
         assert len(rounds) == 2
         assert all(r["first_ttft"] > 0 and r["later_ttft"] > 0 and r["tokens_per_s"] > 0 for r in rounds)
     report = (out / "report.md").read_text()
-    assert "| product |" in report and "| side prefill |" in report and "| decode first |" in report
+    assert "| product |" in report and "| side prefill |" in report

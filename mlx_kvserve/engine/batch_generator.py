@@ -14,13 +14,6 @@ decode pass: mlx-lm's step would go on to prefill the next chunk of the prompts 
 whole chunk: seconds on the CPU) before returning, and their first tokens would wait for it. Those
 prompts prefill one decode pass later instead.
 
-A step whose chunk ends a prompt (all of it prefilled but its last token) runs the chunk first, then
-moves that prompt, then the decode pass with it in it (`_prefill_first`): its first token comes in the
-step of its last chunk, and the step makes one decode pass where mlx-lm's order makes two (one before
-the chunk, one in the next step after the move). With one cold prompt at a time that is one decode
-pass less per cold prompt, and each cold first token a step sooner. Requests inserted in several
-segments (checkpoints, captured from the prompt batch where a segment ends) keep mlx-lm's order.
-
 With `share_step` (the default; `generation.prefill_step_shared`), the prompts prefilling together share
 one step's `prefill_step_size` tokens (each its part, at least MIN_SHARE), as vLLM's per-step token budget
 does: in mlx-lm's step each prompt prefills a whole chunk, so n cold prompts make a step n chunks long
@@ -40,19 +33,10 @@ MIN_SHARE = 32  # prompt tokens per prompt and step, however many prefill togeth
 
 class KVServeBatchGenerator(BatchGenerator):
     share_step = True
-    prefill_first = True  # a step whose chunk ends a prompt: chunk, move, decode (False: mlx-lm's order)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._joining: list[tuple] = []  # requests inserted by insert_decoding, entering at the next step
-        # Requests inserted in several segments (checkpoints: the scheduler captures one from the
-        # prompt batch where a segment ends): they move to decoding as mlx-lm moves them, a step later.
-        self.held_moves: set[int] = set()
-
-    def insert_segments(self, segments: Any, *args: Any, **kwargs: Any) -> list[int]:
-        uids = super().insert_segments(segments, *args, **kwargs)
-        self.held_moves.update(uid for uid, seq in zip(uids, segments, strict=True) if sum(1 for s in seq if s) > 1)
-        return uids
 
     def _next(self) -> tuple[list[Any], list[Any]]:
         joined = self._enter_joining()
@@ -66,46 +50,10 @@ class KVServeBatchGenerator(BatchGenerator):
             self._prompt_batch.prefill_step_size = step
             self.prefill_step_size = max(MIN_SHARE, step // len(self._currently_processing))
         try:
-            if self.prefill_first and self._chunk_ends_a_prompt():
-                return self._prefill_first()
             prompt_responses, generation_responses = super()._next()
         finally:
             self.prefill_step_size = step
         return moved + prompt_responses, generation_responses
-
-    def _chunk_ends_a_prompt(self) -> bool:
-        """Whether this step's chunk prefills all that is left of a prompt but its last token (and
-        the decode batch has room for it), none of those prompts in `held_moves`."""
-        if len(self._generation_batch) >= self.completion_batch_size:
-            return False
-        ending = [
-            uid
-            for uid, seq in zip(self._prompt_batch.uids, self._currently_processing, strict=True)
-            if len(seq[0]) == 2 and len(seq[0][0]) <= self.prefill_step_size
-        ]
-        return bool(ending) and not self.held_moves.intersection(ending)
-
-    def _prefill_first(self) -> tuple[list[Any], list[Any]]:
-        """A step whose chunk ends a prompt: the chunk first (mlx-lm's prompt step, as its `_next`
-        cuts it), then the move of the prompts it ended, then the decode pass with them in it, so
-        their first token comes in this step and the running requests' decode pass before the
-        chunk is saved (mlx-lm's order would run one before the chunk and one after the move)."""
-        prompts, responses = [], []
-        for uid, seq in zip(self._prompt_batch.uids, self._currently_processing, strict=True):
-            segments = seq[0]
-            prompts.append(segments[0][: self.prefill_step_size])
-            segments[0] = segments[0][len(prompts[-1]) :]
-            ended = not segments[0]
-            if ended:
-                segments.pop(0)
-            seq[1] += len(prompts[-1])
-            responses.append(PromptProcessingBatch.Response(uid, (seq[1], seq[2]), ended, False))
-        self._counters.prompt_tokens += sum(len(p) for p in prompts)
-        start = time.perf_counter()
-        self._prompt_batch.prompt(prompts)
-        self._counters.prompt_time += time.perf_counter() - start
-        moved = self._move_done_prompts()
-        return responses + moved, self._decode_only()
 
     def insert_decoding(
         self,
@@ -158,7 +106,6 @@ class KVServeBatchGenerator(BatchGenerator):
 
     def remove(self, uids: Any, return_prompt_caches: bool = False) -> Any:
         self._enter_joining()
-        self.held_moves.difference_update(uids)
         return super().remove(uids, return_prompt_caches)
 
     def extract_cache(self, uids: Any) -> Any:
@@ -194,7 +141,6 @@ class KVServeBatchGenerator(BatchGenerator):
         progress = [(self._currently_processing[i][2],) * 2 for i in done]
         self._currently_processing = [s for i, s in enumerate(self._currently_processing) if i not in set(done)]
         gen_batch = self._prompt_batch.split(done).generate(last_inputs)
-        self.held_moves.difference_update(gen_batch.uids)
         self._generation_batch.extend(gen_batch)
         return [
             PromptProcessingBatch.Response(uid, p, True, True) for uid, p in zip(gen_batch.uids, progress, strict=True)
