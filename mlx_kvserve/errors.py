@@ -44,6 +44,12 @@ class NotFoundError(InvalidRequestError):
     status_code = 404
 
 
+def model_not_found(name: str, served: list[str]) -> NotFoundError:
+    """The 404 for a request naming a model this server does not serve (`served`: the ids it does)."""
+    names = ", ".join(repr(n) for n in served)
+    return NotFoundError(f"model {name!r} not found; this server serves {names}", param="model", code="model_not_found")
+
+
 class PayloadTooLargeError(InvalidRequestError):
     status_code = 413
 

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Config
-from ..errors import ModelLoadError, NotFoundError, OverloadedError, ShuttingDownError
+from ..errors import ModelLoadError, OverloadedError, ShuttingDownError, model_not_found
 from ..model_entries import ModelEntry
 from .build import physical_memory_bytes
 from .model_load import Loaded, estimate_bytes, free_engine, kv_ram_bytes, load_engine
@@ -129,10 +129,7 @@ class ModelRegistry:
             return self.default
         slot = self._ids.get(name)  # type: ignore[arg-type]
         if slot is None:
-            served = ", ".join(repr(n) for n in self.names)
-            raise NotFoundError(
-                f"model {name!r} not found; this server serves {served}", param="model", code="model_not_found"
-            )
+            raise model_not_found(name, list(self.names))
         return slot
 
     def keep_alive_s(self, slot: ModelSlot) -> float:

@@ -21,7 +21,7 @@ from starlette.responses import Response
 from ..engine.engine import Engine
 from ..engine.request import Event, Finished, GenerationRequest, TextDelta, TokenLogprob
 from ..engine.tool_grammar import CallGrammar, UnsupportedCallFormat
-from ..errors import InvalidRequestError, KVServeError, NotFoundError, ValidationError
+from ..errors import InvalidRequestError, KVServeError, ValidationError, model_not_found
 from ..formats.output import ChatOutput
 from ..formats.tool_calls import check_support
 from ..vision.runtime import VisionPrompt
@@ -59,11 +59,7 @@ class CompletionHandler:
 
     def check_model(self, name: str | None) -> None:
         if name not in (None, "", "default", self.engine.model_name):
-            raise NotFoundError(
-                f"model {name!r} not found; this server serves {self.engine.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
+            raise model_not_found(name, [self.engine.model_name])
 
     async def tokens(self, req: oa.CompletionRequest) -> list[int]:
         """The prompt's token ids (with each image's placeholder tokens, for a request with images)."""

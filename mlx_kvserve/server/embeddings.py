@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..engine.embedding import check_dimensions, fit_dimensions
-from ..errors import InvalidRequestError, NotFoundError, ValidationError
+from ..errors import InvalidRequestError, ValidationError, model_not_found
 from .bodies import read_json
 from .gate import RECORD_KEY
 from .prompts import MAX_TOKEN_ID
@@ -143,11 +143,7 @@ def embedding_routes(engine: Any) -> list[Route]:
         if not getattr(engine, "is_embedding", False):  # one chat model served: a name it is not is unknown
             name = body.get("model")
             if isinstance(name, str) and name not in ("", "default", engine.model_name):
-                raise NotFoundError(
-                    f"model {name!r} not found; this server serves {engine.model_name!r}",
-                    param="model",
-                    code="model_not_found",
-                )
+                raise model_not_found(name, [engine.model_name])
             raise not_an_embedding_model(engine.model_name)
         check_dimensions(req.dimensions, engine.dimensions, engine.min_dimensions, engine.model_name)
         lists = await _tokens(engine, req)

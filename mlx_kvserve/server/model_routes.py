@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..engine.engine import Engine
-from ..errors import NotFoundError
+from ..errors import model_not_found
 from .anthropic.reply import error_response as anthropic_error
 from .gate import note_error
 
@@ -41,11 +41,7 @@ def model_routes(engine: Engine) -> list[Route]:
         if not name:  # "/v1/models/": a trailing slash is a 404 like on every route (app.py)
             raise HTTPException(404, "Not Found")
         if name not in (engine.model_name, "default"):
-            error = NotFoundError(
-                f"model {name!r} not found; this server serves {engine.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
+            error = model_not_found(name, [engine.model_name])
             if is_anthropic(request):
                 note_error(request.scope, error)
                 return anthropic_error(error)
