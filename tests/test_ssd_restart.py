@@ -150,26 +150,33 @@ def test_evict_only_writes_what_is_still_in_ram_at_shutdown(tiny, tiny_model_dir
 
 
 def test_writes_wait_while_a_request_prefills(tiny, tmp_path):
-    """With write_hold_s, no block write starts between a request's lookup and its first token;
-    the writes go on afterwards and the output is unchanged."""
+    """With write_hold_s, no batch of block writes is taken between a request's lookup and its
+    first token (a batch taken before finishes); the writes go on afterwards, output unchanged."""
     model, tokenizer = tiny
     prompt = _prompt(tokenizer, 12)
     cold_ids, _, _ = greedy(make_generator(model, tokenizer, BS), prompt, 4)
     gen = make_generator(model, tokenizer, BS, ssd_dir=tmp_path, write_hold_s=10.0)
-    tier, cache = gen.prefix_cache.ssd_tier, gen.prefix_cache
-    starts: list[float] = []
+    tier, cache, writer = gen.prefix_cache.ssd_tier, gen.prefix_cache, gen.prefix_cache.ssd_tier.writer
+    saves: list[float] = []
+    takes: list[float] = []  # when the writer took a batch (under the hold's lock)
     windows: list[tuple[float, float]] = []
-    save_job, prepare, first_token = tier.save_job, cache.prepare, cache.first_token
+    save_job, take, prepare, first_token = tier.save_job, writer._queue.take, cache.prepare, cache.first_token
 
     def slow_save(*job):
-        starts.append(time.monotonic())
+        saves.append(time.monotonic())
         time.sleep(0.02)  # ~0.25 s of writes for the first request's blocks: still going at the second
         return save_job(*job)
+
+    def timed_take(*args):
+        batch = take(*args)
+        if batch:
+            takes.append(time.monotonic())
+        return batch
 
     def timed_prepare(tokens, *args):
         tier.hold_writes()  # what prepare does first, here before the window opens
         windows.append((time.monotonic(), float("inf")))
-        time.sleep(0.05)  # a save already running when the hold began may finish meanwhile
+        time.sleep(0.05)  # a window several saves long: unheld, the writer would take batches in it
         return prepare(tokens, *args)
 
     def timed_first_token():
@@ -177,15 +184,16 @@ def test_writes_wait_while_a_request_prefills(tiny, tmp_path):
             windows[-1] = (windows[-1][0], time.monotonic())
         first_token()
 
-    tier.writer._save = slow_save
+    writer._save, writer._queue.take = slow_save, timed_take
+    writer._max_batch_jobs = 1  # one block per batch: a batch boundary every save
     cache.prepare, cache.first_token = timed_prepare, timed_first_token
     greedy(gen, prompt, 4)
     ids, _, cached = greedy(gen, prompt[:-3] + prompt[-3:], 4)  # a hit while the writes are pending
     assert ids == cold_ids and cached == len(prompt) - 1
     assert close_ssd(gen)
-    assert len(starts) >= 12  # every block (and tail) was still written
+    assert len(saves) >= 12  # every block (and tail) was still written
     lo, hi = windows[1]
     assert hi < float("inf")
-    inside = [t for t in starts if lo + 0.04 < t < hi]
-    assert not inside, f"{len(inside)} writes started during the second request's prefill"
-    assert any(t >= hi for t in starts)  # some writes were held until the first token
+    inside = [t for t in takes if lo < t < hi]
+    assert not inside, f"{len(inside)} write batches were taken during the second request's prefill"
+    assert any(t >= hi for t in takes)  # some writes were held until the first token

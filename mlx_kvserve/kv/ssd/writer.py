@@ -233,13 +233,15 @@ class SSDWriterThread:
                 self._hold_until = 0.0
                 self._hold.notify_all()
 
-    def _wait_while_held(self) -> None:
+    def _take_when_not_held(self) -> list[Queued]:
+        """The next batch, taken once no hold is on. Checking and taking under the hold's lock makes
+        it exact: a batch is either taken before a hold() returns or after the hold ends."""
         with self._hold:
-            if time.monotonic() >= self._hold_until:
-                return
-            self._inc("held")
+            if time.monotonic() < self._hold_until:
+                self._inc("held")
             while (remaining := self._hold_until - time.monotonic()) > 0:
                 self._hold.wait(remaining)
+            return self._queue.take(self._max_batch_jobs, self._max_batch_bytes)
 
     def stop(self, drain_timeout: float = 5.0) -> bool:
         """Stop accepting jobs, wait for in-flight enqueues, and let the thread save what is queued
@@ -308,8 +310,7 @@ class SSDWriterThread:
             if not ready:  # idle: upkeep only
                 self._upkeep()
                 continue
-            self._wait_while_held()
-            batch = self._queue.take(self._max_batch_jobs, self._max_batch_bytes)
+            batch = self._take_when_not_held()
             if not batch:
                 continue
             with self._pending_lock:
