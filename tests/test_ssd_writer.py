@@ -153,7 +153,7 @@ def test_backpressure_short_wait_level():
     assert writer.enqueue(job(2))  # takes the only slot
     waiter = threading.Thread(target=writer.enqueue, args=(job(3),))
     waiter.start()
-    time.sleep(0.2)  # job 3 is now waiting for a slot
+    time.sleep(0.5)  # job 3 is now waiting for a slot
     save.gate.set()  # the worker moves on, a slot frees up within the wait
     waiter.join(5)
     assert writer.stop(5)
