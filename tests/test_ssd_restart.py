@@ -79,8 +79,14 @@ def test_corrupt_block_file_is_never_served(tiny, tmp_path):
     assert ids == cold_ids
     ssd = restarted.prefix_cache.ssd_tier.store.stats()
     assert ssd["ssd_corrupt"] == 1
-    assert not victim.exists()
-    close_ssd(restarted)
+    corrupt = bytes(data)
+    assert close_ssd(restarted)  # the damaged file was deleted; the recomputed block is written anew
+    assert not victim.exists() or victim.read_bytes() != corrupt
+    again = make_generator(model, tokenizer, BS, ssd_dir=tmp_path)
+    ids, _, cached = greedy(again, prompt, 16)  # a third process reads the whole chain back
+    assert ids == cold_ids and cached > 2 * BS
+    assert again.prefix_cache.ssd_tier.store.stats()["ssd_corrupt"] == 0
+    close_ssd(again)
 
 
 def test_ram_budget_eviction_falls_back_to_ssd(tiny, tmp_path):
