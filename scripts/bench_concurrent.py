@@ -38,6 +38,8 @@ VARIANTS = {
     "serial": '[server]\nscheduling = "cached_first"\nprefill_batch_size = 1\n',
     # the short-join rule before: any uncached rest within one prefill chunk joined past the slots
     "chunk-short": "[server]\nshort_prefill_tokens = 512\n",
+    # a smaller prefill budget per step: running streams get a token every 128 prompt tokens
+    "chunk-128": "[generation]\nprefill_step_size = 128\n",
     # each prompt prefilling a whole chunk per step (mlx-lm's step), before prompts shared a step's tokens
     "step-each": "[generation]\nprefill_step_shared = false\n",
     # every waiting long prompt prefilled together (up to 8, mlx_lm.server's prompt concurrency): the default before
