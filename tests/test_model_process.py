@@ -268,3 +268,5 @@ def test_a_model_process_keeps_its_ssd_share_and_its_requests_count_in_the_serve
     health = httpx.get(f"{server.base_url}/health", timeout=10).json()
     on_disk = sum(p.stat().st_size for p in (tmp_path / "home-budget").rglob("*.safetensors"))
     assert row["ssd_bytes"] <= health["ssd_used_bytes"] <= budget and on_disk <= budget  # b's folder at rest counted
+    at_rest = rows(server)["b"]
+    assert at_rest["state"] == "unloaded" and share - 2 * one_prompt <= at_rest["ssd_bytes"] <= share  # still known

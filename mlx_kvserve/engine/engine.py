@@ -337,6 +337,7 @@ class Engine:
         if tier is not None:
             out.update(tier.stats())
             out["ssd_role"] = "owner" if tier.store.is_owner else "guest"
+            out["ssd_folder"] = str(tier.store.cache_dir)
             out["ssd_startup_validation"] = tier.validation
             out.update(tier.last_shutdown)
             if self.prefetcher is not None:

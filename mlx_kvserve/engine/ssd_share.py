@@ -64,6 +64,7 @@ class RegistrySSD:
     def __init__(self, config: Config, clock: Any = time.monotonic):
         self.budget = SSDBudget(config.ssd.max_bytes, lru_trims, clock)
         self.folders: dict[str, Path] = {}  # model name -> its namespace folder (once loaded)
+        self.process_folders: dict[str, Path] = {}  # the same for models in a process of their own
         self._root, self._clock = config.ssd_path(), clock
         self._discover(self._root, clock)
 
@@ -108,9 +109,14 @@ class RegistrySSD:
         return self._root / f"<process of {name}>"  # never a folder: names the lent share
 
     def loaded(self, name: str, engine: Any) -> None:
-        """`name`'s engine started: its store joins the budget (and gets its cap now)."""
+        """`name`'s engine started: its store joins the budget (and gets its cap now). A model in a
+        process of its own budgets its folder alone: only its folder is learned, so that its bytes
+        at rest are known once its process ends."""
         store = engine_store(engine)
         if store is None:
+            folder = engine.ssd_folder() if callable(getattr(engine, "ssd_folder", None)) else None
+            if folder is not None:
+                self.process_folders[name] = folder
             return
         self.folders[name] = store.cache_dir
         self.budget.attach(store)
@@ -129,5 +135,6 @@ class RegistrySSD:
             self.budget.touch(self.folders[name])
 
     def bytes_of(self, name: str) -> int | None:
-        folder = self.folders.get(name)
+        """`name`'s folder's bytes as the budget counts them (at rest once its process ended)."""
+        folder = self.folders.get(name) or self.process_folders.get(name)
         return self.budget.used_of(folder) if folder is not None else None

@@ -282,6 +282,11 @@ class ModelProcess:
         rows = self._health.get("models") or []
         return rows[0].get("ssd_bytes") if rows else None
 
+    def ssd_folder(self) -> Path | None:
+        """The child's SSD namespace folder, as its /health names it (None: no SSD tier, or not read)."""
+        folder = self._health.get("cache", {}).get("ssd_folder")
+        return Path(folder) if folder else None
+
     def pin_files(self, paths: list[str]) -> None:
         """[cache] pin_on_start for a default model in its own process: each file's text pinned as a
         system prompt through the child's /v1/cache/pin (a bad file is logged and skipped)."""
