@@ -14,6 +14,7 @@ import click
 
 from . import blas
 from .cache_cli import cache_group
+from .clean_exit import serve_then_exit
 from .config import ROUTER_POLICIES, Config, as_dict, key_overrides, load_api_keys, load_config
 from .errors import KVServeError
 from .models_cli import models_group
@@ -114,15 +115,16 @@ def run(config_path, model, dtype, host, port, api_key, api_key_file, distribute
     if registry_app is not None:  # [[models]]: several models, loaded on demand (engine/registry.py)
         signal.signal(signal.SIGTERM, _exit_cleanly)
         server = config.server
-        uvicorn.run(
-            registry_app,
-            host=server.host,
-            port=server.port,
-            log_level=server.log_level,
-            timeout_graceful_shutdown=server.shutdown_timeout_s,
-            access_log=False,
+        serve_then_exit(
+            lambda: uvicorn.run(
+                registry_app,
+                host=server.host,
+                port=server.port,
+                log_level=server.log_level,
+                timeout_graceful_shutdown=server.shutdown_timeout_s,
+                access_log=False,
+            )
         )
-        return
     world = _world(distributed)
     rank_exit = None
     if world is not None:  # leave when the launcher is stopped (it forwards no signal), within a bound
@@ -149,24 +151,23 @@ def run(config_path, model, dtype, host, port, api_key, api_key_file, distribute
         raise click.ClickException(exc.message) from None
     if world is not None and world.rank != 0:
         log.info("rank %d of %d (%s parallel): following rank 0", world.rank, world.size, world.mode)
-        engine.serve_follower()
-        return
+        serve_then_exit(engine.serve_follower)
     app = create_app(engine, keys)
     # uvicorn re-raises the SIGTERM it handled once its graceful shutdown is done, which would end
     # the process as killed by the signal; for service managers that shutdown is a clean exit (0).
     signal.signal(signal.SIGTERM, _exit_cleanly)
-    try:
-        uvicorn.run(
+    serve_then_exit(
+        lambda: uvicorn.run(
             app,
             host=config.server.host,
             port=config.server.port,
             log_level=config.server.log_level,
             timeout_graceful_shutdown=config.server.shutdown_timeout_s,
             access_log=False,  # the mlx_kvserve.requests logger writes one richer line per request
-        )
-    finally:
-        if rank_exit is not None:  # the worker thread may be stuck in a collective: bound the exit
-            rank_exit.deadline("shut down")
+        ),
+        # the worker thread may be stuck in a collective: bound the exit
+        before_exit=(lambda: rank_exit.deadline("shut down")) if rank_exit is not None else None,
+    )
 
 
 def _leave_with_parent() -> None:
