@@ -74,6 +74,17 @@ def complete(server, model: str = "b", prompt=PROMPT, **extra) -> dict:
     return reply.json()
 
 
+def eventually(read, holds, timeout_s: float = 30.0):
+    """`read()` once `holds(it)` (the child's figures reach its server at its next /health poll, every
+    second on a quiet machine); the last reading when it never does."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = read()
+        if holds(value) or time.monotonic() > deadline:
+            return value
+        time.sleep(0.25)
+
+
 def rows(server) -> dict[str, dict]:
     body = httpx.get(f"{server.base_url}/v1/cache/models", timeout=10).json()
     return {row["id"]: row for row in body["models"]}
@@ -185,9 +196,12 @@ def test_its_replies_equal_the_model_served_in_the_servers_own_process(servers):
             events += line.startswith("data: {")
             if events == 3:
                 break
-    time.sleep(2.5)  # the child's figures are polled every second
-    health = httpx.get(f"{server.base_url}/health", timeout=10).json()
-    batch = next(m for m in health["models"] if m["id"] == "b")["batch"]
+
+    def b_batch() -> dict:
+        health = httpx.get(f"{server.base_url}/health", timeout=10).json()
+        return next(m for m in health["models"] if m["id"] == "b")["batch"]
+
+    batch = eventually(b_batch, lambda b: b["running"] == 0)
     assert batch["running"] == 0 and batch["decode_tokens"] - decoded < 1000, batch
     # The child listens on loopback and answers only its server's key.
     port = row["process"]["port"]
@@ -238,16 +252,15 @@ def test_a_model_process_keeps_its_ssd_share_and_its_requests_count_in_the_serve
     config = write_config(tmp_path / "budget.toml", tiny_model_dir, other_model, ssd_max_bytes=budget)
     server = start_server(tiny_model_dir, config=config, home=tmp_path / "home-budget")
     complete(server, prompt=[5, *PROMPT])
-    time.sleep(1.5)  # the child's figures are polled every second
-    one_prompt = rows(server)["b"]["ssd_bytes"]
+    one_prompt = eventually(lambda: rows(server)["b"]["ssd_bytes"], bool)
     assert one_prompt and one_prompt < budget // 8
     written = 1
     while written * one_prompt < budget:  # more than its share
         complete(server, prompt=[6 + written, *PROMPT], max_tokens=1)
         written += 1
-    time.sleep(1.5)
-    models = rows(server)
-    row, share = models["b"], budget // len(models)  # an equal share per registered model
+    share = budget // len(rows(server))  # an equal share per registered model
+    models = eventually(lambda: rows(server), lambda m: m["b"]["ssd_bytes"] >= share - 2 * one_prompt)
+    row = models["b"]
     assert row["process"]["ssd_max_bytes"] == share
     assert share - 2 * one_prompt <= row["ssd_bytes"] <= share, (row["ssd_bytes"], one_prompt)
     health = httpx.get(f"{server.base_url}/health", timeout=10).json()
