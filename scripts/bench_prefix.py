@@ -34,9 +34,11 @@ def main() -> None:
     parser.add_argument(
         "--system-words", type=int, default=880, help="system scenario prompt words (880: ~1.2k tokens)"
     )
+    parser.add_argument("--reps", type=int, help="repeats of the system and restart scenarios (default 1 quick / 3)")
     args = parser.parse_args()
     wanted = set(args.scenarios.split(","))
     reps, turns = (1, 6) if args.quick else (3, 16)
+    reps = args.reps or reps
     model_dir = Path(args.model) if args.model else default_model_dir()
     servers = start_servers(model_dir)
     try:
