@@ -83,9 +83,13 @@ class ServerConfig:
     admin_api_key: str = field(default="", repr=False)  # "" = /v1/cache/ needs what the rest needs
     admin_api_key_file: str = ""
     # Several models ([[models]], engine/registry.py): the weights (and KV in RAM) of loaded models stay
-    # under this; the least recently used idle model is unloaded to make room. 0 = half of physical memory.
+    # under this; the least recently used idle model is unloaded to make room. 0 = half of the memory
+    # the arrays live in (the system's; the GPU's own with CUDA).
     model_memory_bytes: int = 0
     model_keep_alive_s: float = 0.0  # an idle model is unloaded after this long; 0 = only for room
+    # MLX keeps freed buffers for reuse up to this many bytes (engine/device_memory.py); 0 = by device:
+    # a quarter of the GPU's own memory with CUDA (MLX's default there is 80% of it), MLX's own elsewhere.
+    mlx_cache_limit_bytes: int = 0
 
     def in_flight_limit(self) -> int:
         """Completion requests that may be in flight before the next gets 429."""
@@ -129,7 +133,7 @@ class SpeculativeConfig:
 class CacheConfig:
     enabled: bool = True
     block_size: int = 64
-    ram_max_bytes: int = 0  # 0 = a quarter of physical memory
+    ram_max_bytes: int = 0  # 0 = a quarter of the memory the arrays live in (system; the GPU's own with CUDA)
     pinned_ram_share: float = 0.5  # above this share of the RAM budget, pinned blocks are served from the SSD
     pin_on_start: list[str] = field(default_factory=list)  # prompt files warmed and pinned at startup
     # Anthropic cache_control pins (TTL 5 min / 1 h, refreshed on use) hold at most this share of the
@@ -233,6 +237,7 @@ _BYTE_KEYS = {
     "min_free_bytes",
     "prefetch_max_bytes",
     "model_memory_bytes",
+    "mlx_cache_limit_bytes",
     "max_image_bytes",
     "encoder_cache_bytes",
 }

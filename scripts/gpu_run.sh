@@ -26,6 +26,11 @@ step() {  # step NAME SECONDS CMD...
   echo "   rc=$? in $((SECONDS - t0))s"; tail -n 25 "$out/$name.log"
 }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | tee "$out/device.txt"
+# the GPU memory each process holds, every 2 s, to say whose memory ran out if a step fails
+(while sleep 2; do nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader \
+  2>/dev/null | sed "s/^/$(date +%T), /"; done > "$out/gpu_memory.csv") &
+sampler=$!
+trap 'kill $sampler 2>/dev/null' EXIT
 $py -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())" | tee -a "$out/device.txt"
 step engine "${T_ENGINE:-210}" $py scripts/bench_gpu.py --shape "$shape" --bits "$bits" \
   --lengths "$lengths" --reps "${REPS:-2}" --out "$out/engine"

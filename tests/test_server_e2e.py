@@ -7,6 +7,7 @@ the model that never emits a special token, for the tests that need generation t
 """
 
 import json
+import os
 import signal
 import threading
 import time
@@ -127,6 +128,13 @@ def test_health_fields(server):
     assert body["queue_depth"] == 0
     assert isinstance(body["uptime_s"], int | float) and body["uptime_s"] >= 0
     assert isinstance(body["cache"], dict)
+    memory = body["memory"]  # MLX's memory in the server process: on this CPU, the system's
+    assert memory["device"] == "cpu" and memory["separate_device_memory"] is False
+    assert memory["total_bytes"] == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert memory["active_bytes"] > 0  # the weights at least
+    assert memory["peak_bytes"] >= memory["active_bytes"]
+    assert memory["buffer_cache_limit_bytes"] is None  # MLX's default off CUDA
+    assert memory["requests_failed_out_of_memory"] == 0 and memory["last_out_of_memory"] is None
 
 
 def test_chat_completion_and_usage(client, hf_tokenizer):

@@ -8,7 +8,6 @@ SSD tier with its writer and folder lock, and the front prefill of SSD hits.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -30,6 +29,7 @@ from ..kv.ssd.budget import BUDGET_ROLE
 from ..kv.tails import TailStore
 from ..models.loader import LoadedModel
 from .batch_state import SchedulerStats
+from .device_memory import array_memory_bytes, bound_buffer_cache
 from .distributed import World
 from .front_prefill import SPEEDS_FILE, FrontPrefill
 from .prefix_cache import PrefixCache
@@ -64,18 +64,13 @@ class Stack(NamedTuple):
 
 
 def build_stack(loaded: LoadedModel, config: Config, world: World | None = None) -> Stack:
-    """The block cache for `loaded` as [cache] and [ssd] configure it (see build_prefix_cache)."""
+    """The block cache for `loaded` as [cache] and [ssd] configure it (see build_prefix_cache), and
+    MLX's buffer cache bounded as [server] mlx_cache_limit_bytes says (engine/device_memory.py)."""
+    bound_buffer_cache(config.server.mlx_cache_limit_bytes)
     damaged: list[DamagedFile] = []
     stats = SchedulerStats()
     prefix_cache, folder_lock = build_prefix_cache(loaded, config, damaged, world, stats)
     return Stack(prefix_cache, folder_lock, stats, damaged)
-
-
-def physical_memory_bytes() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 8 * 1024**3
 
 
 def lock_store_folder(config: Config, namespace: bytes) -> FolderLock | None:
@@ -215,7 +210,7 @@ def build_prefix_cache(
     sharding = f"|{world.tag}" if world is not None else ""
     namespace = namespace_hash(fingerprint, layout.kv_dtype, config.cache.block_size, cache_layout=signature + sharding)
     store_namespace = blake3(namespace + f"rank{world.rank}".encode()).digest() if world is not None else namespace
-    budget = config.cache.ram_max_bytes or physical_memory_bytes() // 4
+    budget = config.cache.ram_max_bytes or array_memory_bytes() // 4
     # Tails (partial last blocks) get an eighth of the RAM budget, full blocks the rest; for models
     # with recurrent layers tails carry the checkpoints, without which no block is usable: half.
     tails = TailStore(budget // 2 if layout.has_state else budget // 8, exact=layout.exact_tails)

@@ -176,7 +176,8 @@ def load_draft(config: Config, tokenizer: Any) -> DraftModel | None:
 
     from ..errors import ModelLoadError
     from ..models.loader import resolve_model_path
-    from .build import physical_memory_bytes, prefill_step
+    from .build import prefill_step
+    from .device_memory import array_memory_bytes
 
     name, path = resolve_model_path(spec, config.models_path(), config.model.dtype)
     try:
@@ -193,7 +194,7 @@ def load_draft(config: Config, tokenizer: Any) -> DraftModel | None:
         return None
     cache = None
     if config.cache.enabled:
-        budget = (config.cache.ram_max_bytes or physical_memory_bytes() // 4) // RAM_SHARE
+        budget = (config.cache.ram_max_bytes or array_memory_bytes() // 4) // RAM_SHARE
         fingerprint = model_fingerprint(path, default_home() / "fingerprints.json")
         cache = draft_block_cache(model, fingerprint, config.cache.block_size, budget)
     log.info("draft model %s loaded from %s (its prompt KV cached in RAM: %s)", name, path, cache is not None)

@@ -37,7 +37,7 @@ from typing import Any
 from ..config import Config
 from ..errors import ModelLoadError, OverloadedError, ShuttingDownError, model_not_found
 from ..model_entries import ModelEntry
-from .build import physical_memory_bytes
+from .device_memory import array_memory_bytes
 from .model_load import Loaded, estimate_bytes, free_engine, kv_ram_bytes, load_engine
 from .ssd_share import RegistrySSD, engine_store
 from .step_turns import StepTurns, share_turns
@@ -107,7 +107,7 @@ class ModelRegistry:
         self.slots = [ModelSlot(e) for e in entries]
         self._ids = {name: slot for slot in self.slots for name in (slot.entry.name, *slot.entry.aliases)}
         self._loader, self._unloader, self._clock, self._wait_s = loader, unloader, clock, wait_s
-        self.budget_bytes = config.server.model_memory_bytes or physical_memory_bytes() // 2
+        self.budget_bytes = config.server.model_memory_bytes or array_memory_bytes() // 2
         self._cond = threading.Condition()  # guards every slot's fields and _closing
         self._closing = False
         self._reaper: threading.Thread | None = None

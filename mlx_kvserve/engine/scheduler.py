@@ -23,6 +23,7 @@ from . import direct_join
 from .batch_generator import KVServeBatchGenerator
 from .batch_state import Pending, Running, SchedulerStats, Waiting
 from .constrain import grammars_for
+from .device_memory import release_after_out_of_memory
 from .order import StartOrder
 from .prefill import cached_blocks, pick_leader
 from .prefix_cache import PrefixCache
@@ -437,9 +438,7 @@ class Scheduler:
 
     def _fail_all(self, exc: Exception) -> None:
         running, self._running = list(self._running.values()), {}
-        if self._batch is not None:
-            self._batch.close()
-            self._batch = None
+        self.close()
         repair_random_state()  # the step may have failed inside a compiled sampler
         for run in running:
             self.prefix_cache.release(run.prepared)
@@ -447,6 +446,8 @@ class Scheduler:
 
     @staticmethod
     def _emit_end(req: GenerationRequest, event: Finished | Failed) -> None:
+        if isinstance(event, Failed):  # out of memory: hand MLX's cached buffers back for the next step
+            release_after_out_of_memory(event.error)
         try:
             req.emit(event)
         except Exception:

@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..engine.device_memory import memory_report
+
 ERROR_WINDOW_S = 300.0  # SSD write errors within this long make the server degraded
 
 
@@ -56,6 +58,7 @@ class HealthMonitor:
     def report(self) -> tuple[dict[str, Any], int]:
         """(/health body, HTTP status): 503 while shutting down, else 200."""
         body = self.engine.health()
+        body.setdefault("memory", memory_report())
         if self.shutting_down:
             body["status"], body["problems"] = "shutting_down", []
             return body, 503
