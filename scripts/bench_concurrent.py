@@ -21,12 +21,13 @@ import argparse
 import tempfile
 from pathlib import Path
 
+import tomllib
 from harness import ROOT
 from harness.clients import chat_ttft
 from harness.reports import write_report
 from harness.scenarios.concurrent import report_lines, scenario_concurrent
 from harness.scenarios.concurrent_rounds import rounds_report_lines, scenario_rounds
-from harness.servers import Server, free_port, start_servers, stop_servers
+from harness.servers import Server, free_port, start_servers, stop_servers, toml_text
 from harness.synthetic import synthetic_model
 
 # Our server again with another configuration, next to the default one (--variants).
@@ -52,9 +53,16 @@ VARIANTS = {
 def variant_server(ours: Server, name: str) -> Server:
     """A second instance of our server, on its own port and home, configured as VARIANTS[name]."""
     config = Path(tempfile.mkdtemp(prefix=f"kvserve-{name}-")) / "config.toml"
-    config.write_text(VARIANTS[name])
+    sections = {section: dict(values) for section, values in ours.config.items()}  # the shared bounds, if any
+    for section, values in tomllib.loads(VARIANTS[name]).items():
+        sections.setdefault(section, {}).update(values)
+    config.write_text(toml_text(sections))
     port = free_port()
-    cmd = [a if a != str(ours.port) else str(port) for a in ours.cmd] + ["--config", str(config)]
+    cmd = [a if a != str(ours.port) else str(port) for a in ours.cmd]
+    if "--config" in cmd:  # ours' own file: the variant's replaces it (it holds the same bounds)
+        at = cmd.index("--config")
+        del cmd[at : at + 2]
+    cmd += ["--config", str(config)]
     env = dict(ours.env, MLX_KVSERVE_HOME=str(config.parent))
     label = "SSD off" if name == "ssd-off" else name
     server = Server(f"{ours.name} ({label})", cmd, port, env, ours.ready_path)

@@ -4,7 +4,7 @@
 #   export PYTHONPATH=/tmp/site:$PWD && bash scripts/gpu_run.sh $OUT
 # Only some steps, e.g.: STEPS=engine,prefix WORDS=1400,2900 LENGTHS=8192,16384 bash scripts/gpu_run.sh $OUT
 # Repeats: PREFIX_REPS=2 (each prefix size: cold, repeat, new question per rep), ROUNDS=2 (concurrent rounds,
-# the servers in alternating order)
+# the servers in alternating order); VARIANTS=batch8 also runs our server so configured (bench_concurrent.py)
 # CPU smoke run (tiny shape, short prompts):  SHAPE=tiny BITS=0 LENGTHS=256,512 WORDS=60 bash scripts/gpu_run.sh /tmp/gpurun
 # Each step runs under its own time limit (SIGINT, so the scripts stop their servers) and writes
 # its figures and log under OUT; a step that runs out of time leaves the others' figures intact.
@@ -48,7 +48,7 @@ for w in ${words//,/ }; do
     --scenarios system --model "$model" --system-words "$w" --out "$out/prefix_$w"
 done
 step concurrent "${T_CONC:-130}" $py scripts/bench_concurrent.py --quick --clients ${CLIENTS:-4,8} \
-  --rounds "${ROUNDS:-1}" --model "$model" --out "$out/concurrent"
+  --rounds "${ROUNDS:-1}" ${VARIANTS:+--variants "$VARIANTS"} --model "$model" --out "$out/concurrent"
 step model_threads "${T_THREADS:-60}" $py scripts/bench_model_threads.py --repeats 3
 # a small model's first token while a Llama-3-8B-shaped one prefills 16k tokens: two servers, one process,
 # the large one in a process of its own (issue 27)

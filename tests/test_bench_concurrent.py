@@ -11,9 +11,11 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import httpx
 import pytest
 from harness import OURS, THEIRS, VLLM
 from harness.scenarios import concurrent, concurrent_rounds
+from harness.servers import BOUNDED_MLX_LM_SERVER as BOUNDED
 from harness.servers import Server, free_port, stop_servers, vllm_mlx_server
 
 # A streaming /v1/chat/completions stand-in. Like vllm-mlx it rejects a body without a model; with
@@ -196,3 +198,34 @@ def test_rounds_alternate_the_order_on_new_prompts_and_the_targets_take_the_medi
     assert "| 4 | later turns, mean TTFT | 0.50x met | 2.00x **missed** |" in lines
     assert "| 4 | first turn (cold), mean TTFT | 0.60x met | 0.67x |" in lines
     assert "| 4 | tokens/s | 1.10x met | 1.38x met |" in lines
+
+
+def test_on_a_gpu_with_its_own_memory_the_servers_get_equal_bounds(tiny_model_dir, monkeypatch):
+    """Two servers sharing a CUDA GPU each get the same bounds on MLX's buffer cache and on KV caches
+    (with MLX's defaults they ran an H100 out of memory at 16 clients): ours in its config, also under
+    a variant's, mlx_lm.server by --prompt-cache-bytes and its cache limit set before it starts. CUDA
+    is faked in this process; the servers run on the CPU, where an explicit limit applies as well."""
+    import mlx.core as mx
+    from bench_concurrent import variant_server
+    from harness.clients import chat_ttft
+    from harness.servers import start_servers
+
+    from mlx_kvserve.engine import device_memory
+
+    monkeypatch.setattr(device_memory, "arrays_in_device_memory", lambda: True)
+    monkeypatch.setattr(mx, "device_info", lambda: {"total_memory": 64 * 1024**3})
+    share = 64 * 1024**3 // 8  # a quarter of the GPU between two servers
+    servers = start_servers(tiny_model_dir)
+    try:
+        servers.append(variant_server(servers[0], "fifo"))
+        ours, theirs, fifo = servers
+        assert theirs.cmd[1:3] == ["-c", BOUNDED] and theirs.cmd[3] == str(share)
+        assert theirs.cmd[theirs.cmd.index("--prompt-cache-bytes") + 1] == str(share)
+        assert chat_ttft(theirs, [{"role": "user", "content": "hello"}], 2)[0] > 0  # it serves
+        for server in (ours, fifo):
+            body = httpx.get(server.url + "/health", timeout=10).json()
+            assert body["memory"]["buffer_cache_limit_bytes"] == share
+            assert body["cache"]["kv_ram_max_bytes"] == share - share // 8
+        assert httpx.get(fifo.url + "/health", timeout=10).json()["batch"]["scheduling"] == "fifo"
+    finally:
+        stop_servers(servers)

@@ -4,6 +4,7 @@ third where a bench is given its executable."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -31,6 +32,7 @@ class Server:
 
     def __init__(self, name: str, cmd: list[str], port: int, env: dict[str, str], ready_path: str):
         self.name, self.port, self.cmd, self.env, self.ready_path = name, port, cmd, env, ready_path
+        self.config: dict[str, dict] = {}  # ours: the sections of the config file it was started with
         self.url = f"http://127.0.0.1:{port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"{name}-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
@@ -86,23 +88,55 @@ def vllm_mlx_server(executable: str, model_dir: Path, home: Path, env: dict[str,
     return Server(VLLM, cmd, port, dict(env or server_env(), HOME=str(home)), "/v1/models")
 
 
+# mlx_lm.server with MLX's buffer cache bounded (argv[1]: bytes), the rest of argv its own arguments
+BOUNDED_MLX_LM_SERVER = (
+    "import runpy, sys; import mlx.core as mx; mx.set_cache_limit(int(sys.argv.pop(1))); "
+    "runpy.run_module('mlx_lm.server', run_name='__main__')"
+)
+
+
+def shared_device_bytes(servers: int) -> int | None:
+    """On a GPU with its own memory (MLX's CUDA backend), which the servers of one comparison share while
+    each keeps its caches between turns: the bytes each may hold in MLX's buffer cache and in KV caches,
+    alike for all (each default is 80% / unbounded for `mlx_lm.server`, a quarter each for ours: two
+    servers ran an H100 out of memory at 16 clients). None on unified memory and the CPU."""
+    from mlx_kvserve.engine.device_memory import array_memory_bytes, arrays_in_device_memory
+
+    return array_memory_bytes() // (4 * servers) if arrays_in_device_memory() else None
+
+
+def toml_text(sections: dict[str, dict]) -> str:
+    """A config file's text for {section: {key: value}} (strings, numbers and booleans)."""
+    lines = []
+    for section, values in sections.items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
+    return "\n".join(lines) + "\n"
+
+
 def start_servers(model_dir: Path | None = None, vllm_mlx: str | None = None) -> list[Server]:
     """Our server (fresh MLX_KVSERVE_HOME, default budgets) and mlx_lm.server, then vllm-mlx where its
-    executable is given (vllm_mlx_server), ready and warmed up."""
+    executable is given (vllm_mlx_server), ready and warmed up. On a GPU with its own memory both get
+    the same bounds (shared_device_bytes): ours in a config file (`Server.config`), theirs by
+    `--prompt-cache-bytes` and MLX's cache limit set before it starts."""
     model_dir = model_dir or default_model_dir()
     env = server_env()
     home = tempfile.mkdtemp(prefix="kvserve-bench-")
     ours_port, theirs_port = free_port(), free_port()
-    ours = Server(
-        OURS,
-        [sys.executable, "-m", "mlx_kvserve", "run", "--model", str(model_dir), "--port", str(ours_port)],
-        ours_port,
-        dict(env, MLX_KVSERVE_HOME=home),
-        "/health",
-    )
+    share = shared_device_bytes(3 if vllm_mlx else 2)
+    config = {"server": {"mlx_cache_limit_bytes": share}, "cache": {"ram_max_bytes": share}} if share else {}
+    ours_cmd = [sys.executable, "-m", "mlx_kvserve", "run", "--model", str(model_dir), "--port", str(ours_port)]
+    if config:
+        (Path(home) / "config.toml").write_text(toml_text(config))
+        ours_cmd += ["--config", str(Path(home) / "config.toml")]
+    ours = Server(OURS, ours_cmd, ours_port, dict(env, MLX_KVSERVE_HOME=home), "/health")
+    ours.config = config
+    theirs_cmd = [sys.executable, "-m", "mlx_lm.server"]
+    if share:
+        theirs_cmd = [sys.executable, "-c", BOUNDED_MLX_LM_SERVER, str(share), "--prompt-cache-bytes", str(share)]
     theirs = Server(
         THEIRS,
-        [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir), "--port", str(theirs_port)],
+        theirs_cmd + ["--model", str(model_dir), "--port", str(theirs_port)],
         theirs_port,
         env,
         "/v1/models",
