@@ -47,6 +47,8 @@ VARIANTS = {
     "batch8": "[server]\nprefill_batch_size = 8\n",
     # half the CPU's prefill chunk: a later turn arriving during a cold prompt's chunk waits for less of it
     "step256": "[generation]\nprefill_step_size = 256\n[server]\nshort_prefill_tokens = 128\n",
+    # MLX's own attention on the CPU instead of the block-causal one (engine/cpu_attention.py)
+    "mlx-attention": "[generation]\ncpu_attention_rows = 0\n",
 }
 
 

@@ -16,6 +16,7 @@ from starlette.testclient import TestClient
 from test_server_e2e import build_endless_model, wait_until, write_config
 
 from mlx_kvserve.config import ApiKeys, Config, load_config
+from mlx_kvserve.engine import device_memory
 from mlx_kvserve.engine.engine import Engine
 from mlx_kvserve.server.app import create_app
 from mlx_kvserve.server.health import ERROR_WINDOW_S, HealthMonitor
@@ -191,7 +192,9 @@ class FakeEngine:
 def test_health_degraded_reasons():
     engine, now = FakeEngine(), [0.0]
     monitor = HealthMonitor(engine, clock=lambda: now[0])
-    assert monitor.report() == ({**engine.health(), "problems": []}, 200)
+    body, status = monitor.report()
+    assert body.pop("memory")["device"] == "cpu"  # MLX's memory in this process (device_memory.memory_report)
+    assert (body, status) == ({**engine.health(), "problems": []}, 200)
     engine.stats.update(ssd_errors=2, writer_failures=2)  # two writes failed: the store and the writer both count them
     body, status = monitor.report()
     assert status == 200 and body["status"] == "degraded"
@@ -202,6 +205,23 @@ def test_health_degraded_reasons():
     engine.prefix_cache.ssd_tier = None  # [ssd] enabled, but the tier could not start
     problems = monitor.report()[0]["problems"]
     assert len(problems) == 2 and "worker" in problems[0] and "SSD tier is off" in problems[1]
+
+
+def test_health_degraded_after_requests_failed_for_want_of_memory(monkeypatch):
+    engine, now = FakeEngine(), [0.0]
+    failures = {"count": 5, "last": ""}  # five before this server: not its problem
+    monkeypatch.setattr(device_memory, "_failures", failures)
+    monitor = HealthMonitor(engine, clock=lambda: now[0])
+    assert monitor.report()[0]["status"] == "ok"
+    failures.update(count=7, last="cudaMallocAsync(&data, size, stream) failed: out of memory")
+    body = monitor.report()[0]
+    assert body["status"] == "degraded" and body["memory"]["requests_failed_out_of_memory"] == 7
+    assert body["problems"] == [
+        "requests failed for want of memory (7 since start, the last within 300s: cudaMallocAsync(&data, size, "
+        "stream) failed: out of memory); /health memory shows what holds it"
+    ]
+    now[0] += ERROR_WINDOW_S + 1  # no new failures for a while: healthy again
+    assert monitor.report()[0]["status"] == "ok"
 
 
 def test_health_degraded_when_the_disk_is_below_its_free_space_floor():

@@ -28,6 +28,7 @@ from ..kv.ssd import FolderBusyError, FolderLock, SSDStore, SSDTier, SSDWriterTh
 from ..kv.ssd.budget import BUDGET_ROLE
 from ..kv.tails import TailStore
 from ..models.loader import LoadedModel
+from . import cpu_attention
 from .batch_state import SchedulerStats
 from .device_memory import array_memory_bytes, bound_buffer_cache
 from .distributed import World
@@ -65,8 +66,10 @@ class Stack(NamedTuple):
 
 def build_stack(loaded: LoadedModel, config: Config, world: World | None = None) -> Stack:
     """The block cache for `loaded` as [cache] and [ssd] configure it (see build_prefix_cache), and
-    MLX's buffer cache bounded as [server] mlx_cache_limit_bytes says (engine/device_memory.py)."""
+    MLX's buffer cache bounded as [server] mlx_cache_limit_bytes says (engine/device_memory.py), and
+    on the CPU the block-causal attention of [generation] cpu_attention_rows (engine/cpu_attention.py)."""
     bound_buffer_cache(config.server.mlx_cache_limit_bytes)
+    cpu_attention.install(config.generation.cpu_attention_rows)
     damaged: list[DamagedFile] = []
     stats = SchedulerStats()
     prefix_cache, folder_lock = build_prefix_cache(loaded, config, damaged, world, stats)

@@ -26,6 +26,8 @@ class HealthMonitor:
         self._last_error_at: float | None = None
         self._num_low_space = 0  # writes skipped for the free-space floor when last seen
         self._last_low_space_at: float | None = None
+        self._num_out_of_memory = memory_report()["requests_failed_out_of_memory"]  # before this server
+        self._last_out_of_memory_at: float | None = None
 
     def problems(self, cache: dict[str, Any]) -> list[str]:
         """What is wrong now, each in a sentence; [] when healthy. `cache` is engine.cache_stats()."""
@@ -55,10 +57,22 @@ class HealthMonitor:
             )
         return found
 
+    def memory_problems(self, memory: dict[str, Any]) -> list[str]:
+        """Requests failed for want of memory (engine/device_memory.py) within the error window."""
+        count, now = memory.get("requests_failed_out_of_memory", 0), self._clock()
+        if count > self._num_out_of_memory:
+            self._num_out_of_memory, self._last_out_of_memory_at = count, now
+        if self._last_out_of_memory_at is None or now - self._last_out_of_memory_at >= ERROR_WINDOW_S:
+            return []
+        return [
+            f"requests failed for want of memory ({count} since start, the last within {ERROR_WINDOW_S:.0f}s: "
+            f"{memory.get('last_out_of_memory')}); /health memory shows what holds it"
+        ]
+
     def report(self) -> tuple[dict[str, Any], int]:
         """(/health body, HTTP status): 503 while shutting down, else 200."""
         body = self.engine.health()
-        body.setdefault("memory", memory_report())
+        memory = body.setdefault("memory", memory_report())
         if self.shutting_down:
             body["status"], body["problems"] = "shutting_down", []
             return body, 503
@@ -66,7 +80,7 @@ class HealthMonitor:
         if fatal:  # distributed: the ranks cannot run a step together any more
             body["status"], body["problems"] = "unavailable", fatal
             return body, 503
-        problems = self.problems(body.get("cache", {}))
+        problems = self.problems(body.get("cache", {})) + self.memory_problems(memory)
         body["status"], body["problems"] = ("degraded" if problems else "ok"), problems
         return body, 200
 
