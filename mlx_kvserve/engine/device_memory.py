@@ -78,10 +78,10 @@ def release_after_out_of_memory(exc: BaseException) -> bool:
     before = mx.get_cache_memory()
     mx.clear_cache()
     _failures["count"] += 1
-    _failures["last"] = str(exc).splitlines()[0][:200]
+    _failures["last"] = message = (str(exc).splitlines() or [""])[0][:200]
     log.warning(
         "out of memory (%s): released %.2f GiB of MLX's cached buffers; in use %.2f GiB of %.2f GiB",
-        str(exc).splitlines()[0][:200],
+        message,
         before / 1024**3,
         mx.get_active_memory() / 1024**3,
         array_memory_bytes() / 1024**3,

@@ -15,6 +15,19 @@ from ..engine.device_memory import memory_report
 ERROR_WINDOW_S = 300.0  # SSD write errors within this long make the server degraded
 
 
+class RecentGrowth:
+    """A counter seen between /health calls: whether it grew within the last ERROR_WINDOW_S (the window
+    starts at the call that sees it grow)."""
+
+    def __init__(self, count: int = 0):
+        self._count, self._grew_at = count, None
+
+    def recent(self, count: int, now: float) -> bool:
+        if count > self._count:
+            self._count, self._grew_at = count, now
+        return self._grew_at is not None and now - self._grew_at < ERROR_WINDOW_S
+
+
 class HealthMonitor:
     """`shutting_down` is set by the app's lifespan before it stops the engine (event loop only)."""
 
@@ -22,12 +35,10 @@ class HealthMonitor:
         self.engine = engine
         self.shutting_down = False
         self._clock = clock
-        self._num_errors = 0  # SSD write errors (blocks and tails) when last seen
-        self._last_error_at: float | None = None
-        self._num_low_space = 0  # writes skipped for the free-space floor when last seen
-        self._last_low_space_at: float | None = None
-        self._num_out_of_memory = memory_report()["requests_failed_out_of_memory"]  # before this server
-        self._last_out_of_memory_at: float | None = None
+        self._write_errors = RecentGrowth()  # SSD write errors (blocks and tails)
+        self._low_space = RecentGrowth()  # writes skipped for the free-space floor
+        # requests failed for want of memory; those before this server are not its problem
+        self._out_of_memory = RecentGrowth(memory_report()["requests_failed_out_of_memory"])
 
     def problems(self, cache: dict[str, Any]) -> list[str]:
         """What is wrong now, each in a sentence; [] when healthy. `cache` is engine.cache_stats()."""
@@ -42,15 +53,11 @@ class HealthMonitor:
         num_errors = cache.get("ssd_errors", 0) + cache.get("ssd_tail_write_errors", 0)
         num_low_space = cache.get("ssd_skipped_low_space", 0) + cache.get("ssd_tail_skipped_low_space", 0)
         now = self._clock()
-        if num_errors > self._num_errors:
-            self._num_errors, self._last_error_at = num_errors, now
-        if num_low_space > self._num_low_space:
-            self._num_low_space, self._last_low_space_at = num_low_space, now
-        if self._last_error_at is not None and now - self._last_error_at < ERROR_WINDOW_S:
+        if self._write_errors.recent(num_errors, now):
             found.append(
                 f"SSD writes are failing ({num_errors} errors since start, the last within {ERROR_WINDOW_S:.0f}s)"
             )
-        if self._last_low_space_at is not None and now - self._last_low_space_at < ERROR_WINDOW_S:
+        if self._low_space.recent(num_low_space, now):
             found.append(
                 f"the SSD cache's disk is below its free-space floor ([ssd] min_free_bytes): {num_low_space} "
                 f"writes skipped since start, the last within {ERROR_WINDOW_S:.0f}s"
@@ -59,10 +66,8 @@ class HealthMonitor:
 
     def memory_problems(self, memory: dict[str, Any]) -> list[str]:
         """Requests failed for want of memory (engine/device_memory.py) within the error window."""
-        count, now = memory.get("requests_failed_out_of_memory", 0), self._clock()
-        if count > self._num_out_of_memory:
-            self._num_out_of_memory, self._last_out_of_memory_at = count, now
-        if self._last_out_of_memory_at is None or now - self._last_out_of_memory_at >= ERROR_WINDOW_S:
+        count = memory.get("requests_failed_out_of_memory", 0)
+        if not self._out_of_memory.recent(count, self._clock()):
             return []
         return [
             f"requests failed for want of memory ({count} since start, the last within {ERROR_WINDOW_S:.0f}s: "
