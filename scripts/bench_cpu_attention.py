@@ -14,8 +14,10 @@ timed alone (median of `--reps`), next to the floor of reading the layer's KV on
   the query rows halved on two CPU streams.
 - the block-causal attention the server uses on the CPU (engine/cpu_attention.py, `--block-rows`): a
   chunk's queries in blocks, each against the keys up to its last query (a prefill chunk's shape:
-  `--new-tokens 470 --context 0 --heads 9 --kv-heads 3 --head-dim 64 --layers 30`, SmolLM2's cold prompt).
-The outputs of the written-out and block-causal attentions are checked against the fast one.
+  `--new-tokens 470 --context 0 --heads 9 --kv-heads 3 --head-dim 64 --layers 30`, SmolLM2's cold prompt),
+  and the same with its softmax in NumPy (`cpu_attention_softmax = "numpy"`, the server's default), and
+  NumPy's softmax alone on the same scores.
+The outputs of the written-out, block-causal and NumPy-softmax attentions are checked against the fast one.
 
 Usage: python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_cpu_attention.py
            [--new-tokens 55] [--context 4636] [--heads 8] [--kv-heads 4] [--head-dim 128] [--layers 32]
@@ -29,9 +31,11 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 from harness import ROOT
 from harness.reports import write_report
 
+from mlx_kvserve.engine import cpu_attention
 from mlx_kvserve.engine.cpu_attention import block_attention
 
 
@@ -80,6 +84,16 @@ def main() -> None:
     def blocks(q, k, v):
         return block_attention(q, k, v, scale=scale, mask="causal", rows=args.block_rows)
 
+    def blocks_numpy(q, k, v):
+        cpu_attention.install(args.block_rows, "numpy")
+        try:
+            return block_attention(q, k, v, scale=scale, mask="causal", rows=args.block_rows)
+        finally:
+            cpu_attention.uninstall()
+
+    def numpy_softmax(s):  # nothing left for MLX to evaluate
+        cpu_attention._softmax_last_axis(np.asarray(s))
+
     def scores(q, k):  # each KV head's query rows stacked: one GEMM per KV head, no repeat of K
         return (q * scale).reshape(1, kv_heads, rep * new, dim) @ k.swapaxes(-1, -2)
 
@@ -105,17 +119,20 @@ def main() -> None:
     mx.eval(s, halves)
     max_diff = mx.abs(fast(q, k, v) - written_out(q, k, v)).max().item()
     blocks_diff = mx.abs(fast(q, k, v) - blocks(q, k, v)).max().item()
+    numpy_diff = mx.abs(fast(q, k, v) - blocks_numpy(q, k, v)).max().item()
     pow2_diff = mx.abs(softmax_pow2(s) - mx.softmax(s, axis=-1, precise=True)).max().item()
     reps = args.reps
     rows = {
         "read the layer's KV once (floor)": timed_ms(lambda k, v: (k.sum(), v.sum()), k, v, reps=reps),
         "mx.fast.scaled_dot_product_attention": timed_ms(fast, q, k, v, reps=reps),
         f"block-causal, {args.block_rows}-row blocks (the server's on the CPU)": timed_ms(blocks, q, k, v, reps=reps),
+        "block-causal, softmax in NumPy (the server's default on the CPU)": timed_ms(blocks_numpy, q, k, v, reps=reps),
         "written out: all of it": timed_ms(written_out, q, k, v, reps=reps),
         "  scores (GEMM)": timed_ms(scores, q, k, reps=reps),
         "  mask": timed_ms(lambda s: mx.where(visible, s, -mx.inf), s, reps=reps),
         "  softmax": timed_ms(lambda s: mx.softmax(s, axis=-1, precise=True), s, reps=reps),
         "  weighted sum (GEMM)": timed_ms(lambda s, v: s @ v, s, v, reps=reps),
+        "  softmax in NumPy (vectorised exp)": timed_ms(numpy_softmax, s, reps=reps),
         "add on the scores": timed_ms(lambda s: s + 1.0, s, reps=reps),
         "exp on the scores": timed_ms(mx.exp, s, reps=reps),
         "exp on the scores, two CPU streams": timed_ms(
@@ -134,6 +151,7 @@ def main() -> None:
         "max_abs_diff_written_out_vs_fast": max_diff,
         "max_abs_diff_softmax_pow2": pow2_diff,
         "max_abs_diff_block_causal_vs_fast": blocks_diff,
+        "max_abs_diff_numpy_softmax_vs_fast": numpy_diff,
         "exp_ns_per_element": rows["exp on the scores"] * 1e6 / elements,
         "add_ns_per_element": rows["add on the scores"] * 1e6 / elements,
     }
@@ -142,7 +160,8 @@ def main() -> None:
         f"({kv_heads} KV), {dim} dims, float32",
         "",
         f"{elements:,} scores per layer; the written-out attention matches the fast one to {max_diff:.1e}, "
-        f"the softmax as powers of two MLX's to {pow2_diff:.1e}, the block-causal one to {blocks_diff:.1e}.",
+        f"the softmax as powers of two MLX's to {pow2_diff:.1e}, the block-causal one to {blocks_diff:.1e}, "
+        f"with NumPy's softmax to {numpy_diff:.1e}.",
         "",
         f"| part | ms per layer | x {args.layers} layers, s |",
         "|---|---|---|",

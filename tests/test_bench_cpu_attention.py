@@ -1,6 +1,7 @@
 """scripts/bench_cpu_attention.py on a small shape (the full shape's figures: docs/benchmarks.md): the
-written-out and block-causal attentions it times match MLX's fast attention, and every part is timed;
-scripts/bench_cpu_prefill.py's prefill with and without the block-causal attention on the tiny model."""
+written-out, block-causal and NumPy-softmax attentions it times match MLX's fast attention, and every part
+is timed; scripts/bench_cpu_prefill.py's prefill with MLX's attention, the blocks, and the blocks with the
+NumPy softmax on the tiny model."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def test_cpu_attention_parts(tmp_path):
     rows = results["ms_per_layer"]
     assert results["max_abs_diff_softmax_pow2"] < 1e-5  # the rewrite computes the same softmax
     assert results["max_abs_diff_block_causal_vs_fast"] < 1e-4  # the server's CPU attention: the same
-    assert len(rows) == 14 and all(ms > 0 for ms in rows.values())
+    assert results["max_abs_diff_numpy_softmax_vs_fast"] < 1e-4  # and with its softmax in NumPy
+    assert len(rows) == 16 and all(ms > 0 for ms in rows.values())
     assert "| mx.fast.scaled_dot_product_attention |" in (out / "report.md").read_text()
 
 
@@ -46,4 +48,5 @@ def test_cpu_prefill_with_and_without_the_block_attention(tmp_path, tiny_model_d
     assert [r["tokens"] for r in runs] == [300, 300]  # plain cache and batch cache
     for run in runs:
         assert run["same_argmax"] and run["max_logit_diff"] < 1e-3
+        assert set(run["times"]) == {"mlx", "blocks", "blocks + numpy softmax"}
         assert all(t > 0 for times in run["times"].values() for t in times)

@@ -104,3 +104,124 @@ def test_install_follows_the_setting():
         assert cpu_attention.install(8) and cpu_attention._rows == cpu_attention.MIN_ROWS
     finally:
         cpu_attention.uninstall()
+
+
+# The softmax through NumPy ([generation] cpu_attention_softmax = "numpy").
+
+NUMPY_CASES = {
+    "no mask, one query per row (a decode step)": dict(batch=8, length=1, offset=700, mask=lambda L, off: None),
+    "causal after a cached prefix": dict(batch=1, length=96, offset=300, mask=lambda L, off: "causal"),
+    "mlx-lm's mask, left padding": dict(
+        batch=2, length=120, offset=40, mask=lambda L, off: create_causal_mask(L, off, left_padding=mx.array([0, 17]))
+    ),
+    "mlx-lm's mask, a window": dict(
+        batch=1, length=128, offset=64, mask=lambda L, off: create_causal_mask(L, off, window_size=50)
+    ),
+    "additive float mask": dict(
+        batch=1, length=128, offset=8, mask=lambda L, off: mx.where(create_causal_mask(L, off), 0.0, -1e9)
+    ),
+    "a mask per query head": dict(
+        batch=1,
+        length=128,
+        offset=16,
+        mask=lambda L, off: mx.random.uniform(shape=(1, 4, L, L + off)) > 0.3,
+    ),
+    "one KV head per query head": dict(batch=1, length=128, offset=16, kv_heads=4, mask=lambda L, off: "causal"),
+}
+
+
+@pytest.mark.parametrize("name", list(NUMPY_CASES))
+def test_the_numpy_softmax_gives_mlx_attention(name):
+    case = NUMPY_CASES[name]
+    q, k, v = qkv(case["batch"], case["length"], case["offset"], kv_heads=case.get("kv_heads", 2))
+    mask = case["mask"](case["length"], case["offset"])
+    expected = cpu_attention._mlx_attention(q, k, v, scale=SCALE, mask=mask)
+    got = cpu_attention.numpy_softmax_attention(q, k, v, scale=SCALE, mask=mask)
+    assert got.shape == expected.shape and got.dtype == expected.dtype
+    assert mx.abs(got - expected).max().item() < 1e-5
+
+
+def test_the_numpy_softmax_applies_attention_sinks_as_mlx_does():
+    q, k, v = qkv(1, 128, 32)
+    sinks = mx.random.normal((4,)) * 3
+    expected = cpu_attention._mlx_attention(q, k, v, scale=SCALE, mask="causal", sinks=sinks)
+    got = cpu_attention.numpy_softmax_attention(q, k, v, scale=SCALE, mask="causal", sinks=sinks)
+    assert mx.abs(got - expected).max().item() < 1e-5
+    plain = cpu_attention._mlx_attention(q, k, v, scale=SCALE, mask="causal")
+    assert mx.abs(got - plain).max().item() > 1e-3  # the sinks did change the result
+
+
+def test_the_numpy_softmax_keeps_half_precision_inputs():
+    q, k, v = (x.astype(mx.float16) for x in qkv(1, 128, 64))
+    expected = cpu_attention._mlx_attention(q, k, v, scale=SCALE, mask="causal")
+    got = cpu_attention.numpy_softmax_attention(q, k, v, scale=SCALE, mask="causal")
+    assert got.dtype == mx.float16
+    assert mx.abs(got.astype(mx.float32) - expected.astype(mx.float32)).max().item() < 2e-3
+
+
+def test_a_fully_masked_row_averages_the_values_as_mlx_does():
+    """A left-padded query row sees no key; MLX's where(mask, scores, min) gives it a uniform softmax
+    (not NaN, which would reach the real rows through the padded positions' KV)."""
+    q, k, v = qkv(2, 64, 0)
+    mask = create_causal_mask(64, 0, left_padding=mx.array([0, 30]))
+    got = cpu_attention.numpy_softmax_attention(q, k, v, scale=SCALE, mask=mask)
+    assert not mx.any(mx.isnan(got)).item()
+    assert mx.abs(got - cpu_attention._mlx_attention(q, k, v, scale=SCALE, mask=mask)).max().item() < 1e-5
+
+
+@pytest.fixture
+def numpy_installed(monkeypatch):
+    """The blocks and the NumPy softmax, as the server installs them by default; counts both paths."""
+    calls: dict[str, int] = {"mlx": 0, "numpy": 0}
+    real_mlx, real_numpy = cpu_attention._mlx_attention, cpu_attention.numpy_softmax_attention
+
+    def counted_mlx(*a, **kw):
+        calls["mlx"] += 1
+        return real_mlx(*a, **kw)
+
+    def counted_numpy(*a, **kw):
+        out = real_numpy(*a, **kw)
+        calls["numpy"] += out is not None
+        return out
+
+    monkeypatch.setattr(cpu_attention, "_mlx_attention", counted_mlx)
+    monkeypatch.setattr(cpu_attention, "numpy_softmax_attention", counted_numpy)
+    assert cpu_attention.install(64, "numpy")
+    yield calls
+    cpu_attention.uninstall()
+    mx.fast.scaled_dot_product_attention = real_mlx
+
+
+def test_installed_prompt_chunks_take_the_numpy_softmax_and_small_calls_mlx(numpy_installed):
+    q, k, v = qkv(1, 192, 100)
+    expected = cpu_attention._mlx_attention(q, k, v, scale=SCALE, mask="causal")
+    numpy_installed.update(mlx=0, numpy=0)
+    got = mx.fast.scaled_dot_product_attention(q, k, v, scale=SCALE, mask="causal", sinks=None)  # as mlx-lm calls it
+    assert mx.abs(got - expected).max().item() < 1e-5
+    assert numpy_installed == {"mlx": 0, "numpy": 3}  # three blocks of 64 rows, each through NumPy
+    small_q, small_k, small_v = qkv(1, 1, 100)  # 4 x 101 scores: below NUMPY_MIN_SCORES
+    mx.fast.scaled_dot_product_attention(small_q, small_k, small_v, scale=SCALE, mask=None)
+    assert numpy_installed == {"mlx": 1, "numpy": 3}
+
+
+def test_inside_mx_compile_it_falls_back_to_mlx(numpy_installed):
+    q, k, v = qkv(1, 192, 100)
+
+    @mx.compile
+    def attend(q, k, v):
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=SCALE, mask="causal")
+
+    got = attend(q, k, v)
+    assert numpy_installed["numpy"] == 0 and numpy_installed["mlx"] > 0
+    assert mx.abs(got - cpu_attention._mlx_attention(q, k, v, scale=SCALE, mask="causal")).max().item() < 1e-5
+
+
+def test_install_takes_the_softmax_setting():
+    real = cpu_attention._mlx_attention
+    try:
+        assert cpu_attention.install(0, "numpy") and mx.fast.scaled_dot_product_attention is cpu_attention.attention
+        assert cpu_attention._rows == 0 and cpu_attention._numpy_softmax
+        assert cpu_attention.install(128, "mlx") and not cpu_attention._numpy_softmax
+        assert not cpu_attention.install(0, "mlx") and mx.fast.scaled_dot_product_attention is real
+    finally:
+        cpu_attention.uninstall()

@@ -67,9 +67,9 @@ class Stack(NamedTuple):
 def build_stack(loaded: LoadedModel, config: Config, world: World | None = None) -> Stack:
     """The block cache for `loaded` as [cache] and [ssd] configure it (see build_prefix_cache), and
     MLX's buffer cache bounded as [server] mlx_cache_limit_bytes says (engine/device_memory.py), and
-    on the CPU the block-causal attention of [generation] cpu_attention_rows (engine/cpu_attention.py)."""
+    on the CPU the attention of [generation] cpu_attention_rows and cpu_attention_softmax (engine/cpu_attention.py)."""
     bound_buffer_cache(config.server.mlx_cache_limit_bytes)
-    cpu_attention.install(config.generation.cpu_attention_rows)
+    cpu_attention.install(config.generation.cpu_attention_rows, config.generation.cpu_attention_softmax)
     damaged: list[DamagedFile] = []
     stats = SchedulerStats()
     prefix_cache, folder_lock = build_prefix_cache(loaded, config, damaged, world, stats)
