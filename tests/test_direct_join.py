@@ -118,3 +118,86 @@ def test_a_burst_of_short_rests_shares_one_steps_budget(tiny, monkeypatch):
     while scheduler.has_work:
         scheduler.step()
     assert [evs[-1].token_ids for evs in events] == expected
+
+
+def test_the_first_token_is_sent_before_the_steps_decode_pass(tiny, monkeypatch):
+    """Beside a request decoding, a later turn joins directly: its first token's text reaches the client
+    before the step's decode pass (which reports it again: not sent twice), and its reply, text and
+    logprobs are its cold run's."""
+    model, tokenizer = tiny
+    base = story(tokenizer, "a harbour")
+    question = base + tokenizer.encode(" And the boats?")
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=True)
+    cold_events, _ = run(make_generator(model, tokenizer, BS), question, params)
+    gen = make_generator(model, tokenizer, BS)
+    greedy(gen, base + tokenizer.encode(" The end?"), 4)  # caches the story
+    scheduler = gen.scheduler
+    other: list = []
+    scheduler.admit(
+        GenerationRequest(
+            "other", tokenizer.encode("Count slowly to fifty:"), SamplingParams(max_tokens=40), other.append
+        )
+    )
+    scheduler.step()
+    scheduler.step()  # the other request is decoding
+    events: list = []
+    seen_at_decode: list[int] = []
+    real_next = GenerationBatch.next
+
+    def decode_pass(self):
+        seen_at_decode.append(sum(isinstance(e, TextDelta) for e in events))
+        return real_next(self)
+
+    monkeypatch.setattr(GenerationBatch, "next", decode_pass)
+    req = GenerationRequest("turn", list(question), params, events.append)
+    scheduler.admit(req)
+    scheduler.step()
+    assert seen_at_decode == [1]  # the join's step: its first token already sent when the pass began
+    assert sum(isinstance(e, TextDelta) for e in events) == 1  # and not again by the pass's report
+    while scheduler.is_running(req):
+        scheduler.step()
+    done, cold = events[-1], cold_events[-1]
+    assert done.usage.cached_tokens > 0 and done.token_ids == cold.token_ids
+    texts = ["".join(e.text for e in evs if isinstance(e, TextDelta)) for evs in (events, cold_events)]
+    assert texts[0] == texts[1] and texts[0]
+    logprobs = [
+        [lp.token for e in evs if isinstance(e, TextDelta) for lp in e.logprobs or ()] for evs in (events, cold_events)
+    ]
+    assert logprobs[0] == logprobs[1] and len(logprobs[0]) == len(done.token_ids)
+    assert done.usage.completion_tokens == cold.usage.completion_tokens
+
+
+@pytest.mark.parametrize("ending", ["stop string", "cancelled"])
+def test_a_request_sent_its_first_token_ahead_still_ends_as_on_the_batch_path(tiny, monkeypatch, ending):
+    """A stop string in the first tokens: the request ends as it does when the batch reports its first
+    token (same tokens, text and reason). A cancel right after the join: cancelled, with the one token
+    already sent (the batch path had sent none yet)."""
+    model, tokenizer = tiny
+    base = story(tokenizer, "a mill")
+    question = base + tokenizer.encode(" And the miller?")
+    reply = tokenizer.decode(greedy(make_generator(model, tokenizer, BS), question, 3)[0])
+    stop = (reply.strip()[:2] or reply[:2],) if ending == "stop string" else ()
+    params = SamplingParams(max_tokens=8, temperature=0.0, stop=stop)
+    ends = {}
+    for name in ("direct", "batch"):
+        if name == "batch":
+            batch_path(monkeypatch)
+        gen = make_generator(model, tokenizer, BS)
+        greedy(gen, base + tokenizer.encode(" The end?"), 4)  # caches the story
+        events: list = []
+        req = GenerationRequest("turn", list(question), params, events.append)
+        gen.scheduler.admit(req)
+        gen.scheduler.step()
+        if ending == "cancelled":
+            req.cancelled.set()
+        while gen.scheduler.is_running(req):
+            gen.scheduler.step()
+        done = events[-1]
+        text = "".join(e.text for e in events if isinstance(e, TextDelta))
+        ends[name] = (done.finish_reason, done.token_ids, text)
+    if ending == "stop string":
+        assert ends["direct"] == ends["batch"] and ends["direct"][0] == "stop"
+        assert stop[0] not in ends["direct"][2]
+    else:
+        first = greedy(make_generator(model, tokenizer, BS), question, 1)[0]
+        assert ends["direct"][:2] == ("cancelled", tuple(first)) and ends["batch"][:2] == ("cancelled", ())

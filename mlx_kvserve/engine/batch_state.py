@@ -1,14 +1,16 @@
 """What the scheduler keeps per request (Running in the batch, Waiting for a shared prefix,
-Pending before it starts) and its counters. Plain data: engine/scheduler.py changes it."""
+Pending before it starts) and its counters. Plain data: engine/scheduler.py changes it (Running.send
+is the one thing a request does: a token's text to its client)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from .prefix_cache import Prepared
-from .request import GenerationRequest
-from .sampling import RequestFault
+from .request import GenerationRequest, TextDelta
+from .sampling import RequestFault, token_logprobs
 from .stops import StopMatcher
 
 
@@ -31,6 +33,34 @@ class Running:
     block_hashes: list[bytes] = field(default_factory=list)  # of the prompt's blocks a lookup may use
     checkpoints: set[int] = field(default_factory=set)  # prompt positions to capture at (segment ends)
     fault: RequestFault = field(default_factory=RequestFault)  # what its sampler or processors raised
+    # Its first token was sent when it joined decoding (engine/direct_join.py), before the batch reports it.
+    sent_ahead: bool = False
+
+    def record(self, token: int) -> bool:
+        """A sampled token (eos included); True when it is the first (its time is kept)."""
+        self.generated.append(token)
+        if len(self.generated) == 1:
+            self.first_token_s = time.perf_counter() - self.started
+        return len(self.generated) == 1
+
+    def send(self, token: int, logprobs: Any) -> None:
+        """A generated token (not eos) to the client: its text, less what may still become a stop
+        string, and its log-probabilities when asked for."""
+        self.num_generated += 1
+        self.detok.add_token(token)
+        text = self.stops.feed(self.detok.last_segment)
+        chosen = token_logprobs(self.req.params, token, logprobs)
+        if text or chosen:
+            self.req.emit(TextDelta(text, 1, chosen))
+
+    def send_rest(self) -> None:
+        """At its end (not by a stop string or a cancel): the text the detokenizer and the stop
+        strings still hold back, to the client."""
+        self.detok.finalize()
+        tail = self.stops.feed(self.detok.last_segment)
+        tail += "" if self.stops.stopped else self.stops.flush()
+        if tail:
+            self.req.emit(TextDelta(tail, 0))
 
 
 @dataclass(eq=False)

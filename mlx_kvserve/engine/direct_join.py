@@ -15,7 +15,9 @@ pass; its first token is sampled from that pass's last logits (its own logits pr
 sampler, on the prompt as their context), and it enters mlx-lm's decode batch with that token as
 its next input, as if the batch had sampled it: the step's decode pass reports it and computes the
 second. What the prompt batch would have done for it (its KV, its tokens) is the same; its cache is
-its assembled prefix, joined without a copy (kv/blocks.py `_merge_alone`).
+its assembled prefix, joined without a copy (kv/blocks.py `_merge_alone`). The first token's text
+goes to the client as soon as it is sampled (`send_first`), not after that decode pass: a later
+turn's first token no longer waits for the running requests' next token.
 
 Only where the batch prefills prompts together (no recurrent state), with no checkpoint or image on
 the way, on one machine (ranks must run the same passes); at most `prefill_step_size` tokens of such
@@ -59,9 +61,10 @@ def first_token(model: Any, cache: list[Any], tokens: list[int], start: int, sam
     return token, logprobs
 
 
-def join(sched: Any, req: Any, cache: list[Any], cached: int, sampler: Any, processors: list[Any]) -> int:
+def join(sched: Any, req: Any, cache: list[Any], cached: int, sampler: Any, processors: list[Any]):
     """Prefill `req`'s rest (last token included) on `cache`, sample its first token and put it in
-    the decode batch; returns its uid. `sched` is the engine's Scheduler (its prefill counted there)."""
+    the decode batch; returns its uid and (first token [1], its log-probabilities [1, V]). `sched` is
+    the engine's Scheduler (its prefill counted there)."""
     started = time.perf_counter()
     tokens, batch = req.prompt_tokens, sched._generator()
     token, logprobs = first_token(sched.model, cache, tokens, cached, sampler or batch.sampler, processors)
@@ -70,4 +73,17 @@ def join(sched: Any, req: Any, cache: list[Any], cached: int, sampler: Any, proc
     if rest > 1:  # counted as the batch counts a prompt: all but its last token (a one-token pass is no prefill speed)
         sched.stats.prefill_tokens += rest - 1
         sched.stats.prefill_s += time.perf_counter() - started
-    return batch.insert_decoding(cache, tokens, token, logprobs, req.params.max_tokens, sampler, processors, sched._eos)
+    uid = batch.insert_decoding(cache, tokens, token, logprobs, req.params.max_tokens, sampler, processors, sched._eos)
+    return uid, (token, logprobs)
+
+
+def send_first(sched: Any, run: Any, token: mx.array, logprobs: mx.array) -> None:
+    """Send a joined request's first token to its client now. The batch's next decode pass reports
+    it again (`Running.sent_ahead`: the scheduler then only ends the request if it must: a stop
+    string, max_tokens, a cancel). An eos is left to that report (it ends the request, no text)."""
+    value = int(token.item())
+    if value in sched.tokenizer.eos_token_ids:
+        return
+    sched._first_token(run, value)
+    run.send(value, logprobs[0])
+    run.sent_ahead = True

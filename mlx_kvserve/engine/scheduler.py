@@ -27,8 +27,8 @@ from .device_memory import release_after_out_of_memory
 from .order import StartOrder
 from .prefill import cached_blocks, pick_leader
 from .prefix_cache import PrefixCache
-from .request import Failed, Finished, GenerationRequest, TextDelta, Usage, request_hashes
-from .sampling import RequestFault, make_request_processors, make_request_sampler, repair_random_state, token_logprobs
+from .request import Failed, Finished, GenerationRequest, Usage, request_hashes
+from .sampling import RequestFault, make_request_processors, make_request_sampler, repair_random_state
 from .side_prefill import prefill_rest
 from .solo_path import speculate
 from .speculative import Speculator
@@ -221,7 +221,8 @@ class Scheduler:
             cached = prepared.match.num_tokens
             params = req.params
             points = self.prefix_cache.checkpoints(req.prompt_tokens, cached, req.checkpoint_at)
-            direct = direct_join.fits(self, req, cached, points)  # a short rest: first token from its prefill
+            first = None  # a short rest: first token from its prefill
+            direct = direct_join.fits(self, req, cached, points)
             if not direct:
                 cached, points = prefill_rest(self, req, prepared, cached, points)  # images, a short rest
             if self.vision is not None and (delta := self.vision.rope_delta(req.images)) is not None:
@@ -232,7 +233,7 @@ class Scheduler:
                 processors.append(grammars_for(self.tokenizer).processor(params.json_schema, params.grammar))
             sampler, processors = fault.sampler(make_request_sampler(params)), [fault.processor(p) for p in processors]
             if direct:
-                uid = direct_join.join(self, req, prepared.prompt_cache, cached, sampler, processors)
+                uid, first = direct_join.join(self, req, prepared.prompt_cache, cached, sampler, processors)
             else:
                 (uid,) = self._generator().insert_segments(
                     [_segments(req.prompt_tokens, cached, points)],
@@ -249,18 +250,11 @@ class Scheduler:
             return
         detok = self.tokenizer.detokenizer
         detok.reset()
-        self._running[uid] = Running(
-            uid,
-            req,
-            prepared,
-            started,
-            detok,
-            StopMatcher(params.stop),
-            block_hashes=hashes,
-            checkpoints=set(points),
-            fault=fault,
-            prefill_done=direct,
-        )
+        run = Running(uid, req, prepared, started, detok, StopMatcher(params.stop), block_hashes=hashes)
+        run.checkpoints, run.fault, run.prefill_done = set(points), fault, direct
+        self._running[uid] = run
+        if direct:  # its first token to the client now, before the batch's decode pass reports it
+            self._guard(run, direct_join.send_first, self, run, *first)
 
     def _start_waiting(self) -> None:
         """Start the waiting requests whose leader registered its prompt's blocks (or left)."""
@@ -339,26 +333,27 @@ class Scheduler:
 
     def _on_token(self, run: Running, r: Any) -> None:
         token, req = r.token, run.req
-        run.generated.append(token)
-        if len(run.generated) == 1:
-            run.first_token_s = time.perf_counter() - run.started
-            self.prefix_cache.mark_first_token(run.prepared)
-        if req.cancelled.is_set():
-            return self._end(run, "cancelled", r)
-        if r.finish_reason == "stop":  # eos: its text is not sent, the token counts in usage
-            run.ended_by_eos = True
-            return self._end(run, "stop", r)
-        run.num_generated += 1
-        run.detok.add_token(token)
-        text = run.stops.feed(run.detok.last_segment)
-        logprobs = token_logprobs(req.params, token, r.logprobs)
-        if text or logprobs:
-            req.emit(TextDelta(text, 1, logprobs))
+        if run.sent_ahead:  # the batch reports the first token, already sent when it joined
+            run.sent_ahead = False
+            if req.cancelled.is_set():
+                return self._end(run, "cancelled", r)
+        else:
+            self._first_token(run, token)
+            if req.cancelled.is_set():
+                return self._end(run, "cancelled", r)
+            if r.finish_reason == "stop":  # eos: its text is not sent, the token counts in usage
+                run.ended_by_eos = True
+                return self._end(run, "stop", r)
+            run.send(token, r.logprobs)
         if run.stops.stopped:
             return self._end(run, "stop", r)
         if r.finish_reason == "length":
             return self._end(run, "length", r)
         return None
+
+    def _first_token(self, run: Running, token: int) -> None:
+        if run.record(token):
+            self.prefix_cache.mark_first_token(run.prepared)
 
     def _take_cache(self, run: Running, r: Any = None) -> tuple[list[Any], list[int]]:
         """The request's (cache, tokens whose KV it holds), taking it out of the batch."""
@@ -381,11 +376,7 @@ class Scheduler:
         req = run.req
         try:
             if not run.stops.stopped and reason != "cancelled":
-                run.detok.finalize()
-                tail = run.stops.feed(run.detok.last_segment)
-                tail += "" if run.stops.stopped else run.stops.flush()
-                if tail:
-                    req.emit(TextDelta(tail, 0))
+                run.send_rest()
         except Exception:
             log.exception("request %s: its last text could not be sent", req.request_id)
         try:  # registers the new blocks and releases the request's references
