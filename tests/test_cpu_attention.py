@@ -225,3 +225,10 @@ def test_install_takes_the_softmax_setting():
         assert not cpu_attention.install(0, "mlx") and mx.fast.scaled_dot_product_attention is real
     finally:
         cpu_attention.uninstall()
+
+
+def test_a_call_with_too_many_scores_goes_to_mlx(numpy_installed, monkeypatch):
+    monkeypatch.setattr(cpu_attention, "NUMPY_MAX_SCORES", 4 * 100 * 150 - 1)  # one below this call's scores
+    q, k, v = qkv(1, 100, 50)
+    cpu_attention.attention(q, k, v, scale=SCALE, mask=None)
+    assert numpy_installed == {"mlx": 1, "numpy": 0}

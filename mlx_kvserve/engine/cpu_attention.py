@@ -15,8 +15,9 @@ attention: docs/benchmarks.md). Two remedies, each its own setting:
   by step (scale, the scores' GEMM, the mask as MLX applies it, the weighted sum's GEMM), but the softmax
   of the evaluated scores in NumPy, whose `exp` is vectorised (~20x faster per score here). It needs the
   scores evaluated in the middle of the forward pass, so it is used only where that is allowed (not
-  inside `mx.compile` or another transform: there MLX's op runs) and where there are enough scores to pay
-  for the stop (`NUMPY_MIN_SCORES`); attention sinks are applied as MLX does, other options go to MLX's op.
+  inside `mx.compile` or another transform: there MLX's op runs), where there are enough scores to pay
+  for the stop (`NUMPY_MIN_SCORES`) and not so many that its copies of them weigh (`NUMPY_MAX_SCORES`);
+  attention sinks are applied as MLX does, other options go to MLX's op.
 
 Installed process-wide on the CPU (`install`), in place of MLX's op, which mlx-lm's models call through
 `mlx_lm.models.base.scaled_dot_product_attention`. The outputs match MLX's to float rounding."""
@@ -33,6 +34,10 @@ MIN_ROWS = 64  # below this a block's GEMMs lose more than the skipped scores sa
 # Fewer scores than this (a decode step of a small batch) cost less in MLX than the evaluation stop
 # the NumPy softmax needs (scripts/bench_cpu_attention.py).
 NUMPY_MIN_SCORES = 16384
+# More than this in one call (a long non-causal input, or a block over a very long context) goes to
+# MLX's op: the NumPy softmax holds two more float32 copies of the scores (its result, and that result
+# handed back to MLX) next to MLX's own, 128 MiB each at this bound.
+NUMPY_MAX_SCORES = 1 << 25
 
 _mlx_attention = mx.fast.scaled_dot_product_attention
 _rows = 0  # query rows per block; 0 = no blocks
@@ -82,7 +87,7 @@ def _one_call(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Any, kw
     scores = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
     sinks = kwargs.get("sinks")
     others = any(value is not None for key, value in kwargs.items() if key != "sinks")  # mlx-lm passes sinks=None
-    if _numpy_softmax and not others and scores >= NUMPY_MIN_SCORES and _numpy_handles(mask, q, k):
+    if _numpy_softmax and not others and NUMPY_MIN_SCORES <= scores <= NUMPY_MAX_SCORES and _numpy_handles(mask, q, k):
         out = numpy_softmax_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
         if out is not None:
             return out
