@@ -39,7 +39,7 @@ from pathlib import Path
 
 from harness import OURS, ROOT, THEIRS, default_model_dir
 from harness.clients import stream_chat
-from harness.kvstack import make_generator
+from harness.kvstack import make_generator, server_attention
 from harness.reports import write_report
 from harness.servers import Server, free_port, server_env
 from mlx_lm.utils import load
@@ -196,6 +196,7 @@ def main() -> None:
     ap.add_argument("--peer", action="store_true", help="also task (a) over HTTP next to mlx_lm.server")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "speculative")
     args = ap.parse_args()
+    server_attention()  # the CPU attention the server runs (engine/cpu_attention.py)
     args.out.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
     model, tokenizer = load(str(default_model_dir()))

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from harness import ROOT, default_model_dir
-from harness.kvstack import make_generator
+from harness.kvstack import make_generator, server_attention
 from harness.prompts import QUESTIONS, system_prompt
 from harness.reports import write_report
 
@@ -90,6 +90,7 @@ def main(argv=None) -> dict:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default=str(ROOT / "results" / "staggered_turns"))
     args = p.parse_args(argv)
+    server_attention()  # the CPU attention the server runs (engine/cpu_attention.py)
 
     import mlx.core as mx
 

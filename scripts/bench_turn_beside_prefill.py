@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from harness import ROOT, default_model_dir
-from harness.kvstack import make_generator
+from harness.kvstack import make_generator, server_attention
 from harness.prompts import system_prompt
 from harness.reports import write_report
 
@@ -74,6 +74,7 @@ def main(argv=None) -> dict:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--out", default=str(ROOT / "results" / "turn_beside_prefill"))
     args = p.parse_args(argv)
+    server_attention()  # the CPU attention the server runs (engine/cpu_attention.py)
 
     import mlx.core as mx
     from mlx_lm.generate import BatchGenerator

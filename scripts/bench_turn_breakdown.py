@@ -159,8 +159,10 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "results" / "turn_breakdown"))
     args = parser.parse_args()
 
-    from harness.kvstack import make_generator
+    from harness.kvstack import make_generator, server_attention
     from mlx_lm.utils import load
+
+    server_attention()  # the CPU attention the server runs (engine/cpu_attention.py)
 
     model, tokenizer = load(str(args.model or default_model_dir()))
     generator = make_generator(model, tokenizer, 64)

@@ -61,5 +61,15 @@ def make_generator(
     return Generator(model, tokenizer, prefix_cache, prefill_step_size)
 
 
+def server_attention() -> bool:
+    """The CPU attention the server installs with its default settings (engine/cpu_attention.py), so an
+    in-process benchmark times what the server runs; nothing on a GPU."""
+    from mlx_kvserve.config import GenerationConfig
+    from mlx_kvserve.engine import cpu_attention
+
+    defaults = GenerationConfig()
+    return cpu_attention.install(defaults.cpu_attention_rows, defaults.cpu_attention_softmax)
+
+
 def close_ssd(generator: Generator) -> bool:
     return generator.prefix_cache.ssd_tier.close(drain_timeout_s=30)
