@@ -171,7 +171,7 @@ def test_the_first_token_is_sent_before_the_steps_decode_pass(tiny, monkeypatch)
 def test_a_request_sent_its_first_token_ahead_still_ends_as_on_the_batch_path(tiny, monkeypatch, ending):
     """A stop string in the first tokens: the request ends as it does when the batch reports its first
     token (same tokens, text and reason). A cancel right after the join: cancelled, with the one token
-    already sent (the batch path had sent none yet)."""
+    already sent (the batch path sends it at its move to decoding, also before the cancel is seen)."""
     model, tokenizer = tiny
     base = story(tokenizer, "a mill")
     question = base + tokenizer.encode(" And the miller?")
@@ -198,6 +198,51 @@ def test_a_request_sent_its_first_token_ahead_still_ends_as_on_the_batch_path(ti
     if ending == "stop string":
         assert ends["direct"] == ends["batch"] and ends["direct"][0] == "stop"
         assert stop[0] not in ends["direct"][2]
-    else:
+    else:  # both sent the first token ahead (the batch path at its move to decoding) before the cancel
         first = greedy(make_generator(model, tokenizer, BS), question, 1)[0]
-        assert ends["direct"][:2] == ("cancelled", tuple(first)) and ends["batch"][:2] == ("cancelled", ())
+        assert ends["direct"] == ends["batch"] and ends["direct"][:2] == ("cancelled", tuple(first))
+
+
+def test_a_cold_prompts_first_token_is_sent_before_the_decode_pass_that_reports_it(tiny, monkeypatch):
+    """A cold prompt beside a request decoding: its first token is sampled by the move's one-token pass
+    and sent then (batch_generator.py on_first_tokens); no decode pass is the one that brings its first
+    text. Its reply, text and logprobs are its run alone's."""
+    model, tokenizer = tiny
+    prompt = story(tokenizer, "a glacier")
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=True)  # a TextDelta for every token
+    alone, _ = run(make_generator(model, tokenizer, BS), prompt, params)
+    batch_path(monkeypatch)  # the prompt batch prefills it and moves it to decoding (no direct join)
+    gen = make_generator(model, tokenizer, BS)
+    scheduler = gen.scheduler
+    other: list = []
+    scheduler.admit(
+        GenerationRequest("other", tokenizer.encode("Count to fifty:"), SamplingParams(max_tokens=60), other.append)
+    )
+    scheduler.step()
+    scheduler.step()
+    events: list = []
+    at_report: list[int] = []  # texts already sent when the decode pass that reports its first token began
+    real_next = GenerationBatch.next
+
+    def decode_pass(self):
+        before = sum(isinstance(e, TextDelta) for e in events)
+        out = real_next(self)
+        uid = next((u for u, run in scheduler._running.items() if run.req is req), None)
+        if not at_report and any(r.uid == uid for r in out):
+            at_report.append(before)
+        return out
+
+    monkeypatch.setattr(GenerationBatch, "next", decode_pass)
+    req = GenerationRequest("cold", list(prompt), params, events.append)
+    scheduler.admit(req)
+    while scheduler.is_running(req):
+        scheduler.step()
+    assert at_report == [1]  # sent before that pass (the batch alone would send it after)
+    done, expected = events[-1], alone[-1]
+    assert done.usage.cached_tokens == 0 and done.token_ids == expected.token_ids
+    texts = ["".join(e.text for e in evs if isinstance(e, TextDelta)) for evs in (events, alone)]
+    assert texts[0] == texts[1]
+    logprobs = [
+        [lp.token for e in evs if isinstance(e, TextDelta) for lp in e.logprobs or ()] for evs in (events, alone)
+    ]
+    assert logprobs[0] == logprobs[1] and len(logprobs[0]) == len(done.token_ids)

@@ -7,7 +7,9 @@ that step's decode, and gets its first token in step k+2: one whole batch step (
 everyone running) after it could. Here each step first moves the requests that were done before it,
 so they decode in that same step: their first token comes in step k+1, in the decode pass the others
 run anyway. Everything else is mlx-lm's step as it is (the move below is its own code, run earlier;
-a request whose prompt is done within the step still moves where mlx-lm moves it).
+a request whose prompt is done within the step still moves where mlx-lm moves it). The first tokens
+of the requests it moves are known once the move's one-token pass ran: `on_first_tokens` hands them
+to the scheduler then, which sends them before the decode pass that reports them.
 
 A step that moved requests, or that a request joined directly (`insert_decoding`), ends after the
 decode pass: mlx-lm's step would go on to prefill the next chunk of the prompts still prefilling (a
@@ -33,6 +35,9 @@ MIN_SHARE = 32  # prompt tokens per prompt and step, however many prefill togeth
 
 class KVServeBatchGenerator(BatchGenerator):
     share_step = True
+    # Called with (uids, first tokens, their log-probability rows) of the requests this step moved to
+    # decoding, before the decode pass that reports those tokens (the scheduler sends them at once).
+    on_first_tokens: Any = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -141,6 +146,9 @@ class KVServeBatchGenerator(BatchGenerator):
         progress = [(self._currently_processing[i][2],) * 2 for i in done]
         self._currently_processing = [s for i, s in enumerate(self._currently_processing) if i not in set(done)]
         gen_batch = self._prompt_batch.split(done).generate(last_inputs)
+        if self.on_first_tokens is not None:  # sampled by the move's one-token pass: known now
+            mx.eval(gen_batch._next_tokens, gen_batch._next_logprobs)
+            self.on_first_tokens(list(gen_batch.uids), gen_batch._next_tokens.tolist(), gen_batch._next_logprobs)
         self._generation_batch.extend(gen_batch)
         return [
             PromptProcessingBatch.Response(uid, p, True, True) for uid, p in zip(gen_batch.uids, progress, strict=True)

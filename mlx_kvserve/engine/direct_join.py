@@ -16,7 +16,7 @@ sampler, on the prompt as their context), and it enters mlx-lm's decode batch wi
 its next input, as if the batch had sampled it: the step's decode pass reports it and computes the
 second. What the prompt batch would have done for it (its KV, its tokens) is the same; its cache is
 its assembled prefix, joined without a copy (kv/blocks.py `_merge_alone`). The first token's text
-goes to the client as soon as it is sampled (`send_first`), not after that decode pass: a later
+goes to the client as soon as it is sampled (`send_ahead`), not after that decode pass: a later
 turn's first token no longer waits for the running requests' next token.
 
 Only where the batch prefills prompts together (no recurrent state), with no checkpoint or image on
@@ -77,13 +77,19 @@ def join(sched: Any, req: Any, cache: list[Any], cached: int, sampler: Any, proc
     return uid, (token, logprobs)
 
 
-def send_first(sched: Any, run: Any, token: mx.array, logprobs: mx.array) -> None:
-    """Send a joined request's first token to its client now. The batch's next decode pass reports
-    it again (`Running.sent_ahead`: the scheduler then only ends the request if it must: a stop
-    string, max_tokens, a cancel). An eos is left to that report (it ends the request, no text)."""
-    value = int(token.item())
-    if value in sched.tokenizer.eos_token_ids:
-        return
-    sched._first_token(run, value)
-    run.send(value, logprobs[0])
+def send_ahead(sched: Any, uids: list[int], tokens: list[int], logprobs: list[mx.array]) -> None:
+    """Send first tokens to their clients as soon as they are sampled, before the decode pass that
+    reports them: a direct join's (above), and those of prompts the batch just moved to decoding
+    (batch_generator.py `on_first_tokens`). The pass reports each again (`Running.sent_ahead`: the
+    scheduler then only ends the request if it must: a stop string, max_tokens, a cancel). An eos is
+    left to that report (it ends the request, no text). `logprobs`: one [V] row per token."""
+    for uid, token, row in zip(uids, tokens, logprobs, strict=True):
+        run = sched._running.get(uid)
+        if run is not None and token not in sched.tokenizer.eos_token_ids:
+            sched._guard(run, _send_one, sched, run, token, row)
+
+
+def _send_one(sched: Any, run: Any, token: int, logprobs: mx.array) -> None:
+    sched._first_token(run, token)
+    run.send(token, logprobs)
     run.sent_ahead = True

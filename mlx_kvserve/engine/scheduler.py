@@ -143,6 +143,7 @@ class Scheduler:
                 prefill_step_size=self.prefill_step_size,
             )
             self._batch.share_step = self.share_prefill_step
+            self._batch.on_first_tokens = lambda *firsts: direct_join.send_ahead(self, *firsts)
         return self._batch
 
     def admit(self, req: GenerationRequest) -> None:
@@ -254,7 +255,7 @@ class Scheduler:
         run.checkpoints, run.fault, run.prefill_done = set(points), fault, direct
         self._running[uid] = run
         if direct:  # its first token to the client now, before the batch's decode pass reports it
-            self._guard(run, direct_join.send_first, self, run, *first)
+            direct_join.send_ahead(self, [uid], [int(first[0].item())], [first[1][0]])
 
     def _start_waiting(self) -> None:
         """Start the waiting requests whose leader registered its prompt's blocks (or left)."""
