@@ -33,7 +33,7 @@ class Running:
     block_hashes: list[bytes] = field(default_factory=list)  # of the prompt's blocks a lookup may use
     checkpoints: set[int] = field(default_factory=set)  # prompt positions to capture at (segment ends)
     fault: RequestFault = field(default_factory=RequestFault)  # what its sampler or processors raised
-    # Its first token was sent when it joined decoding (engine/direct_join.py), before the batch reports it.
+    # Its first token was sent when sampled, before the batch's decode pass reports it (engine/direct_join.py).
     sent_ahead: bool = False
 
     def record(self, token: int) -> bool:

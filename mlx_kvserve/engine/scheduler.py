@@ -222,8 +222,8 @@ class Scheduler:
             cached = prepared.match.num_tokens
             params = req.params
             points = self.prefix_cache.checkpoints(req.prompt_tokens, cached, req.checkpoint_at)
-            first = None  # a short rest: first token from its prefill
-            direct = direct_join.fits(self, req, cached, points)
+            direct = direct_join.fits(self, req, cached, points)  # a short rest: first token from its prefill
+            first = None
             if not direct:
                 cached, points = prefill_rest(self, req, prepared, cached, points)  # images, a short rest
             if self.vision is not None and (delta := self.vision.rope_delta(req.images)) is not None:
@@ -334,17 +334,15 @@ class Scheduler:
 
     def _on_token(self, run: Running, r: Any) -> None:
         token, req = r.token, run.req
-        if run.sent_ahead:  # the batch reports the first token, already sent when it joined
-            run.sent_ahead = False
-            if req.cancelled.is_set():
-                return self._end(run, "cancelled", r)
-        else:
+        ahead, run.sent_ahead = run.sent_ahead, False  # its first token, sent when sampled (never an eos)
+        if not ahead:
             self._first_token(run, token)
-            if req.cancelled.is_set():
-                return self._end(run, "cancelled", r)
-            if r.finish_reason == "stop":  # eos: its text is not sent, the token counts in usage
-                run.ended_by_eos = True
-                return self._end(run, "stop", r)
+        if req.cancelled.is_set():
+            return self._end(run, "cancelled", r)
+        if r.finish_reason == "stop":  # eos: its text is not sent, the token counts in usage
+            run.ended_by_eos = True
+            return self._end(run, "stop", r)
+        if not ahead:
             run.send(token, r.logprobs)
         if run.stops.stopped:
             return self._end(run, "stop", r)
