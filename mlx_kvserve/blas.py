@@ -2,7 +2,8 @@
 
 The `mlx-cpu` wheel links the slow reference BLAS. When Debian's OpenBLAS is installed, the CLI
 re-executes itself once with it in LD_PRELOAD (MLX then resolves BLAS symbols to OpenBLAS),
-which makes float32 prefill many times faster. `MLX_KVSERVE_FAST_BLAS=0` turns this off.
+which makes float32 prefill many times faster. `MLX_KVSERVE_FAST_BLAS=0` turns this off. The same
+re-execution sets glibc's malloc tunables that keep freed memory warm (warm_memory.py).
 This module must not import mlx: it runs before MLX is loaded.
 """
 
@@ -12,6 +13,8 @@ import os
 import platform
 import sys
 from pathlib import Path
+
+from . import warm_memory
 
 ENV_SWITCH = "MLX_KVSERVE_FAST_BLAS"
 _REEXEC_MARK = "_MLX_KVSERVE_BLAS_REEXEC"
@@ -38,8 +41,9 @@ def is_enabled() -> bool:
 
 
 def preload_env(env: dict[str, str] | None = None) -> dict[str, str]:
-    """A copy of `env` (default os.environ) with OpenBLAS preloaded where that applies."""
-    env = dict(os.environ if env is None else env)
+    """A copy of `env` (default os.environ) with OpenBLAS preloaded and glibc's malloc tunables set
+    (warm_memory.py) where those apply."""
+    env = warm_memory.with_tunables(dict(os.environ if env is None else env))
     lib = openblas_path()
     if lib is None or not is_enabled() or str(lib) in env.get("LD_PRELOAD", ""):
         return env
@@ -52,7 +56,7 @@ def reexec_with_fast_blas() -> None:
     if os.environ.get(_REEXEC_MARK) or "mlx" in sys.modules:
         return
     env = preload_env()
-    if env.get("LD_PRELOAD") == os.environ.get("LD_PRELOAD"):
+    if env == dict(os.environ):
         return
     env[_REEXEC_MARK] = "1"
     sys.stdout.flush()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from . import blas
+from . import blas, warm_memory
 from .cache_cli import cache_group
 from .clean_exit import serve_then_exit
 from .config import ROUTER_POLICIES, Config, as_dict, key_overrides, load_api_keys, load_config
@@ -110,7 +110,7 @@ def run(config_path, model, dtype, host, port, api_key, api_key_file, distribute
     from .models.loader import load_model
     from .server.app import create_app
 
-    log.info("BLAS in use: %s", blas.blas_in_use())
+    log.info("BLAS in use: %s; malloc tunables: %s", blas.blas_in_use(), warm_memory.in_effect())
     registry_app = _registry_app(config, config_path, model, distributed, keys)
     if registry_app is not None:  # [[models]]: several models, loaded on demand (engine/registry.py)
         signal.signal(signal.SIGTERM, _exit_cleanly)

@@ -9,7 +9,8 @@ import pytest
 from kvharness import greedy, make_generator
 from mlx_lm.utils import load
 
-from mlx_kvserve.engine.request import GenerationRequest, SamplingParams
+from mlx_kvserve.engine import direct_join
+from mlx_kvserve.engine.request import Finished, GenerationRequest, SamplingParams
 from mlx_kvserve.kv import blocks
 
 BS = 16
@@ -183,3 +184,50 @@ def test_a_short_rest_beside_a_long_prefill_is_prefilled_alone_and_decodes_at_on
     assert first_at["short"] == joined_at < first_at["long"]  # no pass of the long one before it
     for name, tokens in (("long", long_prompt), ("short", short_prompt)):
         assert outs[name][-1].token_ids == greedy(make_generator(model, tokenizer, BS), tokens, 3)[0]
+
+
+def test_the_servers_own_stack_assembles_a_hit_with_room_for_its_rest(tiny, tiny_model_dir, tmp_path, monkeypatch):
+    """The engine as the server builds it (engine/build.py), not this file's harness: a hit's assembled
+    arrays have room for the rest, so the question's prefill writes in place (growing copied the whole
+    prefix: 0.1 s of the big-KV question's 0.6 s on this CPU), and the answer is the cold run's."""
+    import threading
+
+    from mlx_kvserve.config import load_config
+    from mlx_kvserve.engine.engine import Engine
+    from mlx_kvserve.models.loader import LoadedModel
+
+    monkeypatch.setenv("MLX_KVSERVE_HOME", str(tmp_path))
+    model, tokenizer = tiny
+    shapes: list[tuple[int, int, int]] = []  # (cached offset, buffer length before, after) per join
+    real = direct_join.first_token
+
+    def spy(model_, cache, tokens, start, *rest):
+        before = (cache[0].offset, cache[0].keys.shape[2])
+        out = real(model_, cache, tokens, start, *rest)
+        shapes.append((*before, cache[0].keys.shape[2]))
+        return out
+
+    monkeypatch.setattr(direct_join, "first_token", spy)
+    config = load_config(overrides={"ssd": {"enabled": False}, "speculative": {"mode": "off"}})
+    engine = Engine(LoadedModel("tiny", tiny_model_dir, model, tokenizer, {}, 2048), config)
+    engine.start()
+
+    def ask(tokens: list[int]) -> Finished:
+        done, events = threading.Event(), []
+        params = SamplingParams(max_tokens=6, temperature=0.0)
+        engine.submit(GenerationRequest(f"r{len(tokens)}", tokens, params, events.append, on_done=done.set))
+        assert done.wait(120)
+        return events[-1]
+
+    try:
+        base = prompt(tokenizer, "a lighthouse")
+        ask(base + tokenizer.encode(" The end?"))
+        question = base + tokenizer.encode(" And the keeper?")
+        hit = ask(question)
+    finally:
+        engine.stop()
+    assert hit.usage.cached_tokens >= len(base) // BS * BS
+    (offset, length_before, length_after), *_ = shapes
+    assert offset == hit.usage.cached_tokens and length_before >= len(question)  # room for the rest
+    assert length_after == length_before  # written in place, not grown
+    assert hit.token_ids == greedy(make_generator(model, tokenizer, BS), question, 6)[0]

@@ -232,3 +232,24 @@ def test_a_call_with_too_many_scores_goes_to_mlx(numpy_installed, monkeypatch):
     q, k, v = qkv(1, 100, 50)
     cpu_attention.attention(q, k, v, scale=SCALE, mask=None)
     assert numpy_installed == {"mlx": 1, "numpy": 0}
+
+
+@pytest.mark.parametrize("mask", ["causal", None, "array"])
+def test_the_numpy_softmax_writes_only_its_own_scores(mask):
+    """The softmax overwrites the evaluated scores in place: the inputs, the mask and an earlier result
+    stay as they were, and the same call gives the same result again."""
+    q, k, v = qkv(1, 96, 40)
+    if mask == "array":
+        mask = create_causal_mask(96, 40)
+    inputs = [mx.array(x) for x in (q, k, v)]
+    mask_copy = mx.array(mask) if isinstance(mask, mx.array) else mask
+    first = cpu_attention.numpy_softmax_attention(q, k, v, scale=SCALE, mask=mask)
+    mx.eval(first)
+    kept = mx.array(first)
+    second = cpu_attention.numpy_softmax_attention(q, k, v, scale=SCALE, mask=mask)
+    assert all(mx.array_equal(a, b).item() for a, b in zip((q, k, v), inputs, strict=True))
+    if isinstance(mask, mx.array):
+        assert mx.array_equal(mask, mask_copy).item()
+    assert mx.array_equal(first, kept).item() and mx.array_equal(first, second).item()
+    expected = cpu_attention._mlx_attention(q, k, v, scale=SCALE, mask=mask)
+    assert mx.abs(first - expected).max().item() < 1e-5

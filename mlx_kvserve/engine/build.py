@@ -199,16 +199,14 @@ def build_prefix_cache(
     rank (their namespace names the sharding, so one layout's blocks are never read under another),
     while each rank's files live in their own folder and carry the rank in their namespace."""
     if not config.cache.enabled:
-        return PrefixCache(
-            loaded.model, None, "disabled by configuration ([cache] enabled = false)", room_for_prefill=False
-        ), None
+        return PrefixCache(loaded.model, None, "disabled by configuration ([cache] enabled = false)"), None
     layout = blocks.cache_layout(loaded.model, config.cache.block_size, config.cache.kv_bits)
     # One hash chain on every rank (pins and lengths are compared across ranks): rank 0's layout
     # names it, whatever share of the layers this rank runs.
     signature = world.share(layout.signature) if world is not None else layout.signature
     if not layout.supported:
         log.warning("block caching is off for this model: %s", layout.reason)
-        return PrefixCache(loaded.model, None, layout.reason, layout=layout, room_for_prefill=False), None
+        return PrefixCache(loaded.model, None, layout.reason, layout=layout), None
     fingerprint = model_fingerprint(loaded.path, default_home() / "fingerprints.json", damaged)
     sharding = f"|{world.tag}" if world is not None else ""
     namespace = namespace_hash(fingerprint, layout.kv_dtype, config.cache.block_size, cache_layout=signature + sharding)
@@ -250,7 +248,6 @@ def build_prefix_cache(
         if getattr(loaded, "vision", None) is not None
         else _front_prefill(loaded.model, layout, ssd_tier, config, stats or SchedulerStats()),
         agree=world.all_lengths if world is not None else None,
-        room_for_prefill=False,  # the batch copies each prefix into its own cache (mlx-lm's merge)
     )
     return prefix_cache, folder_lock
 

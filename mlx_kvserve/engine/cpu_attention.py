@@ -13,10 +13,13 @@ attention: docs/benchmarks.md). Two remedies, each its own setting:
   array); anything else (no mask, additive masks, a mask that lets a query see later keys) is one call.
 - The softmax through NumPy ([generation] cpu_attention_softmax = "numpy"): MLX's own computation, step
   by step (scale, the scores' GEMM, the mask as MLX applies it, the weighted sum's GEMM), but the softmax
-  of the evaluated scores in NumPy, whose `exp` is vectorised (~20x faster per score here). It needs the
+  of the evaluated scores in NumPy, whose `exp` is vectorised (~20x faster per score here), written over
+  the scores in their own memory (a copy into and out of NumPy cost as much as the softmax); the mask
+  "causal" is applied there too, to the only keys it can hide (the last `length`: a new question over a
+  long context no longer masks every score). It needs the
   scores evaluated in the middle of the forward pass, so it is used only where that is allowed (not
   inside `mx.compile` or another transform: there MLX's op runs), where there are enough scores to pay
-  for the stop (`NUMPY_MIN_SCORES`) and not so many that its copies of them weigh (`NUMPY_MAX_SCORES`);
+  for the stop (`NUMPY_MIN_SCORES`) and not so many that holding them whole weighs (`NUMPY_MAX_SCORES`);
   attention sinks are applied as MLX does, other options go to MLX's op.
 
 Installed process-wide on the CPU (`install`), in place of MLX's op, which mlx-lm's models call through
@@ -35,8 +38,8 @@ MIN_ROWS = 64  # below this a block's GEMMs lose more than the skipped scores sa
 # the NumPy softmax needs (scripts/bench_cpu_attention.py).
 NUMPY_MIN_SCORES = 16384
 # More than this in one call (a long non-causal input, or a block over a very long context) goes to
-# MLX's op: the NumPy softmax holds two more float32 copies of the scores (its result, and that result
-# handed back to MLX) next to MLX's own, 128 MiB each at this bound.
+# MLX's op: the NumPy softmax holds the whole scores in float32 (a copy of them for a half-precision
+# model), 128 MiB at this bound.
 NUMPY_MAX_SCORES = 1 << 25
 
 _mlx_attention = mx.fast.scaled_dot_product_attention
@@ -98,8 +101,8 @@ def numpy_softmax_attention(
     q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: Any, sinks: mx.array | None = None
 ) -> mx.array | None:
     """MLX's attention (its CPU fallback's steps, grouped query heads, masks and attention sinks as it
-    does them) with the softmax of the scores computed by NumPy; None inside a transform (the scores
-    cannot be evaluated there)."""
+    does them) with the softmax of the scores computed by NumPy, in place in the evaluated scores'
+    own memory (no copy either way); None inside a transform (the scores cannot be evaluated there)."""
     batch, heads, length, dims = q.shape
     kv_heads, keys = k.shape[1], k.shape[2]
     repeats = heads // kv_heads
@@ -108,7 +111,8 @@ def numpy_softmax_attention(
     q = (mx.array(scale, dtype) * q.astype(dtype)).reshape(batch, kv_heads, repeats * length, dims)
     k, v = k.astype(dtype), v.astype(dtype)
     scores = (q @ k.swapaxes(-1, -2)).reshape(batch, kv_heads, repeats, length, keys)
-    if mask is not None:
+    causal_tail = isinstance(mask, str) and keys >= length  # hidden in NumPy: only the last `length` keys
+    if mask is not None and not causal_tail:
         if isinstance(mask, str):
             mask = (keys - length + mx.arange(length))[:, None] >= mx.arange(keys)[None]
         if mask.ndim >= 3:  # a mask per query head: per KV head and repeat, as the scores
@@ -120,32 +124,44 @@ def numpy_softmax_attention(
             scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
         else:
             scores = scores + mask.astype(dtype)
-    scores = scores.astype(mx.float32)
+    # A contiguous float32 array of its own (the GEMM's or the mask's result; a copy when the model's
+    # dtype is another): nothing else holds its memory, so the softmax may overwrite it.
+    scores = mx.contiguous(scores.astype(mx.float32))
     # A sink per query head: one more logit in each row's softmax, with no value (gpt-oss).
     sink = None if sinks is None else sinks.astype(dtype).astype(mx.float32).reshape(kv_heads, repeats, 1, 1)
     try:
         mx.eval(scores, sink)
     except ValueError:  # inside mx.compile / vmap / grad: no evaluation allowed
         return None
-    sink_np = None if sink is None else np.asarray(sink)
-    probs = mx.array(_softmax_last_axis(np.asarray(scores), sink_np)).astype(dtype)
-    out = probs.reshape(batch, kv_heads, repeats * length, keys) @ v
+    view = np.asarray(scores)  # the scores' own memory, writable
+    if causal_tail:
+        hide_later_keys(view, keys - length)
+    softmax_in_place(view, None if sink is None else np.asarray(sink))
+    out = scores.astype(dtype).reshape(batch, kv_heads, repeats * length, keys) @ v
     return out.reshape(batch, heads, length, v.shape[-1])
 
 
-def _softmax_last_axis(scores: np.ndarray, sink: np.ndarray | None = None) -> np.ndarray:
-    """softmax over the last axis in float32 (the largest score subtracted first, as MLX's precise one);
-    with `sink`, each row's softmax has that logit too, and its share is left out of the result."""
+def hide_later_keys(scores: np.ndarray, offset: int) -> None:
+    """The causal mask, in place, on scores [..., queries, keys] whose query i sits at key `offset` + i:
+    only the last `queries` keys hold keys later than some query (the lowest float32, as MLX's mask)."""
+    length = scores.shape[-2]
+    later = np.triu(np.ones((length, length), dtype=bool), k=1)
+    scores[..., offset:][..., later] = np.finfo(np.float32).min
+
+
+def softmax_in_place(scores: np.ndarray, sink: np.ndarray | None = None) -> None:
+    """softmax over the last axis of float32 `scores`, written over them (the largest score subtracted
+    first, as MLX's precise one); with `sink`, each row's softmax has that logit too, and its share is
+    left out of the result."""
     top = scores.max(axis=-1, keepdims=True)
     if sink is not None:
         top = np.maximum(top, sink)
-    out = np.subtract(scores, top)
-    np.exp(out, out=out)
-    total = out.sum(axis=-1, keepdims=True)
+    np.subtract(scores, top, out=scores)
+    np.exp(scores, out=scores)
+    total = scores.sum(axis=-1, keepdims=True)
     if sink is not None:
         total += np.exp(sink - top)
-    out /= total
-    return out
+    np.divide(scores, total, out=scores)
 
 
 def _numpy_handles(mask: Any, q: mx.array, k: mx.array) -> bool:

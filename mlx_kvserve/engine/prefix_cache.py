@@ -51,7 +51,6 @@ class PrefixCache:
         folder_owner: str | None = None,
         front: FrontPrefill | None = None,
         agree: Any = None,
-        room_for_prefill: bool = True,
     ):
         self.model = model
         # Set when another server owns the cache folder and this one is its guest ("pid N"): pins
@@ -75,9 +74,6 @@ class PrefixCache:
         self.ssd_tier = ssd_tier  # kv.ssd.SSDTier or None; the engine closes it at shutdown
         self._hold_lock = threading.Lock()  # guards _num_holding
         self._num_holding = 0  # requests between lookup and first token: writes resume when none is left
-        # Spare room after the prefix lets a lone prefill write in place; the engine's stack turns it
-        # off, since mlx-lm's BatchKVCache.merge copies the prefix into a buffer of its own anyway.
-        self.room_for_prefill = room_for_prefill
 
     @property
     def enabled(self) -> bool:
@@ -103,7 +99,10 @@ class PrefixCache:
                 match.tail_payload,
                 match.tail_tokens,
                 match.tail_len,
-                room=len(prompt) - match.num_tokens if self.room_for_prefill else 0,
+                # Room for the rest: a request joining the batch alone (kv/blocks.py _merge_alone) or
+                # directly (engine/direct_join.py) writes it in place; growing would copy the whole
+                # prefix. mlx-lm's merge of several requests copies only their filled positions.
+                room=len(prompt) - match.num_tokens,
             )
         except Exception:
             self.manager.release(match.blocks)
