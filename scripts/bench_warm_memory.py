@@ -1,13 +1,15 @@
-"""What glibc's malloc tunables (mlx_kvserve/warm_memory.py) change on Linux: fresh pages or reused ones.
+"""A prefix assembled from its blocks on Linux: fresh pages or reused ones (glibc's malloc tunables,
+mlx_kvserve/warm_memory.py), one CPU stream or the server's two (kv/concat.py).
 
 Two child processes, the same work, one with the tunables the server sets at its start and one with
 glibc's defaults (`MLX_KVSERVE_WARM_MEMORY=0`), OpenBLAS preloaded in both:
 - `assembly`: a prefix assembled from its blocks as the engine does it (per layer, the keys' and the
   values' blocks concatenated with room after them, on a thread of its own as the engine's worker),
-  `--reps` times, each assembly freed before the next; the `kv-heavy` shape by default (32 layers, 4 KV
-  heads of 128 dims, float32: 128 KiB per token) at `--tokens`. Per rep: seconds and the page faults
-  the process took (`ru_minflt`: a fault per fresh 4 KiB page), and the floor beside it: one read of
-  the same bytes.
+  `--reps` times, each assembly freed before the next, in turn on one stream (mx.concatenate) and as
+  the server joins them (kv/concat.py join_pair: the values on a second CPU stream); the `kv-heavy`
+  shape by default (32 layers, 4 KV heads of 128 dims, float32: 128 KiB per token) at `--tokens`.
+  Per rep: seconds and, on one stream, the page faults the process took (`ru_minflt`: a fault per
+  fresh 4 KiB page) and the floor beside it: one read of the same bytes.
 - with `--join`: scripts/bench_join.py on the same shape (a new question on a cached ~4.4k-token
   prefix through the engine, in process), the TTFT medians of both processes side by side.
 
@@ -52,7 +54,12 @@ def assembly(tokens: int, layers: int, kv_heads: int, dims: int, reps: int) -> d
 
     import mlx.core as mx
 
-    out: dict = {"seconds": [], "faults": [], "read_s": []}
+    from mlx_kvserve.kv.concat import join_pair
+
+    out: dict = {"seconds": [], "faults": [], "read_s": [], "two_streams_s": []}
+
+    def one_stream(keys: list, values: list) -> tuple:
+        return mx.concatenate(keys, axis=2), mx.concatenate(values, axis=2)
 
     def run() -> None:
         count = -(-tokens // BLOCK)
@@ -65,17 +72,16 @@ def assembly(tokens: int, layers: int, kv_heads: int, dims: int, reps: int) -> d
         ]
         mx.eval(blocks)
         room = mx.zeros((1, kv_heads, 256, dims))
-        for _ in range(reps):
+        for rep in range(2 * reps):
+            join = one_stream if rep % 2 == 0 else join_pair
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             start = time.perf_counter()
-            cache = [
-                (
-                    mx.concatenate([k for k, _ in layer] + [room], axis=2),
-                    mx.concatenate([v for _, v in layer] + [room], axis=2),
-                )
-                for layer in blocks
-            ]
+            cache = [join([k for k, _ in layer] + [room], [v for _, v in layer] + [room]) for layer in blocks]
             mx.eval(cache)
+            if join is join_pair:
+                out["two_streams_s"].append(time.perf_counter() - start)
+                del cache
+                continue
             out["seconds"].append(time.perf_counter() - start)
             out["faults"].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
             start = time.perf_counter()
@@ -136,14 +142,16 @@ def main() -> None:
         f"{args.tokens} tokens, {args.layers} layers x {args.kv_heads} KV heads x {args.dims} dims, float32: "
         f"{gib:.2f} GiB per assembly, {args.reps} reps each, the first rep's pages fresh in both",
         "",
-        "| malloc | assembly s, reps 2.. median | all reps | page faults per rep (2..) | read floor s |",
-        "|---|---|---|---|---|",
+        "| malloc | one stream: assembly s, reps 2.. median | all reps | page faults per rep (2..) | "
+        "two streams (the server's) s, median | all reps | read floor s |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         later = r["seconds"][1:] or r["seconds"]
         lines.append(
             f"| {name} | {statistics.median(later):.3f} | {', '.join(f'{s:.3f}' for s in r['seconds'])} | "
-            f"{statistics.median(r['faults'][1:] or r['faults']):.0f} | {statistics.median(r['read_s']):.3f} |"
+            f"{statistics.median(r['faults'][1:] or r['faults']):.0f} | {statistics.median(r['two_streams_s']):.3f} | "
+            f"{', '.join(f'{s:.3f}' for s in r['two_streams_s'])} | {statistics.median(r['read_s']):.3f} |"
         )
     if args.join:
         with tempfile.TemporaryDirectory() as tmp:

@@ -26,6 +26,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from . import kvquant
+from .concat import join_pair
 from .payloads import Payload, arrays_of, kv_dtype_of, payload_nbytes, window_pieces
 from .ssd.format import kv_names, quantized_kv_names, state_name
 
@@ -269,8 +270,8 @@ class CacheLayout:
             elif spec.kind == WINDOW:
                 pieces = window_pieces(payloads, tail, tail_tokens, tail_len, i, self.block_size)
                 keep = min(length, spec.window)
-                cache.keys = mx.concatenate([k for k, _ in pieces], axis=2)[..., -keep:, :]
-                cache.values = mx.concatenate([v for _, v in pieces], axis=2)[..., -keep:, :]
+                keys, values = join_pair([k for k, _ in pieces], [v for _, v in pieces])
+                cache.keys, cache.values = keys[..., -keep:, :], values[..., -keep:, :]
                 cache.offset, cache._idx = length, keep
             elif spec.kind == STATE:
                 for j, a in enumerate(tail[i]):
@@ -384,8 +385,7 @@ def _fill_kv(cache: KVCache, kv: Sequence[tuple[mx.array, mx.array]], tail_used:
         k, v = keys[0], values[0]
         keys.append(mx.zeros((*k.shape[:2], spare, k.shape[3]), k.dtype))
         values.append(mx.zeros((*v.shape[:2], spare, v.shape[3]), v.dtype))
-    cache.keys = mx.concatenate(keys, axis=2)
-    cache.values = mx.concatenate(values, axis=2)
+    cache.keys, cache.values = join_pair(keys, values)
     cache.offset = length
     cache.merge = partial(_merge_alone, cache.merge)  # an instance attribute: this cache only
 
