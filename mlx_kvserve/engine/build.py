@@ -241,7 +241,7 @@ def build_prefix_cache(
         ssd_tier=ssd_tier,
         layout=layout,
         checkpoint_every=config.cache.checkpoint_every,
-        turn_marker=turn_start_token(loaded.tokenizer) if layout.needs_checkpoints else None,
+        turn_marker=turn_start_token(loaded.tokenizer),  # checkpoints (hybrid models) and tails (all)
         folder_owner=_owner_name(folder_lock),
         # Not for vision models: it computes blocks from token ids, and an image's KV needs its pixels.
         front=None
