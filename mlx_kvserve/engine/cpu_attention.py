@@ -27,6 +27,7 @@ Installed process-wide on the CPU (`install`), in place of MLX's op, which mlx-l
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any
 
@@ -144,9 +145,13 @@ def numpy_softmax_attention(
 def hide_later_keys(scores: np.ndarray, offset: int) -> None:
     """The causal mask, in place, on scores [..., queries, keys] whose query i sits at key `offset` + i:
     only the last `queries` keys hold keys later than some query (the lowest float32, as MLX's mask)."""
-    length = scores.shape[-2]
-    later = np.triu(np.ones((length, length), dtype=bool), k=1)
-    scores[..., offset:][..., later] = np.finfo(np.float32).min
+    np.copyto(scores[..., offset:], np.finfo(np.float32).min, where=_later_keys(scores.shape[-2]))
+
+
+@functools.lru_cache(maxsize=8)
+def _later_keys(length: int) -> np.ndarray:
+    """[length, length]: True where key j comes after query i (every layer of a pass asks for the same)."""
+    return np.triu(np.ones((length, length), dtype=bool), k=1)
 
 
 def softmax_in_place(scores: np.ndarray, sink: np.ndarray | None = None) -> None:
