@@ -30,6 +30,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch, TokenBuffer, _merge_caches
 
+from ..kv.blocks import borrowed_row
+
 MIN_SHARE = 32  # prompt tokens per prompt and step, however many prefill together
 
 
@@ -110,12 +112,29 @@ class KVServeBatchGenerator(BatchGenerator):
         return True
 
     def remove(self, uids: Any, return_prompt_caches: bool = False) -> Any:
+        """mlx-lm's, a decoding request's cache borrowed (`extract_cache`): a lone row without
+        padding takes the batch's arrays themselves, which the batch lets go."""
         self._enter_joining()
-        return super().remove(uids, return_prompt_caches)
+        caches = self._borrow(uids, whole=True) if return_prompt_caches else {}
+        super().remove(uids)
+        return caches
 
     def extract_cache(self, uids: Any) -> Any:
+        """mlx-lm's, but a decoding request's full-attention layers are views of the batch's arrays
+        (kv/blocks.py `borrowed_row`), not a copy of its whole KV: the caller cuts its new blocks
+        from them and drops them before the batch's next step (whose writes would copy the arrays)."""
         self._enter_joining()
-        return super().extract_cache(uids)
+        return self._borrow(uids, whole=False)
+
+    def _borrow(self, uids: Any, whole: bool) -> dict[int, tuple[list[Any], Any]]:
+        out = {}
+        for uid, (stage, idx) in self._find_uids(uids).items():
+            if stage == 2:
+                batch = self._generation_batch
+                out[uid] = ([borrowed_row(c, idx, whole) for c in batch.prompt_cache], batch.tokens[idx])
+            else:
+                out.update(super().extract_cache([uid]))
+        return out
 
     def _decode_only(self) -> list[Any]:
         """The decode pass of mlx-lm's step (`BatchGenerator._next`'s first part, with its counters)."""

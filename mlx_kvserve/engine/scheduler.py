@@ -415,6 +415,8 @@ class Scheduler:
             self.prefix_cache.register(run.prepared, keys, prompt_len, write=False, upto=prompt_len)
         except Exception:  # the request goes on; its blocks are registered again when it ends
             log.exception("request %s: its prompt's blocks could not be registered", run.req.request_id)
+        finally:  # views of the batch's arrays: held on, the batch's next write would copy them whole
+            run.prepared.prompt_cache = []
 
     def _drop(self, run: Running, exc: Exception) -> None:
         """Take a failed request out of the batch without registering anything."""

@@ -27,17 +27,20 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, RotatingKVCa
 
 from . import kvquant
 from .concat import join_pair
-from .payloads import Payload, arrays_of, kv_dtype_of, payload_nbytes, window_pieces
-from .ssd.format import kv_names, quantized_kv_names, state_name
-
-KV, WINDOW, STATE, IDLE = "kv", "window", "state", "idle"
-
-
-@dataclass(frozen=True)
-class LayerSpec:
-    kind: str  # KV, WINDOW, STATE or IDLE
-    window: int = 0  # WINDOW: the window's size in positions
-    state_size: int = 0  # STATE: how many arrays the state has
+from .payloads import (
+    IDLE,
+    KV,
+    STATE,
+    WINDOW,
+    LayerSpec,
+    Payload,
+    arrays_of,
+    kv_dtype_of,
+    payload_from_arrays,
+    payload_nbytes,
+    payload_to_arrays,
+    window_pieces,
+)
 
 
 @dataclass(frozen=True)
@@ -279,46 +282,13 @@ class CacheLayout:
         mx.eval([a for c in prompt_cache for a in _cache_arrays(c)])
         return prompt_cache
 
-    # --- the SSD's named arrays -----------------------------------------------------------------
+    # --- the SSD's named arrays (kv/payloads.py) ------------------------------------------------
 
     def to_arrays(self, payload: Payload) -> dict[str, mx.array]:
-        """Named arrays for the SSD store (names: kv/ssd/format.py): keys and values, quantized or
-        not, and the arrays of recurrent states."""
-        out: dict[str, mx.array] = {}
-        for i, (spec, entry) in enumerate(zip(self.specs, payload, strict=True)):
-            if entry is None:
-                continue
-            if spec.kind == STATE:
-                for j, a in enumerate(entry):
-                    out[state_name(i, j)] = a
-            elif len(entry) == 4:  # quantized keys and values
-                kq, ke, vq, ve = quantized_kv_names(i)
-                out[kq], out[ke], out[vq], out[ve] = entry
-            else:
-                k, v = kv_names(i)
-                out[k], out[v] = entry
-        return out
+        return payload_to_arrays(self.specs, payload)
 
     def from_arrays(self, arrays: dict[str, mx.array]) -> tuple[Payload, int]:
-        """The inverse of to_arrays: (payload, nbytes). Raises KeyError for a wrong layout."""
-        payload: Payload = []
-        for i, spec in enumerate(self.specs):
-            if spec.kind == KV and self.kv_bits:
-                payload.append(tuple(arrays[n] for n in quantized_kv_names(i)))
-            elif spec.kind == KV:
-                payload.append(tuple(arrays[n] for n in kv_names(i)))
-            elif spec.kind == WINDOW:
-                k, v = kv_names(i)
-                payload.append((arrays[k], arrays[v]) if k in arrays else None)
-            elif spec.kind == IDLE:
-                payload.append(None)
-            else:
-                names = [state_name(i, j) for j in range(spec.state_size)]
-                payload.append(tuple(arrays[n] for n in names) if names[0] in arrays else None)
-        expected = sum(len(e) if e is not None else 0 for e in payload)
-        if expected != len(arrays):
-            raise KeyError(f"{len(arrays)} arrays where the layout has {expected}")
-        return payload, payload_nbytes(payload)
+        return payload_from_arrays(self.specs, self.kv_bits, arrays)
 
 
 def cache_layout(model: Any, block_size: int, kv_bits: int = 0) -> CacheLayout:
@@ -401,6 +371,24 @@ def _merge_alone(merge: Any, caches: list[Any]) -> Any:
     batch.keys, batch.values, batch._idx = c.keys, c.values, c.offset
     batch.offset = mx.array([c.offset])
     return batch
+
+
+def borrowed_row(c: Any, idx: int, whole: bool = False) -> Any:
+    """Row `idx` of a batch's layer cache as a cache of its own, to read or to take over: a
+    full-attention layer's as a KVCache over views of the batch's arrays (no copy; with `whole`, a
+    batch of one without padding hands over its arrays themselves, room kept, for a cache that goes
+    on without the batch), other kinds mlx-lm's `extract` (a copy). A view held while the batch
+    writes its arrays makes each write copy them whole: drop it before the batch's next step."""
+    if not isinstance(c, BatchKVCache) or c.keys is None:
+        return c.extract(idx)
+    padding = int(c.left_padding[idx].item())
+    row = KVCache()
+    if whole and c.keys.shape[0] == 1 and padding == 0:
+        row.keys, row.values = c.keys, c.values
+    else:
+        row.keys, row.values = (a[idx : idx + 1, :, padding : c._idx] for a in (c.keys, c.values))
+    row.offset = c._idx - padding
+    return row
 
 
 @functools.cache

@@ -40,6 +40,33 @@ def served_ttft(engine, tokens: list[int]) -> tuple[float, int]:
     return last.first_token_s, last.usage.cached_tokens
 
 
+def served_token_times(engine, tokens: list[int], max_tokens: int) -> tuple[list[float], int]:
+    """(seconds from submission to each generated token, cached tokens) of a greedy request sent
+    through the engine's worker as the server sends it (with its logprob, so that every token is
+    an event of its own, text or not). Raises the request's error."""
+    from mlx_kvserve.engine.request import Failed, Finished, GenerationRequest, SamplingParams, TextDelta
+
+    done = threading.Event()
+    times: list[float] = []
+    events: list = []
+
+    def on_event(event) -> None:
+        if isinstance(event, TextDelta):
+            times.extend([time.perf_counter()] * event.num_tokens)
+        events.append(event)
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=True)
+    start = time.perf_counter()
+    engine.submit(GenerationRequest(f"bench-{time.monotonic_ns()}", tokens, params, on_event, on_done=done.set))
+    if not done.wait(3600):
+        raise TimeoutError("request did not finish")
+    last = events[-1]
+    if isinstance(last, Failed):
+        raise last.error
+    assert isinstance(last, Finished), last
+    return [t - start for t in times], last.usage.cached_tokens
+
+
 def make_engine(loaded, folder: Path, block_size: int, split: bool):
     from mlx_kvserve.config import load_config
     from mlx_kvserve.engine.engine import Engine
