@@ -383,6 +383,7 @@ class Scheduler:
             self.prefix_cache.finish(run.prepared, req.cache_keys(kv_tokens), len(req.prompt_tokens))
         except Exception:
             log.exception("request %s: its KV blocks could not be registered", req.request_id)
+        run.prepared.prompt_cache = []  # its KV is in blocks now: the batch's arrays may go
         try:
             generated = run.num_generated + run.ended_by_eos
             usage = Usage(len(req.prompt_tokens), generated, run.prepared.match.num_tokens)
