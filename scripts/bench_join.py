@@ -11,7 +11,8 @@ rep by rep in one process:
 - `mlx-lm one cache`: what `mlx_lm.server` does for one conversation: a deep copy of the prompt cache
   holding the prefix, then `stream_generate` on the question (the serial floor: no blocks, no batch).
 Next to them, the physical floor measured in the same run: one copy of the prefix's KV bytes (what
-assembling a hit must move) and one read of them (what the question's attention must read).
+assembling a hit must move), one read of them (what the question's attention must read), and the
+question's forward pass over a cache that already holds the prefix (the model's compute, no copy).
 
 Usage: python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_join.py [--words 1400] [--reps 4]
 """
@@ -68,10 +69,10 @@ def main(argv=None) -> dict:
     engine.start()
     served_ttft(engine, prefix + tok.encode(" Warm up."))  # computes and caches the prefix
     variants = [v for v in VARIANTS if v in args.variants.split(",")]
-    one_cache = make_prompt_cache(loaded.model)
-    if "mlx-lm one cache" in variants:
-        for _ in stream_generate(loaded.model, tok, prefix, max_tokens=1, prompt_cache=one_cache):
-            pass
+    one_cache = make_prompt_cache(loaded.model)  # the prefix's KV in one mlx-lm cache: a variant and a floor
+    for _ in stream_generate(loaded.model, tok, prefix, max_tokens=1, prompt_cache=one_cache):
+        pass
+    held = one_cache[0].offset
     kv_bytes = kv_bytes_per_token(loaded.model) * len(prefix)
     in_place = blocks._merge_alone
     times: dict[str, list[float]] = {v: [] for v in [*variants, *FLOORS]}
@@ -80,6 +81,8 @@ def main(argv=None) -> dict:
         for rep in range(args.reps):
             for name, seconds in floor_times(kv_bytes, len(loaded.model.layers)).items():
                 times[name].append(seconds)
+            question = tok.encode(f" Question {rep} for {variants[0]}: which river is the longest?")  # as long
+            times[FLOORS[2]].append(forward_seconds(loaded.model, one_cache, held, question))
             for variant in variants if rep % 2 == 0 else variants[::-1]:
                 question = tok.encode(f" Question {rep} for {variant}: which river is the longest?")
                 if variant == "mlx-lm one cache":
@@ -118,7 +121,20 @@ def main(argv=None) -> dict:
     return results
 
 
-FLOORS = ("floor: one copy of the KV", "floor: one read of the KV")
+FLOORS = ("floor: one copy of the KV", "floor: one read of the KV", "floor: the question's forward, KV in place")
+
+
+def forward_seconds(model, cache, held: int, question: list[int]) -> float:
+    """The question's forward pass over a cache already holding the prefix (no copy, no lookup, no
+    batch: the compute every server does for a new question), then the cache cut back to the prefix."""
+    import mlx.core as mx
+
+    start = time.perf_counter()
+    mx.eval(model(mx.array([question]), cache=cache)[:, -1, :])
+    seconds = time.perf_counter() - start
+    for c in cache:
+        c.trim(c.offset - held)
+    return seconds
 
 
 def kv_bytes_per_token(model) -> int:

@@ -65,14 +65,18 @@ def scenario_interleaved(servers: list[Server], conversations: int = 14, turns: 
 
 
 def report_lines(result: dict, names: list[str]) -> list[str]:
+    """Mean TTFT (cached tokens) per turn and server, and each other server's over ours (names[0])."""
+    ours, others = names[0], names[1:]
     lines = [
         f"| turn ({result['conversations']} conversations, round-robin) | "
         + " | ".join(f"{n} mean TTFT s (cached)" for n in names)
-        + " | ratio (theirs / ours) |",
-        "|---" * (len(names) + 2) + "|",
+        + "".join(f" | {n} / {ours}" for n in others)
+        + " |",
+        "|---" * (1 + len(names) + len(others)) + "|",
     ]
     for turn in range(result["turns"]):
         cells = [f"{result[n]['ttft_mean'][turn]:.3f} ({result[n]['cached_mean'][turn]:.0f})" for n in names]
-        ratio = result[names[-1]]["ttft_mean"][turn] / result[names[0]]["ttft_mean"][turn]
-        lines.append(f"| {turn + 1} | " + " | ".join(cells) + f" | {ratio:.2f}x |")
+        base = result[ours]["ttft_mean"][turn]
+        ratios = [f"{result[n]['ttft_mean'][turn] / base:.2f}x" for n in others]
+        lines.append(f"| {turn + 1} | " + " | ".join(cells + ratios) + " |")
     return lines
