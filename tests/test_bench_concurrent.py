@@ -206,9 +206,9 @@ def test_on_a_gpu_with_its_own_memory_the_servers_get_equal_bounds(tiny_model_di
     a variant's, mlx_lm.server by --prompt-cache-bytes and its cache limit set before it starts. CUDA
     is faked in this process; the servers run on the CPU, where an explicit limit applies as well."""
     import mlx.core as mx
-    from harness.variants import variant_server
     from harness.clients import chat_ttft
     from harness.servers import start_servers
+    from harness.variants import variant_server
 
     from mlx_kvserve.engine import device_memory
 
