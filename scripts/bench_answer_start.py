@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 from pathlib import Path
 
 from harness import ROOT, default_model_dir
@@ -42,19 +41,15 @@ def main(argv=None) -> dict:
     p.add_argument("--out", default=str(ROOT / "results" / "answer_start"))
     args = p.parse_args(argv)
 
-    import mlx.core as mx
-
     from mlx_kvserve.config import default_home, load_config
     from mlx_kvserve.engine import batch_generator
     from mlx_kvserve.engine.engine import Engine
     from mlx_kvserve.models.loader import load_model
 
     if args.synthetic and not args.model:
-        from harness.synthetic import llama_config, random_llama, write_model_folder
+        from harness.synthetic import float32_model
 
-        config = llama_config(args.synthetic)
-        model_dir = Path(tempfile.mkdtemp(prefix="answer-")) / "model"
-        write_model_folder(model_dir, config, random_llama(config, dtype=mx.float32))
+        model_dir = float32_model(args.synthetic, "answer-")
     else:
         model_dir = Path(args.model) if args.model else default_model_dir()
     loaded = load_model(str(model_dir), default_home() / "models", "float32")

@@ -53,13 +53,9 @@ def main(argv=None) -> dict:
     from mlx_kvserve.models.loader import load_model
 
     if args.synthetic:
-        import tempfile
+        from harness.synthetic import float32_model
 
-        from harness.synthetic import llama_config, random_llama, write_model_folder
-
-        config = llama_config(args.synthetic)
-        model_dir = Path(tempfile.mkdtemp(prefix="join-")) / "model"
-        write_model_folder(model_dir, config, random_llama(config, dtype=mx.float32))
+        model_dir = float32_model(args.synthetic, "join-")
     else:
         model_dir = Path(args.model) if args.model else default_model_dir()
     loaded = load_model(str(model_dir), default_home() / "models", "float32")
@@ -166,4 +162,6 @@ def floor_times(num_bytes: int, layers: int) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    main()
+    from mlx_kvserve.clean_exit import serve_then_exit
+
+    serve_then_exit(main)  # the engine's worker made MLX streams: exit without MLX's abort at teardown

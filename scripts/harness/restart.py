@@ -23,48 +23,50 @@ def ttft(engine, prompt: list[int]) -> tuple[float, int]:
 
 
 def served_ttft(engine, tokens: list[int]) -> tuple[float, int]:
-    """(the engine's TTFT seconds, cached tokens) of a one-token greedy request sent through its
-    worker, as the server sends it (Engine.submit); raises the request's error."""
-    from mlx_kvserve.engine.request import Failed, Finished, GenerationRequest, SamplingParams
+    """(the engine's TTFT seconds, cached tokens) of a one-token greedy request."""
+    from mlx_kvserve.engine.request import SamplingParams
 
-    done = threading.Event()
-    events: list = []
-    params = SamplingParams(max_tokens=1, temperature=0.0)
-    engine.submit(GenerationRequest(f"bench-{time.monotonic_ns()}", tokens, params, events.append, on_done=done.set))
-    if not done.wait(3600):
-        raise TimeoutError("request did not finish")
-    last = events[-1]
-    if isinstance(last, Failed):
-        raise last.error
-    assert isinstance(last, Finished), last
-    return last.first_token_s, last.usage.cached_tokens
+    done = served(engine, tokens, SamplingParams(max_tokens=1, temperature=0.0))
+    return done.first_token_s, done.usage.cached_tokens
 
 
 def served_token_times(engine, tokens: list[int], max_tokens: int) -> tuple[list[float], int]:
-    """(seconds from submission to each generated token, cached tokens) of a greedy request sent
-    through the engine's worker as the server sends it (with its logprob, so that every token is
-    an event of its own, text or not). Raises the request's error."""
-    from mlx_kvserve.engine.request import Failed, Finished, GenerationRequest, SamplingParams, TextDelta
+    """(seconds from submission to each generated token, cached tokens) of a greedy request (with its
+    logprob, so that every token is an event of its own, text or not)."""
+    from mlx_kvserve.engine.request import SamplingParams, TextDelta
 
-    done = threading.Event()
     times: list[float] = []
-    events: list = []
 
     def on_event(event) -> None:
         if isinstance(event, TextDelta):
             times.extend([time.perf_counter()] * event.num_tokens)
+
+    start = time.perf_counter()
+    done = served(engine, tokens, SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=True), on_event)
+    return [t - start for t in times], done.usage.cached_tokens
+
+
+def served(engine, tokens: list[int], params, on_event=None):
+    """A request sent through the engine's worker as the server sends it (Engine.submit), waited for:
+    its Finished event; raises the request's error. `on_event` sees each event as it comes."""
+    from mlx_kvserve.engine.request import Failed, Finished, GenerationRequest
+
+    done = threading.Event()
+    events: list = []
+
+    def record(event) -> None:
+        if on_event is not None:
+            on_event(event)
         events.append(event)
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=True)
-    start = time.perf_counter()
-    engine.submit(GenerationRequest(f"bench-{time.monotonic_ns()}", tokens, params, on_event, on_done=done.set))
+    engine.submit(GenerationRequest(f"bench-{time.monotonic_ns()}", tokens, params, record, on_done=done.set))
     if not done.wait(3600):
         raise TimeoutError("request did not finish")
     last = events[-1]
     if isinstance(last, Failed):
         raise last.error
     assert isinstance(last, Finished), last
-    return [t - start for t in times], last.usage.cached_tokens
+    return last
 
 
 def make_engine(loaded, folder: Path, block_size: int, split: bool):

@@ -314,6 +314,16 @@ def synthetic_model(shape: str, bits: int, folder: Path) -> Path:
     return write_model_folder(folder, config, random_llama(config, dtype=mx.float16))
 
 
+def float32_model(shape: str, prefix: str) -> Path:
+    """A random float32 llama of `shape` (SHAPES) in a new temporary folder: the in-process CPU benches'
+    model, float32 being the fast dtype on the CPU."""
+    import tempfile
+
+    config = llama_config(shape)
+    folder = Path(tempfile.mkdtemp(prefix=prefix)) / "model"
+    return write_model_folder(folder, config, random_llama(config, dtype=mx.float32))
+
+
 def kv_bytes_per_token(config: dict, dtype_bytes: int) -> int:
     """KV cache bytes one token takes in a llama `config` (keys and values, every layer)."""
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
