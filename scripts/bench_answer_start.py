@@ -22,7 +22,7 @@ import argparse
 import statistics
 from pathlib import Path
 
-from harness import ROOT, default_model_dir
+from harness import ROOT
 from harness.prompts import system_prompt
 from harness.reports import write_report
 from harness.restart import served_token_times
@@ -41,18 +41,13 @@ def main(argv=None) -> dict:
     p.add_argument("--out", default=str(ROOT / "results" / "answer_start"))
     args = p.parse_args(argv)
 
-    from mlx_kvserve.config import default_home, load_config
+    from harness.synthetic import load_bench_model
+
+    from mlx_kvserve.config import load_config
     from mlx_kvserve.engine import batch_generator
     from mlx_kvserve.engine.engine import Engine
-    from mlx_kvserve.models.loader import load_model
 
-    if args.synthetic and not args.model:
-        from harness.synthetic import float32_model
-
-        model_dir = float32_model(args.synthetic, "answer-")
-    else:
-        model_dir = Path(args.model) if args.model else default_model_dir()
-    loaded = load_model(str(model_dir), default_home() / "models", "float32")
+    loaded = load_bench_model(args.model, args.synthetic, "answer-")
     tok = loaded.tokenizer
     prefix = tok.encode(system_prompt("answer", target_words=args.words))
     engine = Engine(loaded, load_config(overrides={"ssd": {"enabled": False}}))

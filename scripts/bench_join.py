@@ -25,7 +25,7 @@ import statistics
 import time
 from pathlib import Path
 
-from harness import ROOT, default_model_dir
+from harness import ROOT
 from harness.prompts import system_prompt
 from harness.reports import write_report
 from harness.restart import served_ttft
@@ -44,21 +44,15 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
 
     import mlx.core as mx
+    from harness.synthetic import load_bench_model
     from mlx_lm.generate import stream_generate
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_kvserve.config import default_home, load_config
+    from mlx_kvserve.config import load_config
     from mlx_kvserve.engine.engine import Engine
     from mlx_kvserve.kv import blocks
-    from mlx_kvserve.models.loader import load_model
 
-    if args.synthetic:
-        from harness.synthetic import float32_model
-
-        model_dir = float32_model(args.synthetic, "join-")
-    else:
-        model_dir = Path(args.model) if args.model else default_model_dir()
-    loaded = load_model(str(model_dir), default_home() / "models", "float32")
+    loaded = load_bench_model(args.model, args.synthetic, "join-")
     tok = loaded.tokenizer
     prefix = tok.encode(system_prompt("join", target_words=args.words))
     engine = Engine(loaded, load_config(overrides={"ssd": {"enabled": False}, "speculative": {"mode": "off"}}))

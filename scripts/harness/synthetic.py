@@ -324,6 +324,18 @@ def float32_model(shape: str, prefix: str) -> Path:
     return write_model_folder(folder, config, random_llama(config, dtype=mx.float32))
 
 
+def load_bench_model(model: str | None, synthetic: str | None, prefix: str) -> Any:
+    """The model an in-process bench runs (mlx_kvserve's LoadedModel, float32): the folder `model`, else a
+    random float32 llama of shape `synthetic` (in a temporary folder named `prefix`...), else the default."""
+    from mlx_kvserve.config import default_home
+    from mlx_kvserve.models.loader import load_model
+
+    from . import default_model_dir
+
+    folder = Path(model) if model else float32_model(synthetic, prefix) if synthetic else default_model_dir()
+    return load_model(str(folder), default_home() / "models", "float32")
+
+
 def kv_bytes_per_token(config: dict, dtype_bytes: int) -> int:
     """KV cache bytes one token takes in a llama `config` (keys and values, every layer)."""
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
