@@ -374,3 +374,42 @@ def test_a_drain_cut_short_writes_the_most_valuable_jobs_first():
     assert not writer.stop(0.12)  # time for 2-3 of 8 jobs
     writer._thread.join(10)  # the thread still finishes the queue: nothing is dropped
     assert done == [pinned.block_hash] + [fake(depths.index(d)).block_hash for d in sorted(depths)]
+
+
+def test_a_hold_that_begins_during_a_batch_pauses_it_after_the_file_in_progress(tmp_path, monkeypatch):
+    """A request that starts prefilling while the writer saves a batch gets the cores back after the
+    file being written: the batch's next file waits for the hold's end (resume), then the batch
+    completes, every block durable and loadable. A save on another thread never waits on a hold."""
+    from mlx_kvserve.kv.base import Block
+
+    blocks = chain(5, seed=4)
+    tier = _tier(tmp_path, set(), queue_size=16)
+    store, writer = tier.store, tier.writer
+    writing, go = threading.Event(), threading.Event()
+    written: list[bytes] = []
+    real = store._write_unsynced
+
+    def first_waits(block):
+        if not written:
+            writing.set()
+            assert go.wait(10)
+        written.append(block.block_hash)
+        return real(block)
+
+    monkeypatch.setattr(store, "_write_unsynced", first_waits)
+    writer.hold(60)  # the blocks go to the writer as one batch once the hold ends
+    for depth, b in enumerate(blocks):
+        tier.on_new_block(Block(b.block_hash, b.parent_hash, tuple(b.token_ids), b.arrays, 0, depth=depth))
+    writer.resume()
+    assert writing.wait(10)  # the batch's first file is being written
+    writer.hold(60)  # a request begins prefilling
+    go.set()
+    time.sleep(0.3)
+    assert written == [blocks[0].block_hash]  # the rest of the batch waits
+    writer.pause_point()  # on this thread: returns at once, held or not
+    writer.resume()  # the request's first token
+    assert writer.wait_idle(10) == 0
+    assert written == [b.block_hash for b in blocks]
+    assert all(loads(store, b) for b in blocks)
+    assert writer.stats()["writer_held"] >= 1  # counted (inside the batch; before it too when the writer woke in time)
+    assert writer.stop(5)

@@ -178,15 +178,18 @@ class SSDStore(StoreReads, StoreUpkeep):
         """Persist one block unless it is there already. Never raises."""
         return self.save_blocks([BlockToSave(block_hash, parent_hash, token_ids, arrays)])[0]
 
-    def save_blocks(self, blocks: Sequence[BlockToSave]) -> list[SaveResult]:
+    def save_blocks(self, blocks: Sequence[BlockToSave], pause: Callable[[], None] | None = None) -> list[SaveResult]:
         """Persist several blocks (those not there already) with one durability step for all: each
         new block's temp file is written and its writeback started, then the files are fsync'd back
         to back, renamed into place and indexed, and each folder is fsync'd once. A block enters the
         index only after its file is durable; a crash before leaves temp files, which validate_index
-        deletes. One result per block, in order. Never raises."""
+        deletes. `pause` is called before each file is written (the writer waits there while a
+        request prefills). One result per block, in order. Never raises."""
         results: list[SaveResult] = []
         written: list[tuple[int, Path, IndexEntry]] = []  # (position, temp file, entry) awaiting fsync
         for block in blocks:
+            if pause is not None:
+                pause()
             verdict, tmp, entry = self._write_unsynced(block)
             if tmp is not None:
                 written.append((len(results), tmp, entry))

@@ -192,12 +192,14 @@ class SSDTier:
         durability step for all). Results in the order of `jobs`."""
         with self._tail_lock:
             used_at = [self._tail_keys.pop(job.block_hash, None) for job in jobs]
-        results: list[SaveResult | None] = [
-            self._save_tail(job.parent_hash, job.token_ids, job.arrays, at) if at is not None else None
-            for job, at in zip(jobs, used_at, strict=True)
-        ]
+        results: list[SaveResult | None] = []
+        for job, at in zip(jobs, used_at, strict=True):
+            if at is not None:
+                self.writer.pause_point()
+            results.append(self._save_tail(job.parent_hash, job.token_ids, job.arrays, at) if at is not None else None)
         positions = [i for i, result in enumerate(results) if result is None]
-        for i, result in zip(positions, self.store.save_blocks([jobs[i] for i in positions]), strict=True):
+        blocks = [jobs[i] for i in positions]
+        for i, result in zip(positions, self.store.save_blocks(blocks, self.writer.pause_point), strict=True):
             results[i] = result
         return results
 

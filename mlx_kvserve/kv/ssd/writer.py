@@ -17,8 +17,9 @@ Protocol:
 - Durability "best_effort": one attempt per job. "persistent": up to `max_retries` more
   attempts when the save returns ERROR (or raises), with a short linear backoff. Neither rolls
   anything back in RAM, and "persistent" is a retry policy, not an fsync promise.
-- `hold(max_s)` makes the thread wait before its next batch until `resume()` or `max_s` passed,
-  so a request's prefill does not share the cores with background writes; `stop` ends a hold.
+- `hold(max_s)` makes the thread wait before its next batch, and before the next file of the batch
+  it is saving (`pause_point`, called by the save function), until `resume()` or `max_s` passed, so a
+  request's prefill does not share the cores with background writes; `stop` ends a hold.
 - The thread measures its write bandwidth; `stop` logs what the drain should take (queued bytes /
   bandwidth), waits for it at most the caller's limit, and writes the most valuable jobs first.
 """
@@ -219,7 +220,8 @@ class SSDWriterThread:
 
     def hold(self, max_s: float) -> None:
         """Pause before the next batch until `resume()`, at most `max_s` seconds from now (0: no-op).
-        Jobs keep being accepted; a batch already being saved finishes."""
+        Jobs keep being accepted; a batch already being saved stops after its file in progress
+        (`pause_point`) and goes on when the hold ends."""
         with self._life_lock:
             if self._closing:
                 return
@@ -232,6 +234,18 @@ class SSDWriterThread:
             if self._hold_until:
                 self._hold_until = 0.0
                 self._hold.notify_all()
+
+    def pause_point(self) -> None:
+        """Between two files of a batch (the save function calls it before each): wait while a hold
+        is on, so a request that began prefilling after the batch started gets the cores back once
+        the file in progress is written. No-op off the writer thread (an inline save never waits)."""
+        if threading.current_thread() is not self._thread:
+            return
+        with self._hold:
+            if time.monotonic() < self._hold_until:
+                self._inc("held")
+            while (remaining := self._hold_until - time.monotonic()) > 0:
+                self._hold.wait(remaining)
 
     def _take_when_not_held(self) -> list[Queued]:
         """The next batch, taken once no hold is on. Checking and taking under the hold's lock makes
