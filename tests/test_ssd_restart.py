@@ -166,12 +166,13 @@ def test_writes_wait_while_a_request_prefills(tiny, tmp_path):
     saves: list[float] = []
     takes: list[float] = []  # when the writer took a batch (under the hold's lock)
     windows: list[tuple[float, float]] = []
-    save_job, take, prepare, first_token = tier.save_job, writer._queue.take, cache.prepare, cache.first_token
+    save_jobs, take, prepare, first_token = tier.save_jobs, writer._queue.take, cache.prepare, cache.first_token
 
-    def slow_save(*job):
-        saves.append(time.monotonic())
-        time.sleep(0.02)  # ~0.25 s of writes for the first request's blocks: still going at the second
-        return save_job(*job)
+    def slow_save(jobs):
+        for _ in jobs:
+            saves.append(time.monotonic())
+            time.sleep(0.02)  # ~0.25 s of writes for the first request's blocks: still going at the second
+        return save_jobs(jobs)
 
     def timed_take(*args):
         batch = take(*args)
@@ -190,7 +191,7 @@ def test_writes_wait_while_a_request_prefills(tiny, tmp_path):
             windows[-1] = (windows[-1][0], time.monotonic())
         first_token()
 
-    writer._save, writer._queue.take = slow_save, timed_take
+    writer._save_batch, writer._queue.take = slow_save, timed_take
     writer._max_batch_jobs = 1  # one block per batch: a batch boundary every save
     cache.prepare, cache.first_token = timed_prepare, timed_first_token
     greedy(gen, prompt, 4)

@@ -324,3 +324,29 @@ def test_upkeep_runs_while_idle():
     writer = SSDWriterThread(FakeSave(), after_job=lambda: calls.append(time.monotonic()), idle_upkeep_s=0.05)
     assert wait_for(lambda: len(calls) >= 3, 5.0)  # no job was ever enqueued
     assert writer.stop(5)
+
+
+def test_a_hold_that_begins_during_a_batch_of_single_saves_pauses_before_the_next():
+    saved: list[bytes] = []
+    saving, go = threading.Event(), threading.Event()
+
+    def save(block_hash, parent_hash, token_ids, arrays):
+        if not saved:
+            saving.set()
+            assert go.wait(10)
+        saved.append(block_hash)
+        return SaveResult.SAVED
+
+    writer = SSDWriterThread(save)
+    writer.hold(30)
+    for i in range(4):
+        assert writer.enqueue(job(i))
+    writer.resume()  # one batch of 4, saved one by one
+    assert saving.wait(5)
+    writer.hold(30)  # a request begins prefilling during the batch
+    go.set()
+    time.sleep(0.3)
+    assert saved == [job(0).block_hash]
+    writer.resume()
+    assert wait_for(lambda: len(saved) == 4, 5.0)
+    assert writer.stop(5)

@@ -41,7 +41,7 @@ def make_generator(
         store = SSDStore(store_dir(ssd_dir, namespace), namespace)
         store.validate_index()
         holder: list[SSDTier] = []
-        writer = SSDWriterThread(lambda *job: holder[0].save_job(*job))
+        writer = SSDWriterThread(save_batch=lambda jobs: holder[0].save_jobs(jobs))  # as engine/build.py
         tier = SSDTier(
             store,
             writer,

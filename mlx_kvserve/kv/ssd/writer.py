@@ -387,6 +387,7 @@ class SSDWriterThread:
                 return [SaveResult.ERROR] * len(jobs)
         results = []
         for job in jobs:
+            self.pause_point()
             try:
                 results.append(SaveResult(self._save(job.block_hash, job.parent_hash, job.token_ids, job.arrays)))
             except Exception:
