@@ -192,12 +192,12 @@ class SSDTier:
         durability step for all). Results in the order of `jobs`."""
         with self._tail_lock:
             used_at = [self._tail_keys.pop(job.block_hash, None) for job in jobs]
-        results: list[SaveResult | None] = []
-        for job, at in zip(jobs, used_at, strict=True):
-            if at is not None:
+        results: list[SaveResult | None] = [None] * len(jobs)
+        for i, (job, at) in enumerate(zip(jobs, used_at, strict=True)):
+            if at is not None:  # a tail: its own file, the writer's pause before it as before a block's
                 self.writer.pause_point()
-            results.append(self._save_tail(job.parent_hash, job.token_ids, job.arrays, at) if at is not None else None)
-        positions = [i for i, result in enumerate(results) if result is None]
+                results[i] = self._save_tail(job.parent_hash, job.token_ids, job.arrays, at)
+        positions = [i for i, at in enumerate(used_at) if at is None]
         blocks = [jobs[i] for i in positions]
         for i, result in zip(positions, self.store.save_blocks(blocks, self.writer.pause_point), strict=True):
             results[i] = result

@@ -242,20 +242,21 @@ class SSDWriterThread:
         if threading.current_thread() is not self._thread:
             return
         with self._hold:
-            if time.monotonic() < self._hold_until:
-                self._inc("held")
-            while (remaining := self._hold_until - time.monotonic()) > 0:
-                self._hold.wait(remaining)
+            self._wait_out_hold()
 
     def _take_when_not_held(self) -> list[Queued]:
         """The next batch, taken once no hold is on. Checking and taking under the hold's lock makes
         it exact: a batch is either taken before a hold() returns or after the hold ends."""
         with self._hold:
-            if time.monotonic() < self._hold_until:
-                self._inc("held")
-            while (remaining := self._hold_until - time.monotonic()) > 0:
-                self._hold.wait(remaining)
+            self._wait_out_hold()
             return self._queue.take(self._max_batch_jobs, self._max_batch_bytes)
+
+    def _wait_out_hold(self) -> None:
+        """Wait (the hold's lock held) until no hold is on; a wait is counted in `writer_held`."""
+        if time.monotonic() < self._hold_until:
+            self._inc("held")
+        while (remaining := self._hold_until - time.monotonic()) > 0:
+            self._hold.wait(remaining)
 
     def stop(self, drain_timeout: float = 5.0) -> bool:
         """Stop accepting jobs, wait for in-flight enqueues, and let the thread save what is queued
