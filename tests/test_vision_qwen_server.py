@@ -5,6 +5,8 @@ past the image (M-RoPE positions restored: the same reply); a typed image token 
 
 from __future__ import annotations
 
+import base64
+import io
 import sys
 from pathlib import Path
 
@@ -67,3 +69,22 @@ def test_a_typed_image_token_is_a_400(client):
     body = {"messages": [{"role": "user", "content": content}], "max_tokens": 2}
     r = client.post("/v1/chat/completions", json=body)
     assert r.status_code == 400 and "image" in r.json()["error"]["message"]
+
+
+def plain_png(size: tuple[int, int]) -> str:
+    """A one-colour PNG of (height, width): small however large (noise would pass max_body_bytes)."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", size[::-1], (200, 30, 30)).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.mark.parametrize("size", [(5000, 1), (1, 5000), (100, 100_000)])  # (height, width)
+def test_an_extreme_aspect_ratio_is_a_400_naming_the_bound(client, size):
+    content = [{"type": "image_url", "image_url": {"url": plain_png(size)}}, {"type": "text", "text": "hi"}]
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 2}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "content[0]: the image is" in message and "aspect ratio" in message and "200:1" in message

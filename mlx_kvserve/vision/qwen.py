@@ -31,8 +31,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..errors import InvalidRequestError
+
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+MAX_ASPECT_RATIO = 200  # Qwen2-VL's processor refuses images longer than this times their width (or taller)
 
 
 class _Positions:
@@ -68,9 +71,13 @@ class MRoPE(nn.Module):
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """Qwen2-VL's image processor: sides rounded to multiples of `factor`, the area kept within
-    [min_pixels, max_pixels] with the aspect ratio."""
-    if max(height, width) / min(height, width) > 200:
-        raise ValueError(f"aspect ratio over 200: {width}x{height}")
+    [min_pixels, max_pixels] with the aspect ratio. InvalidRequestError (400) past MAX_ASPECT_RATIO,
+    which the processor cannot resize within those bounds."""
+    if max(height, width) > MAX_ASPECT_RATIO * min(height, width):
+        raise InvalidRequestError(
+            f"the image is {width}x{height} pixels: its aspect ratio is over the limit of "
+            f"{MAX_ASPECT_RATIO}:1 (Qwen2-VL's image processor)"
+        )
     h = max(factor, round(height / factor) * factor)
     w = max(factor, round(width / factor) * factor)
     if h * w > max_pixels:

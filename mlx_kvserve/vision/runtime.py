@@ -58,7 +58,11 @@ class VisionRuntime:
         check_count(list(refs), self.limits)
         out = []
         for ref in refs:
-            pixels = self.family.preprocess(decode_image(ref, self.limits))
+            image = decode_image(ref, self.limits)
+            try:
+                pixels = self.family.preprocess(image)
+            except InvalidRequestError as exc:  # a family's bound (e.g. Qwen2-VL's aspect ratio): name the part
+                raise InvalidRequestError(f"{ref.where}: {exc.message}", param=exc.param) from None
             out.append((pixel_digest(pixels), pixels))
         return out
 
