@@ -16,6 +16,7 @@ from test_api_anthropic import SYSTEM, TOOL, USER, plain_client, plain_engine, s
 from test_api_tools import _loaded, scripted, tool_client, tool_engine, tool_loaded  # noqa: F401  (fixtures)
 
 from mlx_kvserve.engine.request import Finished, TextDelta, Usage
+from mlx_kvserve.errors import ValidationError
 from mlx_kvserve.server import sse
 from mlx_kvserve.server.anthropic import parse as an
 from mlx_kvserve.server.messages import merge_system_turns
@@ -82,6 +83,25 @@ def test_claude_codes_fields_reach_the_template(tool_engine):  # noqa: F811
     assert [m["role"] for m in out["messages"]] == ["system", "user", "system", "assistant", "user"]
     assert out["messages"][0]["content"] == CLAUDE_SYSTEM  # the billing line is gone
     assert out["messages"][3]["reasoning_content"] == "look first"  # keep: all
+
+
+SAFEGUARDS = [{"type": "dangerous_tool_use", "classifier_context": "The user asked to tidy the folder."}]
+
+
+def test_auto_modes_safeguards_and_thinking_display_are_accepted(tool_engine):  # noqa: F811
+    """Interactive Claude Code's auto mode asks Anthropic's hosted classifier to review tool calls
+    (`safeguards`) and says how to show thinking (`thinking.display`): neither changes the prompt here."""
+    plain = an.to_openai(claude_code_body())
+    fields = {"safeguards": SAFEGUARDS, "thinking": {"type": "adaptive", "display": "summarized"}}
+    assert an.to_openai(claude_code_body(**fields)) == plain
+    for bad in (
+        {"safeguards": "on"},
+        {"safeguards": [{"classifier_context": "x"}]},
+        {"thinking": {"type": "adaptive", "display": 1}},
+    ):
+        with pytest.raises(ValidationError) as err:
+            an.to_openai(claude_code_body(**bad))
+        assert err.value.status_code == 422 and err.value.param in ("safeguards", "thinking")
 
 
 # --- thinking: Anthropic's semantics ----------------------------------------------------------------------

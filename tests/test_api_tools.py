@@ -326,12 +326,15 @@ def test_parsed_arguments_are_always_a_json_object(tool_loaded, inner, arguments
 
 
 @pytest.mark.slow
-def test_smollm2_has_no_tool_calling_so_tools_are_a_400(smollm_dir):
+def test_the_default_model_offers_tools_in_json_tool_calls(smollm_dir):
+    """SmolLM2's own template has no tools; the default model gets one that has (models/default_template.py)."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     tokenizer = load_tokenizer(smollm_dir)
-    assert not tokenizer.has_tool_calling and not tokenizer.has_thinking
-    with pytest.raises(InvalidRequestError) as err:
-        tl.check_support(tokenizer, tl.ToolSpec([WEATHER]))
-    assert err.value.code == "tools_not_supported"
-    tl.check_support(tokenizer, None)  # no tools: nothing to refuse
+    assert tokenizer.has_tool_calling and not tokenizer.has_thinking
+    assert tl.format_name(tokenizer) == tl.JSON_TOOLS
+    tl.check_support(tokenizer, tl.ToolSpec([WEATHER]))  # no 400
+    inner = '\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+    assert [(c.name, json.loads(c.arguments)) for c in tl.parse_tool_call(tokenizer, inner, [WEATHER])] == [
+        ("get_weather", {"city": "Paris"})
+    ]

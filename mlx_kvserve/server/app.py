@@ -24,6 +24,7 @@ from .completion import CompletionHandler
 from .embeddings import embedding_routes
 from .gate import CLIENT_CLOSED, RequestGate, error_response, note_error
 from .health import HealthMonitor
+from .local_guard import LocalGuard, guard_policy
 from .metrics import ServerMetrics
 from .model_routes import model_routes
 from .model_select import ModelSelect
@@ -95,6 +96,7 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, registry: ModelRegis
         *(model_routes(engine) if registry is None else models_routes(registry, engine.config.server.max_body_bytes)),
         Route("/health", health, methods=["GET"]),
         Route("/", root, methods=["GET", "HEAD"]),
+        Route("/api/hello", root, methods=["GET", "HEAD"]),  # Claude Code's connectivity check
         Route("/metrics", metrics_text, methods=["GET"]),
         *cache_routes(engine),
         *router_routes(engine),
@@ -127,4 +129,7 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, registry: ModelRegis
         body_read_timeout_s=server.body_read_timeout_s,
     )
     mount_ui(app)  # /ui outside the gate (static files, no data); its requests log inside it
+    # Outermost: a web page's request is refused before anything else reads it, /ui's included.
+    policy = guard_policy(server.host, server.allowed_hosts, server.allowed_origins, "server")
+    app.add_middleware(LocalGuard, policy=policy)
     return app

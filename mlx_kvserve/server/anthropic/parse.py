@@ -19,6 +19,9 @@ FIELDS = {"model", "max_tokens", "messages", "system", "stop_sequences", "stream
 FIELDS |= {"metadata", "tools", "tool_choice", "cache_control", "thinking", "output_config", "context_management"}
 # Accepted, with no meaning here: `metadata` names the caller, `service_tier` picks a hosted capacity pool.
 FIELDS |= {"service_tier"}
+# Accepted, with no meaning here: `safeguards` asks Anthropic's hosted classifiers (Claude Code's auto mode
+# sends `dangerous_tool_use`) to review tool calls; no classifier runs here, and the answer is the same.
+FIELDS |= {"safeguards"}
 FIELDS |= {"keep_alive"}  # Ollama's: how long the model stays loaded (server/keep_alive.py)
 
 
@@ -187,6 +190,7 @@ def to_openai(body: Any, count_only: bool = False, size: PromptSize | None = Non
     if not isinstance(body.get("service_tier", ""), str):
         raise ValidationError("'service_tier' must be a string", param="service_tier")
     parse_keep_alive(body.get("keep_alive"))
+    _check_safeguards(body.get("safeguards"))
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise ValidationError("'messages' must be a non-empty array", param="messages")
@@ -203,6 +207,14 @@ def to_openai(body: Any, count_only: bool = False, size: PromptSize | None = Non
     effort = _output_config(body.get("output_config"), out)
     out["chat_template_kwargs"] = effort_kwargs(effort, thinking_wanted(body))
     return out
+
+
+def _check_safeguards(raw: Any) -> None:
+    """`safeguards`: a list of objects with a string `type` (422 otherwise); accepted, not applied."""
+    if raw is None:
+        return
+    if not isinstance(raw, list) or not all(isinstance(s, dict) and isinstance(s.get("type"), str) for s in raw):
+        raise ValidationError("'safeguards' must be an array of objects with a string 'type'", param="safeguards")
 
 
 def _output_config(raw: Any, out: dict[str, Any]) -> str | None:
@@ -249,4 +261,6 @@ def thinking_wanted(body: dict[str, Any]) -> bool:
     budget = raw.get("budget_tokens")
     if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
         raise ValidationError("'thinking.budget_tokens' must be a positive integer", param="thinking")
+    if not isinstance(raw.get("display", ""), str):  # how Anthropic shows thinking ("summarized", "omitted")
+        raise ValidationError("'thinking.display' must be a string", param="thinking")
     return raw["type"] != "disabled"
