@@ -94,6 +94,8 @@ class FakeBackend:
         self.num_layout_requests = 0
         self.is_stopping = False
         self.kept: dict[str, dict] = {}  # stored Responses API responses, by id
+        self.lookup_status: int | None = None  # set: every stored-response lookup answers this (a broken backend)
+        self.report_cached: int | None = None  # set: the cached_tokens its replies report (a backend that lies)
         self.hasher = BlockHasher(ns or namespace_hash("fake-model", "float32", BS), BS)
         self.manager = KVManager(self.hasher, RAMStore(10**9))
         self.engine = engine = FakeEngine(
@@ -182,6 +184,7 @@ class FakeBackend:
             return JSONResponse({"error": {"message": "not JSON"}}, status_code=400)
         tokens = chat_tokens(body.get("messages", []))
         cached = sum(1 for h in self.hasher.hash_blocks(tokens) if self.manager.in_ram(h)) * BS
+        cached = cached if self.report_cached is None else self.report_cached
         usage = {"prompt_tokens": len(tokens), "completion_tokens": self.num_chunks, "total_tokens": len(tokens) + 3}
         usage["prompt_tokens_details"] = {"cached_tokens": cached}
         if not body.get("stream"):
@@ -208,6 +211,8 @@ class FakeBackend:
 
     async def kept_response(self, request: Request) -> Response:
         rid = request.path_params["response_id"]
+        if self.lookup_status is not None:
+            return JSONResponse({"error": {"message": "something broke"}}, status_code=self.lookup_status)
         if rid not in self.kept:
             return JSONResponse({"error": {"message": f"response {rid!r} not found"}}, status_code=404)
         if request.method == "DELETE":

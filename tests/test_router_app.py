@@ -294,6 +294,37 @@ def test_stored_responses_are_found_on_the_backend_that_keeps_them(backends, rou
     assert httpx.get(router.url + f"/v1/responses/{ids[1]}").status_code == 404  # kept nowhere now
 
 
+def test_only_a_200_finds_a_stored_response(backends, router_for):
+    a, b, _ = backends
+    router = router_for([a, b], policy="round_robin")
+    for _ in "ab":  # round robin: one kept on each
+        httpx.post(router.url + "/v1/responses", json={"model": "x", "input": "hi"})
+    (rid,) = b.kept
+    a.lookup_status = 500  # broken, and asked first for a lookup (the least loaded, first seen)
+    for _ in range(2):
+        got = httpx.get(router.url + f"/v1/responses/{rid}")
+        assert got.status_code == 200 and got.headers["x-kvserve-backend"] == b.url, got.text
+    assert httpx.delete(router.url + f"/v1/responses/{rid}").json()["deleted"] is True
+
+
+def test_a_backend_whose_replies_contradict_its_claims_loses_them(backends, router_for):
+    router = router_for(backends, policy="unified")
+    a, b, c = backends
+    n = c.store(chat_tokens(messages("what I claim")))
+    wait_for(lambda: blocks_known(router, {c.url: n}), what="c's stored events")
+    c.report_cached = 0  # it claims the blocks, and every reply says nothing was cached
+    for _ in range(3):
+        r = chat(router, messages("what I claim"))
+        assert r.status_code == 200 and r.headers["x-kvserve-backend"] == c.url
+    rows = {row["url"]: row for row in health(router)["backends"]}
+    assert rows[c.url]["claims"]["contradicted"] == 3 and rows[c.url]["claims"]["ignored_s"] > 50
+    assert rows[a.url]["claims"] == {"contradicted": 0, "ignored_s": 0}
+    chat(router, messages("what I claim"))  # the claim no longer counts: no hit estimated anywhere
+    metrics = httpx.get(router.url + "/metrics").text
+    assert f'mlx_kvserve_router_estimated_cached_tokens_total{{backend="{c.url}"}} {float(3 * n * BS)}' in metrics
+    assert f'mlx_kvserve_router_backend_claim_contradictions{{backend="{c.url}"}} 3.0' in metrics
+
+
 def test_body_limits_and_unreadable_bodies(backends, router_for):
     router = router_for(backends[:1], max_body_bytes=2048)
     r = httpx.post(router.url + "/v1/chat/completions", content=b"x" * 4096)

@@ -243,6 +243,8 @@ def health_report(router: Router, followers: list[BackendFollower], policy: str,
                 "pending_prefill_tokens": b.pending_prefill_tokens,
                 "decode_tokens": b.decode_tokens,
                 "cached_blocks": b.num_blocks,
+                # replies whose cached_tokens contradicted the claimed blocks; claims ignored while > 0 s
+                "claims": {"contradicted": b.num_contradictions, "ignored_s": round(b.claims_ignored_s, 1)},
                 "block_size": b.block_size,
                 "models": dict(b.models.states) if b.models is not None else None,
                 "events": {"following": f.is_following, "epoch": f.epoch, "seq": f.seq},

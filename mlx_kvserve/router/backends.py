@@ -3,15 +3,36 @@
 Load counters change when a request starts and finishes, never inside a picker (seed 004). The block set
 mirrors the backend's block events; `estimate_cache_hit` is the longest prefix of the request's chained
 block hashes that the backend reported stored, in tokens.
+
+A claim is checked against what the backend then reports: a routed reply whose cached_tokens fall clearly
+short of the blocks the router counted on (`contradicts`) is a strike; CLAIM_STRIKES in a row and the
+backend's blocks estimate no hit for CLAIM_PENALTY_S (a backend claiming blocks it does not have would
+otherwise draw every request for them). One short reply alone is not enough: an eviction may race the
+request past the block events.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 
 from .models import LOADED, ModelReport, is_default
 from .policies import BackendView
+
+CLAIM_STRIKES = 3  # contradicted replies in a row before the claims are ignored
+CLAIM_PENALTY_S = 60.0  # how long they are ignored then
+
+
+def is_weighable(claimed_tokens: int, block_size: int) -> bool:
+    """A claim a reply can contradict: at least two blocks (a server recomputes a prompt's last token, so a
+    one-block claim can honestly come back as 0; no claim says nothing)."""
+    return claimed_tokens >= 2 * block_size > 0
+
+
+def contradicts(claimed_tokens: int, reported_tokens: int) -> bool:
+    """A reply's reported cached tokens clearly short of the claimed hit: under half of it."""
+    return 2 * reported_tokens < claimed_tokens
 
 
 class BackendState:
@@ -21,8 +42,9 @@ class BackendState:
     what it reports (layout, block events) is usable: the two are tracked apart, since a backend that answers
     its health checks may still report a layout the router cannot hash with."""
 
-    def __init__(self, url: str, block_size: int = 0):
+    def __init__(self, url: str, block_size: int = 0, clock: Callable[[], float] = time.monotonic):
         self.url = url
+        self.clock = clock
         self.block_size = block_size  # 0 until the backend's layout is known: no hit can be estimated
         self.namespace: bytes | None = None  # the backend's hashing namespace, from its layout
         self._lock = threading.Lock()
@@ -34,6 +56,9 @@ class BackendState:
         self.pending_prefill_tokens = 0
         self.decode_tokens = 0
         self._models: ModelReport | None = None  # what its /health reports it serves (None: not yet)
+        self.num_contradictions = 0  # routed replies that contradicted the claimed blocks, ever
+        self._strikes = 0  # contradictions in a row; a reply that agrees resets it
+        self._ignore_claims_until = 0.0  # clock(); before it, the blocks estimate no hit
 
     # --- layout and health --------------------------------------------------------------------------------
 
@@ -123,14 +148,41 @@ class BackendState:
             return len(self._blocks)
 
     def estimate_cache_hit(self, block_hashes: Sequence[bytes]) -> int:
-        """Tokens of the longest prefix of `block_hashes` this backend holds (chained, so stop at the first miss)."""
+        """Tokens of the longest prefix of `block_hashes` this backend holds (chained, so stop at the first
+        miss); 0 while its claims are ignored."""
         with self._lock:
+            if self.clock() < self._ignore_claims_until:
+                return 0
             n = 0
             for h in block_hashes:
                 if h not in self._blocks:
                     break
                 n += 1
             return n * self.block_size
+
+    def check_claim(self, claimed_tokens: int, reported_tokens: int) -> bool:
+        """Weigh a routed reply's reported cached tokens against the hit its blocks claimed. Returns True when
+        this reply made the claims ignored (CLAIM_STRIKES contradictions in a row)."""
+        with self._lock:
+            if not is_weighable(claimed_tokens, self.block_size):  # e.g. while its claims are ignored
+                return False
+            if not contradicts(claimed_tokens, reported_tokens):
+                self._strikes = 0
+                return False
+            self.num_contradictions += 1
+            self._strikes += 1
+            if self._strikes < CLAIM_STRIKES:
+                return False
+            # Still at the threshold when the penalty ends: the next contradiction starts another at once.
+            self._strikes = CLAIM_STRIKES - 1
+            self._ignore_claims_until = self.clock() + CLAIM_PENALTY_S
+            return True
+
+    @property
+    def claims_ignored_s(self) -> float:
+        """Seconds left until its claims count again (0: they count)."""
+        with self._lock:
+            return max(0.0, self._ignore_claims_until - self.clock())
 
     # --- load ---------------------------------------------------------------------------------------------
 

@@ -29,6 +29,10 @@ class BackendCollector(Collector):
             "backend_pending_prefill_tokens": ("Prefill tokens not yet done", lambda b: b.pending_prefill_tokens),
             "backend_decode_tokens": ("Tokens decoded by requests in flight", lambda b: b.decode_tokens),
             "backend_cached_blocks": ("Blocks the backend reported in RAM", lambda b: b.num_blocks),
+            "backend_claim_contradictions": (
+                "Routed replies whose cached tokens contradicted the blocks the backend claimed",
+                lambda b: b.num_contradictions,
+            ),
         }
         backends = list(self.backends())
         for name, (doc, read) in families.items():

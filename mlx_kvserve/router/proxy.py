@@ -27,7 +27,7 @@ from starlette.responses import Response, StreamingResponse
 
 from ..chain import BlockHasher
 from ..errors import KVServeError
-from .backends import BackendState
+from .backends import CLAIM_PENALTY_S, CLAIM_STRIKES, BackendState
 from .metrics import RouterMetrics
 from .models import by_model, model_not_served, model_rank
 from .policies import DEFAULT_OVERLOAD_FACTOR, NoBackendError, Policy, PolicyState, RouteRequest, apply_decision, choose
@@ -243,8 +243,9 @@ class Router:
         self, request: Request, body: bytes, info: PromptInfo, generates: bool = True, searches: bool = False
     ) -> Response:
         """Send the request to a backend the policy picks, and the next on failure; the reply streams back.
-        `searches`: the request names what one backend holds (a stored response), so a 404 asks the next up
-        backend, and the last 404 is the answer. Raises NoBackendError (503) when none is up,
+        `searches`: the request names what one backend holds (a stored response), so any answer but a 200
+        (a 404, or a 500 from a broken backend) asks the next up backend, and the last answer is the
+        client's. Raises NoBackendError (503) when none is up,
         BackendTimeoutError (504) when every one tried timed out, BackendFailedError (502) when they failed
         otherwise."""
         tried: set[str] = set()
@@ -284,7 +285,7 @@ class Router:
                 if not generates:
                     raise _no_answer(failures, num_timeouts) from None
                 continue
-            if searches and resp.status_code == 404 and self._others_up(tried):
+            if searches and resp.status_code != 200 and self._others_up(tried):  # only a 200 found it
                 await resp.aclose()
                 route.finish()
                 continue
@@ -357,6 +358,14 @@ class Router:
         if watcher.prompt_tokens is not None:
             self.metrics.prompt_tokens.labels(url).inc(watcher.prompt_tokens)
             self.metrics.reported_cached.labels(url).inc(watcher.cached_tokens or 0)
+            if route.backend.check_claim(route.estimated_hit, watcher.cached_tokens or 0):
+                log.warning(
+                    "backend %s reported fewer cached tokens than its blocks claimed, %d times in a row: "
+                    "its claims are ignored for %gs",
+                    url,
+                    CLAIM_STRIKES,
+                    CLAIM_PENALTY_S,
+                )
 
 
 def _no_answer(failures: list[str], num_timeouts: int) -> KVServeError:
