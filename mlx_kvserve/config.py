@@ -77,6 +77,7 @@ class ServerConfig:
     request_timeout_s: float = 0.0  # arrival to last token; 0 = none
     body_read_timeout_s: float = 30.0  # arrival to the body's last byte (else 408); read before a slot is taken
     fetch_image_urls: bool = False  # image parts may name http(s) URLs, fetched by the server (else data URLs only)
+    fetch_private_urls: bool = False  # those URLs may name loopback and LAN addresses too (vision/fetch.py)
     # Secrets stay out of repr() so a logged config never shows them; see load_api_keys.
     api_key: str = field(default="", repr=False)  # "" = no key needed (unless api_key_file names one)
     api_key_file: str = ""
@@ -213,7 +214,7 @@ class VisionConfig:
     max_images: int = 16  # images in one request
     max_image_bytes: int = 20 * 1024 * 1024  # one image, encoded (413 above)
     max_image_pixels: int = 40_000_000  # one image, width x height, read from its header (413 above)
-    fetch_timeout_s: float = 10.0  # one image URL's download ([server] fetch_image_urls)
+    fetch_timeout_s: float = 10.0  # one image URL's whole fetch, redirects included ([server] fetch_image_urls)
     encoder_cache_bytes: int = 256 * 1024 * 1024  # vision-tower outputs kept by image digest; 0 = off
 
 

@@ -9,12 +9,21 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-import urllib.request
+import logging
 from dataclasses import dataclass
 
 from ..errors import InvalidRequestError, PayloadTooLargeError
+from .fetch import FetchError, FetchPolicy, fetch
 
 DATA_PREFIX = "data:"
+# One answer whatever went wrong, so that a client cannot use image URLs to learn what answers where
+# (the reason is logged for the operator).
+FETCH_FAILED = (
+    "the image URL could not be fetched: refused (this server fetches from public addresses only), "
+    "unreachable, not a 200 answer, or past [vision] fetch_timeout_s or max_image_bytes; "
+    "send the image as a data URL (data:image/png;base64,...)"
+)
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -23,7 +32,8 @@ class ImageLimits:
     max_bytes: int = 20 * 1024 * 1024  # encoded size of one image
     max_pixels: int = 40_000_000  # width x height of one image, checked before it is decoded
     fetch_urls: bool = False  # http(s) URLs are fetched only when on ([server] fetch_image_urls)
-    fetch_timeout_s: float = 10.0
+    fetch_timeout_s: float = 10.0  # the whole fetch, redirects included
+    fetch_private: bool = False  # LAN and loopback addresses fetched too ([server] fetch_private_urls)
 
 
 @dataclass(frozen=True)
@@ -37,7 +47,8 @@ class ImageRef:
 
 def image_bytes(ref: ImageRef, limits: ImageLimits) -> bytes:
     """The encoded image behind `ref`: a base64 data URL decoded, or an http(s) URL fetched when
-    `limits.fetch_urls` (at most max_bytes, within fetch_timeout_s)."""
+    `limits.fetch_urls` (at most max_bytes, within fetch_timeout_s in all, from allowed addresses only:
+    vision/fetch.py)."""
     url = ref.url
     if url.startswith(DATA_PREFIX):
         header, sep, payload = url.partition(",")
@@ -60,14 +71,12 @@ def image_bytes(ref: ImageRef, limits: ImageLimits) -> bytes:
 
 
 def _fetch(ref: ImageRef, limits: ImageLimits) -> bytes:
+    policy = FetchPolicy(limits.fetch_timeout_s, limits.max_bytes, limits.fetch_private)
     try:
-        with urllib.request.urlopen(ref.url, timeout=limits.fetch_timeout_s) as reply:  # noqa: S310 (http(s) only)
-            data = reply.read(limits.max_bytes + 1)
-    except Exception as exc:  # network errors come in many types
-        raise InvalidRequestError(f"{ref.where}: the image URL could not be fetched: {exc}") from None
-    if len(data) > limits.max_bytes:
-        raise PayloadTooLargeError(f"{ref.where}: the image is over {limits.max_bytes} bytes")
-    return data
+        return fetch(ref.url, policy)
+    except FetchError as exc:
+        log.info("%s: image URL not fetched: %s", ref.where, exc.reason)
+        raise InvalidRequestError(f"{ref.where}: {FETCH_FAILED}", code="image_fetch_failed") from None
 
 
 def decode_image(ref: ImageRef, limits: ImageLimits):  # -> PIL.Image.Image (RGB)

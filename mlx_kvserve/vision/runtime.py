@@ -174,7 +174,8 @@ class VisionRuntime:
 def build_runtime(family: Any, config: Any) -> VisionRuntime:
     """The runtime for a loaded family under `config` (config.Config: [vision] and [server])."""
     v = config.vision
+    fetch_urls, fetch_private = config.server.fetch_image_urls, config.server.fetch_private_urls
     limits = ImageLimits(
-        v.max_images, v.max_image_bytes, v.max_image_pixels, config.server.fetch_image_urls, v.fetch_timeout_s
+        v.max_images, v.max_image_bytes, v.max_image_pixels, fetch_urls, v.fetch_timeout_s, fetch_private
     )
     return VisionRuntime(family, limits, v.encoder_cache_bytes)
