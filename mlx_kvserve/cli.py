@@ -234,8 +234,22 @@ def _log_access(config: Config, inference_key: str, admin_key: str) -> None:
         "required" if inference_key else "none (open)",
         "own key" if admin_key else ("the API key" if inference_key else "open"),
     )
-    if not inference_key and config.server.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("listening on %s without an API key: anyone who can reach it can use it", config.server.host)
+    s = config.server
+    _check_browsers(s.host, s.allowed_hosts, s.allowed_origins, bool(inference_key), s.allow_no_key, "server")
+
+
+def _check_browsers(host: str, hosts: list[str], origins: list[str], has_key: bool, allow_no_key: bool, section: str):
+    """Before anything loads: the allowed hosts and origins parse, and a server without a key listens
+    beyond loopback only with allow_no_key, said loudly (server/local_guard.py)."""
+    from .server.local_guard import check_exposure, guard_policy
+
+    try:
+        guard_policy(host, hosts, origins, section)
+        warning = check_exposure(host, has_key, allow_no_key, section)
+    except KVServeError as exc:
+        raise click.ClickException(exc.message) from None
+    if warning:
+        log.warning("%s", warning)
 
 
 @cli.command()
@@ -314,6 +328,8 @@ def router(
         raise click.UsageError("name at least one backend: --backend URL or router.backends in the config")
     _setup_logging(rc.log_level)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per proxied request and poll otherwise
+    has_key = bool(rc.api_key or rc.api_key_file)
+    _check_browsers(rc.listen_host, rc.allowed_hosts, rc.allowed_origins, has_key, rc.allow_no_key, "router")
     import uvicorn
 
     from .router.app import create_router_app
@@ -322,8 +338,6 @@ def router(
         app = create_router_app(rc)
     except KVServeError as exc:
         raise click.ClickException(exc.message) from None
-    if not rc.api_key and not rc.api_key_file and rc.listen_host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("router listening on %s without an API key: anyone who can reach it can use it", rc.listen_host)
     signal.signal(signal.SIGTERM, _exit_cleanly)
     uvicorn.run(app, host=rc.listen_host, port=rc.listen_port, log_level=rc.log_level, access_log=False)
 

@@ -83,6 +83,11 @@ class ServerConfig:
     api_key_file: str = ""
     admin_api_key: str = field(default="", repr=False)  # "" = /v1/cache/ needs what the rest needs
     admin_api_key_file: str = ""
+    # Browsers (server/local_guard.py): Host names answered besides loopback and the bound address ("*" = any),
+    # and the web pages (origins) that may call it, with CORS; allow_no_key: serve beyond loopback without a key.
+    allowed_hosts: list[str] = field(default_factory=list)
+    allowed_origins: list[str] = field(default_factory=list)
+    allow_no_key: bool = False
     # Several models ([[models]], engine/registry.py): the weights (and KV in RAM) of loaded models stay
     # under this; the least recently used idle model is unloaded to make room. 0 = half of the memory
     # the arrays live in (the system's; the GPU's own with CUDA).
@@ -198,6 +203,9 @@ class RouterConfig:
     api_key_file: str = ""
     backend_api_key: str = field(default="", repr=False)  # what the router sends (the backends' admin key if set)
     backend_api_key_file: str = ""
+    allowed_hosts: list[str] = field(default_factory=list)  # as [server]'s, for the router
+    allowed_origins: list[str] = field(default_factory=list)
+    allow_no_key: bool = False
     health_interval_s: float = 2.0  # how often each backend's /health is polled (down ones come back this way)
     connect_timeout_s: float = 5.0
     # A backend that takes a request and then says nothing: how long until the request goes to the next one.
@@ -237,22 +245,11 @@ class Config:
 
 
 _SECTIONS = {f.name: f.type for f in fields(Config)}
-_BYTE_KEYS = {
-    "max_body_bytes",
-    "ram_max_bytes",
-    "max_bytes",
-    "min_free_bytes",
-    "prefetch_max_bytes",
-    "model_memory_bytes",
-    "mlx_cache_limit_bytes",
-    "max_image_bytes",
-    "encoder_cache_bytes",
-}
 
 
 def _coerce(section: str, key: str, value: Any, expected: type) -> Any:
     name = f"{section}.{key}"
-    if key in _BYTE_KEYS:
+    if key.endswith("_bytes"):  # every *_bytes key is a byte size ("2GiB" or an integer)
         return parse_bytes(value, name)
     if getattr(expected, "__origin__", None) is list:
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):

@@ -18,6 +18,19 @@ from harness.kvstack import OPEN_TIERS  # noqa: E402
 from harness.servers import free_port  # noqa: E402  (re-exported: tests import it from conftest)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _testclient_host():
+    """Starlette's TestClient, and the SDK clients tests point at it, send `Host: testserver`: tests
+    answer that name as a loopback one. Production never does (server/local_guard.py; its tests
+    put the real names back)."""
+    from mlx_kvserve.server import local_guard
+
+    names = local_guard.LOOPBACK_NAMES
+    local_guard.LOOPBACK_NAMES = names | {"testserver"}
+    yield
+    local_guard.LOOPBACK_NAMES = names
+
+
 @pytest.fixture(autouse=True)
 def _close_ssd_tiers():
     """SSD writer threads are non-daemon (by design): a failing test must not leave one running,

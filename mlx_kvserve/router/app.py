@@ -29,6 +29,7 @@ from ..config import RouterConfig
 from ..errors import AuthenticationError, ConfigError, KVServeError, PayloadTooLargeError
 from ..server.anthropic.reply import error_response as anthropic_error
 from ..server.gate import error_response as openai_error
+from ..server.local_guard import LocalGuard, guard_policy
 from ..server.ui_routes import mount_router_ui
 from .backends import BackendState
 from .follower import BackendFollower
@@ -225,6 +226,8 @@ def create_router_app(
     app.state.router = router
     app.add_middleware(KeyCheck, key=client_key)
     mount_router_ui(app)  # /ui: static files outside the key check; its data needs the key
+    policy = guard_policy(config.listen_host, config.allowed_hosts, config.allowed_origins, "router")
+    app.add_middleware(LocalGuard, policy=policy)  # outermost: web pages refused before anything reads them
     return app
 
 

@@ -27,6 +27,7 @@ from starlette.responses import Response, StreamingResponse
 
 from ..chain import BlockHasher
 from ..errors import KVServeError
+from ..server.local_guard import BROWSER_HEADERS
 from .backends import CLAIM_PENALTY_S, CLAIM_STRIKES, BackendState
 from .metrics import RouterMetrics
 from .models import by_model, model_not_served, model_rank
@@ -41,6 +42,8 @@ HOP_HEADERS = frozenset(
     {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "upgrade", "te", "trailer"}
 )
 AUTH_HEADERS = frozenset({"authorization", "x-api-key"})
+# The browser's headers were checked here (local_guard.py); the backend would see them come from another host.
+UNSENT_HEADERS = HOP_HEADERS | AUTH_HEADERS | BROWSER_HEADERS
 REPLY_HEADERS = ("content-type", "retry-after", "www-authenticate", "cache-control")
 DISCONNECT_POLL_S = 0.2
 CLIENT_CLOSED = 499
@@ -190,9 +193,8 @@ class Router:
     # --- forwarding ---------------------------------------------------------------------------------------
 
     def _upstream(self, request: Request, backend: BackendState, body: bytes) -> httpx.Request:
-        headers = [(k, v) for k, v in request.headers.items() if k not in HOP_HEADERS and k not in AUTH_HEADERS] + list(
-            self.backend_headers.items()
-        )
+        headers = [(k, v) for k, v in request.headers.items() if k not in UNSENT_HEADERS]
+        headers += list(self.backend_headers.items())
         url = backend.url + request.url.path + (f"?{request.url.query}" if request.url.query else "")
         timeout = httpx.Timeout(self.timeouts.read_s, connect=self.timeouts.connect_s)
         return self.client.build_request(request.method, url, headers=headers, content=body, timeout=timeout)

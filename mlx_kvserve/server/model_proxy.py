@@ -18,12 +18,14 @@ from starlette.types import Receive, Scope, Send
 from ..errors import KVServeError
 from .anthropic.reply import error_response as anthropic_error
 from .gate import RECORD_KEY, error_response, note_error
+from .local_guard import BROWSER_HEADERS
 from .model_process import ModelProcess
 from .reply_usage import USAGE_HEADER, ReplyUsage
 
 log = logging.getLogger(__name__)
 
 DROPPED_HEADERS = frozenset({b"host", b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"te"})
+DROPPED_HEADERS |= {name.encode() for name in BROWSER_HEADERS}  # checked here; the child sees another host
 DROPPED_HEADERS |= {b"upgrade", b"trailer", b"authorization", b"x-api-key"}
 REPLY_DROPPED = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"date", b"server"})
 TIMEOUT = httpx.Timeout(10.0, read=None)  # a long prefill sends nothing for minutes on a non-streamed reply
