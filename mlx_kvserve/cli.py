@@ -17,6 +17,7 @@ from .cache_cli import cache_group
 from .clean_exit import serve_then_exit
 from .config import ROUTER_POLICIES, Config, as_dict, key_overrides, load_api_keys, load_config
 from .errors import KVServeError
+from .launch.command import launch
 from .models_cli import models_group
 from .service.commands import service_group
 
@@ -345,6 +346,7 @@ def router(
 cli.add_command(service_group)
 cli.add_command(cache_group)
 cli.add_command(models_group)
+cli.add_command(launch)
 
 
 def main() -> None:

@@ -1,0 +1,121 @@
+"""`mlx-kvserve launch CLIENT [-- CLIENT_ARGS...]`: find the server (or start one), write the client's
+private profile, run the client; a server started here is stopped when the client exits."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import click
+
+from ..config import default_home, load_api_keys, load_config
+from ..errors import KVServeError
+from .clients import CLIENTS, Client
+from .profile import Profile, describe, write
+from .server import StartedServer
+from .target import NO_KEY, Target, probe
+
+API_KEY_ENV = "MLX_KVSERVE_API_KEY"  # as `mlx-kvserve run` reads it
+ANY_ADDRESS = ("0.0.0.0", "::", "")
+
+
+def launch_folder(client: str) -> Path:
+    return default_home() / "launch" / client
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("client", type=click.Choice(sorted(CLIENTS)))
+@click.argument("client_args", nargs=-1, type=click.UNPROCESSED)
+@click.option("--url", help="A running server's base URL (default: the configured host and port).")
+@click.option("--model", help="The model a server started here serves (as `run --model`).")
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False), help="TOML config file.")
+@click.option("--dry-run", is_flag=True, help="Print the environment, files and command, and exit.")
+@click.option("--start-timeout", default=900.0, show_default=True, help="Seconds to wait for a started server.")
+def launch(client, client_args, url, model, config_path, dry_run, start_timeout) -> None:
+    """Run an agent client against this server, with no configuration to write.
+
+    CLIENT is claude, codex, opencode, qwen, aider or llm; arguments after `--` go to it, e.g.
+    `mlx-kvserve launch claude -- -p "say hi"`. Finds the server at --url (or the configured
+    address); with none there, starts `mlx-kvserve run` with --model/--config and stops it when
+    the client exits. The client's settings go in a private folder (<home>/launch/CLIENT) or its
+    environment: its own configuration is never edited.
+    """
+    spec = CLIENTS[client]
+    try:
+        config = load_config(config_path, {"model": {"path": model}})
+        key = os.environ.get(API_KEY_ENV) or load_api_keys(config.server).inference
+    except KVServeError as exc:
+        raise click.ClickException(exc.message) from None
+    host = "127.0.0.1" if config.server.host in ANY_ADDRESS else config.server.host
+    base = (url or f"http://{host}:{config.server.port}").rstrip("/")
+    target = probe(base, key)
+    if target is None and url:
+        raise click.ClickException(f"no mlx-kvserve server answers at {base}/health")
+    run_args = _run_args(host, config.server.port, model, config_path)
+    if dry_run:
+        if target is None:  # what the client would be given once the server it starts is up
+            click.echo(f"# no server at {base}: would start `mlx-kvserve run {' '.join(run_args)}` and wait for it")
+            target = Target(base, config.model.served_name or _model_name(model), 0, key or NO_KEY)
+        click.echo(describe(spec.build(target, launch_folder(client), list(client_args))), nl=False)
+        return
+    program = _installed(spec)
+    started = None
+    if target is None:
+        log_path = default_home() / "launch" / "server.log"
+        click.echo(f"starting the server: mlx-kvserve run {' '.join(run_args)} (log: {log_path})", err=True)
+        started = StartedServer(run_args, log_path)
+        try:
+            target = started.wait(base, key, start_timeout, lambda msg: click.echo(msg, err=True))
+        except KVServeError as exc:
+            raise click.ClickException(exc.message) from None
+    profile = spec.build(target, launch_folder(client), list(client_args))
+    write(profile)
+    context = f"{target.context_length} tokens" if target.context_length else "not reported"
+    click.echo(f"{client} -> {target.url}, model {target.model}, context {context}", err=True)
+    if started is None:
+        os.execvpe(program, [program, *profile.argv[1:]], profile.environment(dict(os.environ)))
+    sys.exit(_run_then_stop(program, profile, started))
+
+
+def _run_args(host: str, port: int, model: str | None, config_path: str | None) -> list[str]:
+    args = ["--host", host, "--port", str(port)]
+    args += ["--model", model] if model else []
+    return args + (["--config", config_path] if config_path else [])
+
+
+def _model_name(model: str | None) -> str:
+    """The id a server started with `--model model` will serve, as far as the name tells it."""
+    if not model or model == "default":
+        from ..models.default import DEFAULT_MODEL_NAME
+
+        return DEFAULT_MODEL_NAME
+    if model.endswith(".gguf"):
+        return Path(model).stem
+    folder = Path(model).expanduser()
+    return folder.name if folder.is_dir() else model  # a hub id is served under its own name
+
+
+def _installed(spec: Client) -> str:
+    """The client's program on PATH; a ClickException naming its install command when missing."""
+    program = shutil.which(spec.program)
+    if program is None:
+        raise click.ClickException(f"{spec.program} is not installed (not on PATH). Install it with:\n  {spec.install}")
+    return program
+
+
+def _run_then_stop(program: str, profile: Profile, started: StartedServer) -> int:
+    """Run the client in the foreground, then stop the server this launch started; the client's exit
+    code. Ctrl-C belongs to the client meanwhile (the server runs in its own session)."""
+    # A handler, not SIG_IGN: an ignored signal would stay ignored in the client across exec.
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: None)
+    try:
+        env = profile.environment(dict(os.environ))
+        return subprocess.call([program, *profile.argv[1:]], env=env)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        click.echo("stopping the server this launch started", err=True)
+        started.stop()
