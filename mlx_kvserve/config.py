@@ -72,6 +72,7 @@ class ServerConfig:
     log_level: str = "info"
     max_concurrent: int = 0  # completion requests in flight (waiting + running); 0 = max_queue + 1
     max_prompt_tokens: int = 0  # 0 = only the model's context limits the prompt
+    context_overflow: str = "error"  # a prompt past the context: "error" (agents compact) or "truncate" (old turns go)
     max_completion_tokens: int = 0  # 0 = only the context limits a request's max_tokens
     first_token_timeout_s: float = 0.0  # arrival to first token; 0 = none
     request_timeout_s: float = 0.0  # arrival to last token; 0 = none
@@ -114,6 +115,7 @@ class ModelConfig:
     models_dir: str = ""  # where converted models are cached; "" = <home>/models
     served_name: str = ""  # id reported by /v1/models; "" = derived from path
     chat_template: str = ""  # a Jinja chat template file, or the template itself; "" = the tokenizer's own
+    context_length: int = 0  # caps the context served (and told to clients); 0 = the model's own
 
 
 @dataclass(frozen=True)
@@ -344,6 +346,7 @@ def validate(config: Config) -> Config:
     _check(s.max_queue >= 1, "server.max_queue", f"must be >= 1, got {s.max_queue}")
     _check(s.max_batch >= 1, "server.max_batch", f"must be >= 1, got {s.max_batch}")
     _check(s.scheduling in ("cached_first", "fifo"), "server.scheduling", "must be cached_first or fifo")
+    _check(s.context_overflow in ("error", "truncate"), "server.context_overflow", "must be error or truncate")
     _check(s.max_wait_s >= 0, "server.max_wait_s", f"must be >= 0, got {s.max_wait_s}")
     _check(s.prefill_batch_size >= 0, "server.prefill_batch_size", "must be >= 0 (0: max_batch)")
     _check(s.short_prefill_tokens >= 0, "server.short_prefill_tokens", "must be >= 0 (0: a quarter prefill chunk)")
@@ -357,6 +360,7 @@ def validate(config: Config) -> Config:
     dtypes = ("float32", "float16", "bfloat16", "keep")
     _check(config.model.dtype in dtypes, "model.dtype", f"must be one of {', '.join(dtypes)}")
     _check(bool(config.model.path), "model.path", "must not be empty")
+    _check(config.model.context_length >= 0, "model.context_length", "must be >= 0 (0 = the model's own)")
     _check(g.max_tokens >= 1, "generation.max_tokens", f"must be >= 1, got {g.max_tokens}")
     _check(0 <= g.temperature <= 2, "generation.temperature", "must be in [0, 2]")
     _check(0 < g.top_p <= 1, "generation.top_p", "must be in (0, 1]")

@@ -179,7 +179,9 @@ class Engine:
 
     @property
     def context_length(self) -> int:
-        return self.loaded.context_length
+        """The context served: the model's own, capped by [model] context_length when that is set."""
+        cap = self.config.model.context_length
+        return min(self.loaded.context_length, cap) if cap else self.loaded.context_length
 
     @property
     def vocab_size(self) -> int:

@@ -30,6 +30,7 @@ def entry_config(config: Config, entry: ModelEntry) -> Config:
         served_name=entry.name,
         chat_template=entry.chat_template or config.model.chat_template,
         dtype=entry.dtype or config.model.dtype,
+        context_length=entry.context_length,
     )
     cache = dataclasses.replace(
         config.cache,

@@ -58,6 +58,7 @@ class ModelSlot:
     in_use: int = 0  # leases held
     last_used: float = 0.0  # clock() at the last acquire or release
     weights_bytes: int = 0  # measured at its last load (0 before the first)
+    context_length: int = 0  # the context it served at its last load (0 before the first)
     num_loads: int = 0
     num_unloads: int = 0
     load_s: float = 0.0  # how long its last load took
@@ -209,6 +210,7 @@ class ModelRegistry:
         share_turns(loaded.engine, self.turns)
         with self._cond:
             slot.engine, slot.weights_bytes, slot.state, slot.error = loaded.engine, loaded.weights_bytes, LOADED, ""
+            slot.context_length = int(getattr(loaded.engine, "context_length", 0) or 0)
             slot.num_loads += 1
             slot.load_s = time.monotonic() - started
             lease = self._lease(slot)
@@ -330,6 +332,7 @@ class ModelRegistry:
         """`engine` (started by the caller) serves `slot` from now on."""
         with self._cond:
             slot.engine, slot.weights_bytes, slot.state = engine, weights_bytes, LOADED
+            slot.context_length = int(getattr(engine, "context_length", 0) or 0)
             slot.num_loads += 1
             slot.last_used = self._clock()
         if self.ssd is not None:
@@ -402,6 +405,7 @@ class ModelRegistry:
                 "memory_bytes": self.footprint(slot),
                 "ssd_bytes": ssd_bytes,
                 "weights_bytes": slot.weights_bytes,
+                "context_length": slot.context_length or slot.entry.context_length or None,  # None: not known yet
                 "keep_alive_s": self.keep_alive_s(slot),
                 "idle_s": round(self._clock() - slot.last_used, 1) if slot.state == LOADED else None,
                 "loads": slot.num_loads,

@@ -21,6 +21,7 @@ from ..errors import InvalidRequestError, KVServeError, NotFoundError
 from .anthropic.routes import anthropic_routes
 from .cache_routes import cache_routes
 from .completion import CompletionHandler
+from .context_window import TruncationHeader
 from .embeddings import embedding_routes
 from .gate import CLIENT_CLOSED, RequestGate, error_response, note_error
 from .health import HealthMonitor
@@ -116,6 +117,7 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, registry: ModelRegis
     app.router.redirect_slashes = False
     keys = keys if keys is not None else load_api_keys(engine.config.server)
     server = engine.config.server
+    app.add_middleware(TruncationHeader)  # innermost: it reads the scope the handler wrote
     if registry is not None:  # added before the gate, so it runs inside it (on the body the gate read)
         app.add_middleware(ModelSelect, registry=registry)
         metrics.registry.register(RegistryCollector(registry))

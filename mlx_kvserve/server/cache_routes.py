@@ -14,6 +14,7 @@ from ..engine.engine import Engine
 from ..errors import InvalidRequestError, ValidationError
 from . import prompts
 from .bodies import read_json
+from .context_window import check_prompt, window
 from .messages import check_text, parse_messages
 
 
@@ -43,8 +44,7 @@ async def _target_hashes(
         raise InvalidRequestError(
             f"the prompt has {len(tokens)} tokens, less than one {admin.manager.block_size}-token block"
         )
-    if len(tokens) >= engine.context_length:
-        raise InvalidRequestError(f"prompt has {len(tokens)} tokens; the model's context is {engine.context_length}")
+    check_prompt(len(tokens), window(engine.context_length), "chat" if "messages" in body else "text")
     if warm and admin.missing(hashes):
         await run_in_threadpool(engine.prefill, tokens)
     return hashes, True

@@ -25,6 +25,7 @@ from ..errors import InvalidRequestError, KVServeError, ValidationError, model_n
 from ..formats.output import ChatOutput
 from ..formats.tool_calls import check_support
 from ..vision.runtime import VisionPrompt
+from . import context_window as cw
 from . import prompts, sse
 from .deadlines import Deadlines, EventTracker
 from .gate import RECORD_KEY
@@ -73,6 +74,35 @@ class CompletionHandler:
             vision = await self.vision_prompt(req)
             return vision.tokens, vision
         return await self._text_prompt(req), None
+
+    async def fitted_prompt(
+        self, request: Request, req: oa.CompletionRequest
+    ) -> tuple[oa.CompletionRequest, tuple[list[int], VisionPrompt | None]]:
+        """`req` and its prompt, held to the context window before any work starts: a prompt past it
+        raises ContextLengthError, or with [server] context_overflow = "truncate" a chat request without
+        images drops whole older turns (the request returned is then the one that fits; the count of
+        messages dropped is noted for the response header and logged)."""
+        server = self.engine.config.server
+        win = cw.window(self.engine.context_length, server.max_prompt_tokens)
+        prompt, vision = await self.prompt(req)
+        if len(prompt) <= win.max_prompt:
+            return req, (prompt, vision)
+        if server.context_overflow != "truncate" or req.kind != "chat" or req.images:
+            raise cw.ContextLengthError(len(prompt), win, req.kind)
+        offered = req.tools.tools if req.tools else None
+
+        async def render(messages: list[dict[str, Any]]) -> list[int]:
+            return await prompts.chat_tokens(self.engine, messages, True, offered, req.template_kwargs)
+
+        fitted = await cw.fit_turns(req.messages or [], render, win.max_prompt)
+        if fitted is None:  # even the newest user turn is past the window
+            raise cw.ContextLengthError(len(prompt), win, req.kind)
+        request.scope[cw.TRUNCATED_KEY] = fitted.num_dropped
+        cw.log.info(
+            "context_overflow=truncate: dropped %d of %d messages (%d -> %d prompt tokens; window %d)",
+            fitted.num_dropped, len(req.messages or []), len(prompt), len(fitted.tokens), win.told,
+        )  # fmt: skip
+        return dataclasses.replace(req, messages=fitted.messages), (fitted.tokens, None)
 
     async def vision_prompt(self, req: oa.CompletionRequest) -> VisionPrompt:
         vision = self.engine.vision
@@ -130,12 +160,11 @@ class CompletionHandler:
         calls = tl.call_grammar(req.tools, req.json_schema)
         if req.json_schema is not None and calls is None:
             await self.check_schema(req.json_schema)
-        prompt, vision = await self.prompt(req)
+        req, (prompt, vision) = await self.fitted_prompt(request, req)  # refused here past the context
         keys = vision.cache_tokens if vision is not None else prompt  # what the block cache keys it by
         grammar = await self.call_grammar(prompt, calls) if calls is not None else None
         hashes = self.engine.block_hashes(keys)  # once, for every stage of every choice
         await self.touch_leases(keys, hashes)
-        oa.check_prompt_limit(req, len(prompt), server.max_prompt_tokens)
         budget = oa.completion_budget(
             req, len(prompt), self.engine.context_length, self.defaults.max_tokens, server.max_completion_tokens
         )

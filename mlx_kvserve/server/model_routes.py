@@ -1,6 +1,7 @@
 """`GET /v1/models` and `GET /v1/models/{id}`: the one served model, in OpenAI's shape, or in
 Anthropic's when the request carries an `anthropic-version` header (Anthropic's SDKs and Claude Code
-always send one)."""
+always send one). Each card carries the context window under the names clients read
+(server/context_window.py: window_fields)."""
 
 from __future__ import annotations
 
@@ -15,15 +16,18 @@ from starlette.routing import Route
 from ..engine.engine import Engine
 from ..errors import model_not_found
 from .anthropic.reply import error_response as anthropic_error
+from .context_window import window_fields
 from .gate import note_error
 
 
 def _card(engine: Engine, anthropic: bool) -> dict[str, Any]:
     name, created = engine.model_name, int(engine.started_at)
+    server = engine.config.server
+    limits = window_fields(engine.context_length, server.max_prompt_tokens, server.max_completion_tokens, anthropic)
     if not anthropic:
-        return {"id": name, "object": "model", "created": created, "owned_by": "mlx-kvserve"}
+        return {"id": name, "object": "model", "created": created, "owned_by": "mlx-kvserve"} | limits
     stamp = datetime.datetime.fromtimestamp(created, datetime.UTC).isoformat().replace("+00:00", "Z")
-    return {"type": "model", "id": name, "display_name": name, "created_at": stamp}
+    return {"type": "model", "id": name, "display_name": name, "created_at": stamp} | limits
 
 
 def model_routes(engine: Engine) -> list[Route]:

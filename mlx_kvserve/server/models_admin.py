@@ -18,22 +18,28 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ..config import ServerConfig
 from ..engine.registry import LOADED, ModelRegistry
 from ..errors import KVServeError, ValidationError
 from .anthropic.reply import error_response as anthropic_error
 from .bodies import read_json
+from .context_window import window_fields
 from .gate import note_error
 from .metrics import PREFIX
 
 CARD_FIELDS = ("state", "kind", "aliases", "pinned", "in_use", "memory_bytes", "ssd_bytes")  # ours, beside OpenAI's
 
 
-def _card(row: dict[str, Any], created: int, anthropic: bool) -> dict[str, Any]:
+def _card(row: dict[str, Any], created: int, anthropic: bool, server: ServerConfig) -> dict[str, Any]:
+    # The context: the one it served at its last load, else its entry's cap (none before a first load).
+    limits = window_fields(
+        row["context_length"] or 0, server.max_prompt_tokens, server.max_completion_tokens, anthropic
+    )
     if anthropic:
         stamp = datetime.datetime.fromtimestamp(created, datetime.UTC).isoformat().replace("+00:00", "Z")
-        return {"type": "model", "id": row["id"], "display_name": row["id"], "created_at": stamp}
+        return {"type": "model", "id": row["id"], "display_name": row["id"], "created_at": stamp} | limits
     card = {"id": row["id"], "object": "model", "created": created, "owned_by": "mlx-kvserve"}
-    return card | {k: row[k] for k in CARD_FIELDS}
+    return card | {k: row[k] for k in CARD_FIELDS} | limits
 
 
 def models_routes(registry: ModelRegistry, max_body_bytes: int) -> list[Route]:
@@ -44,7 +50,7 @@ def models_routes(registry: ModelRegistry, max_body_bytes: int) -> list[Route]:
 
     async def models(request: Request) -> Response:
         anthropic = is_anthropic(request)
-        cards = [_card(row, created, anthropic) for row in registry.describe()["models"]]
+        cards = [_card(row, created, anthropic, registry.config.server) for row in registry.describe()["models"]]
         if not anthropic:
             return JSONResponse({"object": "list", "data": cards})
         return JSONResponse({"data": cards, "has_more": False, "first_id": cards[0]["id"], "last_id": cards[-1]["id"]})
@@ -60,7 +66,7 @@ def models_routes(registry: ModelRegistry, max_body_bytes: int) -> list[Route]:
                 raise  # the app's handler answers in OpenAI's shape
             note_error(request.scope, exc)
             return anthropic_error(exc)
-        return JSONResponse(_card(registry.describe_slot(slot), created, is_anthropic(request)))
+        return JSONResponse(_card(registry.describe_slot(slot), created, is_anthropic(request), registry.config.server))
 
     async def model_of(request: Request) -> str:
         body = await read_json(request, max_body_bytes)

@@ -15,6 +15,7 @@ from ...errors import KVServeError, RequestTimeoutError, ValidationError
 from ...formats.output import REASONING, TOOL, Segment
 from .. import sse
 from ..completion import CompletionHandler, as_kvserve_error
+from ..context_window import ContextLengthError
 from ..openai import parse as oa
 
 _ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
@@ -99,7 +100,8 @@ def error_body(exc: KVServeError) -> tuple[dict[str, Any], int]:
     """Anthropic's error shape and status. Validation errors are 400s there, as all bad requests."""
     status = 400 if isinstance(exc, ValidationError) else exc.status_code
     kind = "invalid_request_error" if status in (400, 408, 422) else _ERROR_TYPES.get(status, "api_error")
-    message = exc.message.encode("utf-8", "backslashreplace").decode("utf-8")
+    message = exc.anthropic_message() if isinstance(exc, ContextLengthError) else exc.message
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return {"type": "error", "error": {"type": kind, "message": message}}, status
 
 

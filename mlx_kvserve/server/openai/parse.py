@@ -15,6 +15,7 @@ from typing import Any
 from ...engine.request import SamplingParams
 from ...errors import InvalidRequestError, ValidationError
 from ...formats import tool_calls as tl
+from ..context_window import ContextLengthError, window
 from ..effort import effort_kwargs, parse_effort
 from ..keep_alive import parse_keep_alive
 from ..messages import check_text, parse_messages, take_images
@@ -352,30 +353,17 @@ def check_vocabulary(req: CompletionRequest, vocab_size: int) -> None:
         )
 
 
-def check_prompt_limit(req: CompletionRequest, num_prompt: int, limit: int) -> None:
-    """Raise InvalidRequestError when the prompt has more than `limit` tokens (0 = no limit)."""
-    if limit and num_prompt > limit:
-        raise InvalidRequestError(
-            f"prompt has {num_prompt} tokens; this server accepts at most {limit} (server.max_prompt_tokens)",
-            param="messages" if req.kind == "chat" else "prompt",
-            code="prompt_too_long",
-        )
-
-
 def completion_budget(
     req: CompletionRequest, num_prompt: int, context: int, default_max: int, max_completion: int = 0
 ) -> int:
     """How many tokens may be generated: max_tokens, lowered to the room the prompt leaves in the
     context (clients such as Claude Code ask for 32000 whatever the model). Raises
-    InvalidRequestError when the prompt alone fills the context, ValidationError when an explicit
-    max_tokens is above the server's `max_completion` (0 = no limit but the context)."""
+    ContextLengthError when the prompt alone fills the context (the server checks that before, in
+    server/context_window.py), ValidationError when an explicit max_tokens is above the server's
+    `max_completion` (0 = no limit but the context)."""
     room = context - num_prompt
     if room < 1:
-        raise InvalidRequestError(
-            f"prompt has {num_prompt} tokens; the model's context is {context} tokens",
-            param="messages" if req.kind == "chat" else "prompt",
-            code="context_length_exceeded",
-        )
+        raise ContextLengthError(num_prompt, window(context), req.kind)
     if max_completion and req.max_tokens is not None and req.max_tokens > max_completion:
         raise ValidationError(
             f"'max_tokens' must be at most {max_completion} on this server (server.max_completion_tokens), "

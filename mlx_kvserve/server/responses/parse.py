@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import InvalidRequestError, KVServeError, ValidationError
+from ..context_window import ContextLengthError
 from ..keep_alive import parse_keep_alive
 
 # Served as asked.
@@ -98,7 +99,10 @@ def parse(body: Any, history: list[dict[str, Any]]) -> ResponsesRequest:
 
 
 def renamed(exc: KVServeError) -> KVServeError:
-    """`exc` from the shared chat path, naming the field as the Responses API names it."""
+    """`exc` from the shared chat path, naming the field as the Responses API names it (and a prompt
+    past the context in the Responses API's words)."""
+    if isinstance(exc, ContextLengthError):
+        exc.message = exc.responses_message()
     if exc.param in RENAMED:
         exc.message = exc.message.replace(f"'{exc.param}'", f"'{RENAMED[exc.param]}'")
         exc.param = RENAMED[exc.param]
