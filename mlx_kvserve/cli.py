@@ -114,6 +114,7 @@ def run(config_path, model, dtype, host, port, api_key, api_key_file, distribute
     log.info("BLAS in use: %s; malloc tunables: %s", blas.blas_in_use(), warm_memory.in_effect())
     registry_app = _registry_app(config, config_path, model, distributed, keys)
     if registry_app is not None:  # [[models]]: several models, loaded on demand (engine/registry.py)
+        _install_cpu_attention(config)  # not known yet which: as for a model of several layers
         signal.signal(signal.SIGTERM, _exit_cleanly)
         server = config.server
         serve_then_exit(
@@ -145,6 +146,8 @@ def run(config_path, model, dtype, host, port, api_key, api_key_file, distribute
         )
     except KVServeError as exc:
         raise click.ClickException(exc.message) from None
+    layers = getattr(loaded.model, "layers", None)  # mlx-lm's models list them; a wrapper may not
+    _install_cpu_attention(config, None if layers is None else len(layers))
     try:
         engine = Engine(loaded, config, world)
     except KVServeError as exc:  # e.g. another server holds the cache folder: say so, exit 1
@@ -169,6 +172,15 @@ def run(config_path, model, dtype, host, port, api_key, api_key_file, distribute
         # the worker thread may be stuck in a collective: bound the exit
         before_exit=(lambda: rank_exit.deadline("shut down")) if rank_exit is not None else None,
     )
+
+
+def _install_cpu_attention(config: Config, num_layers: int | None = None) -> None:
+    """On the CPU, MLX's attention with its softmax in NumPy where that wins (cpu/attention.py)."""
+    from .cpu import attention as cpu_attention
+
+    g = config.generation
+    if cpu_attention.install(g.cpu_attention_rows, g.cpu_attention_softmax, num_layers):
+        log.info("CPU attention: softmax in NumPy, %d-row causal blocks (cpu/attention.py)", g.cpu_attention_rows)
 
 
 def _leave_with_parent() -> None:

@@ -125,11 +125,9 @@ class GenerationConfig:
     top_p: float = 1.0
     prefill_step_size: int = 0  # 0 = by device: 2048 on a GPU, 512 on the CPU (engine/build.py)
     prefill_step_shared: bool = True  # prompts prefilling together share a step's tokens (batch_generator.py)
-    # On the CPU: causal attention in blocks of this many query rows, each attending only to the keys
-    # up to its last query, so masked-out scores are never computed (engine/cpu_attention.py); 0 = MLX's own.
+    # On the CPU, attention with its softmax in NumPy ("numpy", where it wins: cpu/attention.py) or MLX's
+    # own ("mlx"); the NumPy path takes a causal chunk's queries in blocks of `cpu_attention_rows` (0: none).
     cpu_attention_rows: int = 128
-    # On the CPU: the attention's softmax through NumPy's vectorised exp ("numpy"; ~20x faster per score
-    # than MLX's CPU exp) or MLX's own ("mlx") (engine/cpu_attention.py).
     cpu_attention_softmax: str = "numpy"
 
 
@@ -365,7 +363,7 @@ def validate(config: Config) -> Config:
     _check(0 <= g.temperature <= 2, "generation.temperature", "must be in [0, 2]")
     _check(0 < g.top_p <= 1, "generation.top_p", "must be in (0, 1]")
     _check(g.prefill_step_size >= 0, "generation.prefill_step_size", "must be >= 0 (0: by device)")
-    _check(g.cpu_attention_rows >= 0, "generation.cpu_attention_rows", "must be >= 0 (0: MLX's own attention)")
+    _check(g.cpu_attention_rows >= 0, "generation.cpu_attention_rows", "must be >= 0 (0: no blocks)")
     _check(g.cpu_attention_softmax in ("numpy", "mlx"), "generation.cpu_attention_softmax", 'must be "numpy" or "mlx"')
     _check(c.block_size >= 1, "cache.block_size", f"must be >= 1, got {c.block_size}")
     _check(c.checkpoint_every >= 0, "cache.checkpoint_every", f"must be >= 0, got {c.checkpoint_every}")

@@ -12,12 +12,12 @@ timed alone (median of `--reps`), next to the floor of reading the layer's KV on
 - two rewrites of the softmax tried against MLX's own: as powers of two (`mx.power(2, x)` costs less
   per element than `exp`, but the written-out softmax makes separate passes over the scores) and with
   the query rows halved on two CPU streams.
-- the block-causal attention the server uses on the CPU (engine/cpu_attention.py, `--block-rows`): a
+- the attention the server uses on the CPU (cpu/attention.py, `--block-rows`): its softmax in NumPy, a
   chunk's queries in blocks, each against the keys up to its last query (a prefill chunk's shape:
   `--new-tokens 470 --context 0 --heads 9 --kv-heads 3 --head-dim 64 --layers 30`, SmolLM2's cold prompt),
-  and the same with its softmax in NumPy (`cpu_attention_softmax = "numpy"`, the server's default), and
-  NumPy's softmax alone on the same scores.
-The outputs of the written-out, block-causal and NumPy-softmax attentions are checked against the fast one.
+  and NumPy's softmax alone on the same scores.
+The outputs of the written-out and the server's attentions are checked against the fast one. Where the
+server's wins, shape by shape: scripts/bench_cpu_attention_shapes.py.
 
 Usage: python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_cpu_attention.py
            [--new-tokens 55] [--context 4636] [--heads 8] [--kv-heads 4] [--head-dim 128] [--layers 32]
@@ -35,8 +35,7 @@ import numpy as np
 from harness import ROOT
 from harness.reports import write_report
 
-from mlx_kvserve.engine import cpu_attention
-from mlx_kvserve.engine.cpu_attention import block_attention
+from mlx_kvserve.cpu import attention as cpu_attention
 
 
 def timed_ms(fn, *args, reps: int) -> float:
@@ -81,15 +80,8 @@ def main() -> None:
     def fast(q, k, v):
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal")
 
-    def blocks(q, k, v):
-        return block_attention(q, k, v, scale=scale, mask="causal", rows=args.block_rows)
-
     def blocks_numpy(q, k, v):
-        cpu_attention.install(args.block_rows, "numpy")
-        try:
-            return block_attention(q, k, v, scale=scale, mask="causal", rows=args.block_rows)
-        finally:
-            cpu_attention.uninstall()
+        return cpu_attention.block_attention(q, k, v, scale=scale, mask="causal", rows=args.block_rows)
 
     def numpy_softmax(s):  # in place, on a copy of the scores of its own: nothing left for MLX to evaluate
         cpu_attention.softmax_in_place(np.asarray(s))
@@ -118,15 +110,15 @@ def main() -> None:
     streams = [mx.new_stream(mx.cpu), mx.new_stream(mx.cpu)]
     mx.eval(s, halves)
     max_diff = mx.abs(fast(q, k, v) - written_out(q, k, v)).max().item()
-    blocks_diff = mx.abs(fast(q, k, v) - blocks(q, k, v)).max().item()
     numpy_diff = mx.abs(fast(q, k, v) - blocks_numpy(q, k, v)).max().item()
     pow2_diff = mx.abs(softmax_pow2(s) - mx.softmax(s, axis=-1, precise=True)).max().item()
     reps = args.reps
     rows = {
         "read the layer's KV once (floor)": timed_ms(lambda k, v: (k.sum(), v.sum()), k, v, reps=reps),
         "mx.fast.scaled_dot_product_attention": timed_ms(fast, q, k, v, reps=reps),
-        f"block-causal, {args.block_rows}-row blocks (the server's on the CPU)": timed_ms(blocks, q, k, v, reps=reps),
-        "block-causal, softmax in NumPy (the server's default on the CPU)": timed_ms(blocks_numpy, q, k, v, reps=reps),
+        f"softmax in NumPy, {args.block_rows}-row causal blocks (the server's on the CPU)": timed_ms(
+            blocks_numpy, q, k, v, reps=reps
+        ),
         "written out: all of it": timed_ms(written_out, q, k, v, reps=reps),
         "  scores (GEMM)": timed_ms(scores, q, k, reps=reps),
         "  mask": timed_ms(lambda s: mx.where(visible, s, -mx.inf), s, reps=reps),
@@ -150,7 +142,6 @@ def main() -> None:
         "ms_per_layer": rows,
         "max_abs_diff_written_out_vs_fast": max_diff,
         "max_abs_diff_softmax_pow2": pow2_diff,
-        "max_abs_diff_block_causal_vs_fast": blocks_diff,
         "max_abs_diff_numpy_softmax_vs_fast": numpy_diff,
         "exp_ns_per_element": rows["exp on the scores"] * 1e6 / elements,
         "add_ns_per_element": rows["add on the scores"] * 1e6 / elements,
@@ -160,8 +151,8 @@ def main() -> None:
         f"({kv_heads} KV), {dim} dims, float32",
         "",
         f"{elements:,} scores per layer; the written-out attention matches the fast one to {max_diff:.1e}, "
-        f"the softmax as powers of two MLX's to {pow2_diff:.1e}, the block-causal one to {blocks_diff:.1e}, "
-        f"with NumPy's softmax to {numpy_diff:.1e}.",
+        f"the softmax as powers of two MLX's to {pow2_diff:.1e}, the server's (NumPy's softmax, blocks) to "
+        f"{numpy_diff:.1e}.",
         "",
         f"| part | ms per layer | x {args.layers} layers, s |",
         "|---|---|---|",

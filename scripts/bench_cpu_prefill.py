@@ -1,10 +1,10 @@
-"""A cold prefill on the CPU with MLX's attention and with the server's (engine/cpu_attention.py).
+"""A cold prefill on the CPU with MLX's attention and with the server's (cpu/attention.py).
 
 In one process, alternating: the default model (or `--model`) prefills a prompt of `--tokens` in
 chunks of `--step`, through mlx-lm's plain cache (its "causal" mask) and through its batch cache (a
-boolean mask array, as the server's batch uses), with MLX's `scaled_dot_product_attention`, with the
-block-causal attention (`--rows` query rows per block) and with the blocks and the softmax in NumPy (the
-server's default). Reports the best of `--reps` times, the ratios to MLX's, and how far the last logits
+boolean mask array, as the server's batch uses), with MLX's `scaled_dot_product_attention` and with the
+server's (its softmax in NumPy, `--rows` query rows per causal block), installed whatever the model's
+depth (the server leaves it out below MIN_LAYERS: a one-layer model shows why). Reports the best of `--reps` times, the ratios to MLX's, and how far the last logits
 differ from MLX's (and whether their argmax agrees).
 
 Usage: python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_cpu_prefill.py [--tokens 470,1500]
@@ -23,7 +23,7 @@ from harness.reports import write_report
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 from mlx_lm.utils import load
 
-from mlx_kvserve.engine import cpu_attention
+from mlx_kvserve.cpu import attention as cpu_attention
 
 
 def prefill(model, tokens: mx.array, step: int, batch: bool) -> tuple[float, mx.array]:
@@ -49,7 +49,7 @@ def main() -> None:
     mx.set_default_device(mx.cpu)
     model, tokenizer = load(args.model or str(default_model_dir()))
     vocab = tokenizer.vocab_size
-    variants = {"mlx": (0, "mlx"), "blocks": (args.rows, "mlx"), "blocks + numpy softmax": (args.rows, "numpy")}
+    variants = {"mlx": (0, "mlx"), "numpy softmax": (args.rows, "numpy")}
     names = list(variants)
     results: list[dict] = []
     lines = [

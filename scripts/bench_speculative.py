@@ -196,7 +196,7 @@ def main() -> None:
     ap.add_argument("--peer", action="store_true", help="also task (a) over HTTP next to mlx_lm.server")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "speculative")
     args = ap.parse_args()
-    server_attention()  # the CPU attention the server runs (engine/cpu_attention.py)
+    server_attention()  # the CPU attention the server runs (cpu/attention.py)
     args.out.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
     model, tokenizer = load(str(default_model_dir()))

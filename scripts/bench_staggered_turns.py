@@ -90,7 +90,7 @@ def main(argv=None) -> dict:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default=str(ROOT / "results" / "staggered_turns"))
     args = p.parse_args(argv)
-    server_attention()  # the CPU attention the server runs (engine/cpu_attention.py)
+    server_attention()  # the CPU attention the server runs (cpu/attention.py)
 
     import mlx.core as mx
 

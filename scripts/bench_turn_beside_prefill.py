@@ -74,7 +74,7 @@ def main(argv=None) -> dict:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--out", default=str(ROOT / "results" / "turn_beside_prefill"))
     args = p.parse_args(argv)
-    server_attention()  # the CPU attention the server runs (engine/cpu_attention.py)
+    server_attention()  # the CPU attention the server runs (cpu/attention.py)
 
     import mlx.core as mx
     from mlx_lm.generate import BatchGenerator

@@ -162,7 +162,7 @@ def main() -> None:
     from harness.kvstack import make_generator, server_attention
     from mlx_lm.utils import load
 
-    server_attention()  # the CPU attention the server runs (engine/cpu_attention.py)
+    server_attention()  # the CPU attention the server runs (cpu/attention.py)
 
     model, tokenizer = load(str(args.model or default_model_dir()))
     generator = make_generator(model, tokenizer, 64)

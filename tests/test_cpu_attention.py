@@ -1,6 +1,7 @@
-"""The CPU's block-causal attention (engine/cpu_attention.py): a prompt chunk's queries in blocks, each
-against the keys up to its last query. It must give MLX's result for every mask it splits (causal, with
-an offset, left padding, a window, attention sinks), split only masks it can prove causal, and be what
+"""The CPU's attention with its softmax in NumPy (cpu/attention.py): a prompt chunk's queries in blocks,
+each against the keys up to its last query. It must give MLX's result for every mask it splits (causal,
+with an offset, left padding, a window, attention sinks), split only masks it can prove causal, take the
+NumPy softmax only where the rule says it wins (by scores per call, by layers per model), and be what
 mlx-lm's models call once installed."""
 
 from __future__ import annotations
@@ -9,26 +10,25 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.base import create_causal_mask
 
-from mlx_kvserve.engine import cpu_attention
+from mlx_kvserve.cpu import attention as cpu_attention
 
 SCALE = 0.125
 
 
 @pytest.fixture
 def installed(monkeypatch):
-    """The block attention with 64-row blocks; counts the MLX attention calls it makes."""
+    """The attention with 64-row blocks; counts the calls it makes (query rows, keys), NumPy's or MLX's."""
     calls: list[tuple[int, int]] = []
-    real = cpu_attention._mlx_attention
+    real = cpu_attention._one_call
 
-    def counted(q, k, v, **kwargs):
+    def counted(q, k, v, *args):
         calls.append((q.shape[-2], k.shape[-2]))
-        return real(q, k, v, **kwargs)
+        return real(q, k, v, *args)
 
-    monkeypatch.setattr(cpu_attention, "_mlx_attention", counted)
+    monkeypatch.setattr(cpu_attention, "_one_call", counted)
     assert cpu_attention.install(64)
     yield calls
     cpu_attention.uninstall()
-    mx.fast.scaled_dot_product_attention = real  # uninstall put back the counting stand-in
 
 
 def qkv(batch: int, length: int, offset: int, heads: int = 4, kv_heads: int = 2, dims: int = 32):
@@ -42,6 +42,7 @@ def qkv(batch: int, length: int, offset: int, heads: int = 4, kv_heads: int = 2,
 CASES = {
     "causal": (1, 200, 0, lambda L, off: "causal"),
     "causal after a cached prefix": (1, 256, 300, lambda L, off: "causal"),
+    "mlx-lm's mask, no padding (the batch cache's)": (1, 192, 40, lambda L, off: create_causal_mask(L, off)),
     "mlx-lm's mask, left padding": (
         2,
         192,
@@ -61,10 +62,20 @@ def test_it_gives_mlx_attention_for_every_causal_mask(installed, name):
     installed.clear()
     got = mx.fast.scaled_dot_product_attention(q, k, v, scale=SCALE, mask=mask)  # what mlx-lm's models call
     assert mx.abs(got - expected).max().item() < 1e-5
-    blocks = -(-length // 64)
     # each block of 64 queries against the keys up to its last one: fewer scores than one call
     assert installed == [(min(64, length - a), offset + min(a + 64, length)) for a in range(0, length, 64)]
-    assert len(installed) == blocks
+
+
+def test_only_the_exact_causal_mask_is_taken_as_causal():
+    """mlx-lm's batch cache hands a boolean mask even without padding; exactly causal, it is treated as
+    "causal" (the NumPy softmax then masks only the last rows' keys); padding or a window keeps it."""
+    plain = create_causal_mask(96, 40)
+    assert cpu_attention._as_causal(plain, 96, 136) == "causal"
+    assert cpu_attention._as_causal(plain[None, None], 96, 136) == "causal"
+    padded = create_causal_mask(96, 40, left_padding=mx.array([0, 5]))
+    assert cpu_attention._as_causal(padded, 96, 136) is padded
+    window = create_causal_mask(96, 40, window_size=50)
+    assert cpu_attention._as_causal(window, 96, 136) is window
 
 
 def test_sinks_pass_through(installed):
@@ -79,7 +90,7 @@ def test_sinks_pass_through(installed):
     "mask",
     [None, "lets a query see a later key", "additive float mask", "too short to split"],
 )
-def test_what_it_cannot_prove_causal_goes_to_mlx_unchanged(installed, mask):
+def test_what_it_cannot_prove_causal_is_one_call(installed, mask):
     length = 40 if mask == "too short to split" else 192
     q, k, v = qkv(1, length, 8)
     if mask == "lets a query see a later key":
@@ -92,18 +103,50 @@ def test_what_it_cannot_prove_causal_goes_to_mlx_unchanged(installed, mask):
     expected = cpu_attention._mlx_attention(q, k, v, scale=SCALE, mask=mask)
     installed.clear()
     got = cpu_attention.attention(q, k, v, scale=SCALE, mask=mask)
-    assert installed == [(length, length + 8)]  # one call, MLX's own
-    assert mx.array_equal(got, expected)
+    assert installed == [(length, length + 8)]  # one call
+    assert mx.abs(got - expected).max().item() < 1e-5
 
 
-def test_install_follows_the_setting():
+def test_install_follows_the_settings_and_the_model():
     real = cpu_attention._mlx_attention
     try:
         assert cpu_attention.install(128) and mx.fast.scaled_dot_product_attention is cpu_attention.attention
-        assert not cpu_attention.install(0) and mx.fast.scaled_dot_product_attention is real
+        assert cpu_attention._rows == 128
+        assert cpu_attention.install(0, "numpy") and cpu_attention._rows == 0  # the NumPy softmax, no blocks
         assert cpu_attention.install(8) and cpu_attention._rows == cpu_attention.MIN_ROWS
+        assert not cpu_attention.install(128, "mlx") and mx.fast.scaled_dot_product_attention is real
+        # a one-layer model: its unread last layer's attention is all the forced work (it lost 5x cold)
+        assert not cpu_attention.install(128, "numpy", num_layers=1) and mx.fast.scaled_dot_product_attention is real
+        assert cpu_attention.install(128, "numpy", num_layers=2)
     finally:
         cpu_attention.uninstall()
+
+
+def test_the_cli_installs_it_by_the_model_depth():
+    """`mlx-kvserve run` installs it (cli.py), not the engine: for a one-layer model it stays MLX's."""
+    from mlx_kvserve import cli
+    from mlx_kvserve.config import Config
+
+    real = cpu_attention._mlx_attention
+    try:
+        cli._install_cpu_attention(Config(), 1)
+        assert mx.fast.scaled_dot_product_attention is real
+        cli._install_cpu_attention(Config(), 30)
+        assert mx.fast.scaled_dot_product_attention is cpu_attention.attention
+    finally:
+        cpu_attention.uninstall()
+
+
+def test_blocks_shrink_to_keep_each_within_the_numpy_bound():
+    bound = cpu_attention.NUMPY_MAX_SCORES
+    assert cpu_attention.block_rows(heads=9, length=512, keys=16384, rows=128) == 128
+    # 9 heads over 32k keys: 113 rows per block keep each block's scores within the bound
+    rows = cpu_attention.block_rows(heads=9, length=512, keys=32768, rows=128)
+    assert rows == bound // (9 * 32768) == 113
+    # 32 heads over 32k keys would need blocks under MIN_ROWS: one call (MLX's op, over the bound)
+    assert cpu_attention.block_rows(heads=32, length=512, keys=32768, rows=128) == 0
+    assert cpu_attention.block_rows(heads=4, length=100, keys=200, rows=64) == 0  # one block only
+    assert cpu_attention.block_rows(heads=4, length=512, keys=600, rows=0) == 0  # blocks off
 
 
 # The softmax through NumPy ([generation] cpu_attention_softmax = "numpy").
@@ -214,17 +257,6 @@ def test_inside_mx_compile_it_falls_back_to_mlx(numpy_installed):
     got = attend(q, k, v)
     assert numpy_installed["numpy"] == 0 and numpy_installed["mlx"] > 0
     assert mx.abs(got - cpu_attention._mlx_attention(q, k, v, scale=SCALE, mask="causal")).max().item() < 1e-5
-
-
-def test_install_takes_the_softmax_setting():
-    real = cpu_attention._mlx_attention
-    try:
-        assert cpu_attention.install(0, "numpy") and mx.fast.scaled_dot_product_attention is cpu_attention.attention
-        assert cpu_attention._rows == 0 and cpu_attention._numpy_softmax
-        assert cpu_attention.install(128, "mlx") and not cpu_attention._numpy_softmax
-        assert not cpu_attention.install(0, "mlx") and mx.fast.scaled_dot_product_attention is real
-    finally:
-        cpu_attention.uninstall()
 
 
 def test_a_call_with_too_many_scores_goes_to_mlx(numpy_installed, monkeypatch):

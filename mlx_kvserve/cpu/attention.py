@@ -1,29 +1,29 @@
-"""Attention on the CPU without the scores it masks out, and with a vectorised softmax.
+"""MLX's attention on the CPU with its softmax in NumPy, where that wins (issue 44's measurements).
 
 On a GPU (Metal, CUDA) MLX's fused attention skips the blocks of a causal mask that hide every key and
 fuses the softmax; on the CPU `mx.fast.scaled_dot_product_attention` computes every query against every
-key, masks, and runs a softmax whose `exp` costs ~15 ns per score (two thirds of a cold prefill's
-attention: docs/benchmarks.md). Two remedies, each its own setting:
+key, masks, and runs a softmax whose `exp` costs ~15 ns per score. This replacement (`install`) does
+MLX's own steps (scale, the scores' GEMM, the mask as MLX applies it, the weighted sum's GEMM) but the
+softmax of the evaluated scores in NumPy, whose `exp` is vectorised (~20x faster per score here), written
+over the scores in their own memory; where the mask is provably causal (the mask "causal", or a boolean
+mask that hides every key after each query's own position), a chunk's queries go in blocks of `rows`,
+each against the keys up to its last query, so the scores the mask hides are not computed and a block's
+scores stay within `NUMPY_MAX_SCORES`. Outputs match MLX's to float rounding.
 
-- Blocks ([generation] cpu_attention_rows): a chunk's queries are cut into blocks of `rows` and each block
-  attends only to the keys up to its last query: the same result (each row's softmax over the same
-  unmasked keys), ~0.65x of the attention time of a 470-token cold chunk on this CPU. It splits only what
-  it can prove is causal: the mask "causal", or a boolean mask that hides every key after each query's own
-  position (mlx-lm's `create_causal_mask`, with or without padding and windows, checked once per mask
-  array); anything else (no mask, additive masks, a mask that lets a query see later keys) is one call.
-- The softmax through NumPy ([generation] cpu_attention_softmax = "numpy"): MLX's own computation, step
-  by step (scale, the scores' GEMM, the mask as MLX applies it, the weighted sum's GEMM), but the softmax
-  of the evaluated scores in NumPy, whose `exp` is vectorised (~20x faster per score here), written over
-  the scores in their own memory (a copy into and out of NumPy cost as much as the softmax); the mask
-  "causal" is applied there too, to the only keys it can hide (the last `length`: a new question over a
-  long context no longer masks every score). It needs the
-  scores evaluated in the middle of the forward pass, so it is used only where that is allowed (not
-  inside `mx.compile` or another transform: there MLX's op runs), where there are enough scores to pay
-  for the stop (`NUMPY_MIN_SCORES`) and not so many that holding them whole weighs (`NUMPY_MAX_SCORES`);
-  attention sinks are applied as MLX does, other options go to MLX's op.
+Where it wins, per call, by shape (scripts/bench_cpu_attention_shapes.py, docs/benchmarks.md): with at
+least `NUMPY_MIN_SCORES` scores (query heads x query rows x keys) and blocks within `NUMPY_MAX_SCORES`,
+0.16-0.5x of MLX's time over 1-128 heads x 16-128 dims, 1-512 query rows, 512-32k keys; below (a decode
+step over a short context) MLX's op is as fast and needs no evaluation stop; above, MLX's op runs whole.
+Blocks with MLX's own softmax did not win (0.6-1.6x) and are not offered.
 
-Installed process-wide on the CPU (`install`), in place of MLX's op, which mlx-lm's models call through
-`mlx_lm.models.base.scaled_dot_product_attention`. The outputs match MLX's to float rounding."""
+Where it loses, by model: the NumPy softmax needs the scores evaluated in the middle of the forward pass,
+so it computes attentions MLX would never compute: a prefill chunk evaluates only the cache, and the last
+layer's attention feeds nothing but the chunk's unread logits. That is 1/layers of the work; at 0.2-0.5x
+per call it wins from 2 layers, and loses 5x on a one-layer model's cold prompt. `install` takes the
+model's layer count for that reason.
+
+Installed process-wide by the CLI (cli.py) in place of MLX's op, which mlx-lm's models call through
+`mlx_lm.models.base.scaled_dot_product_attention`; never inside `mx.compile` or another transform."""
 
 from __future__ import annotations
 
@@ -35,8 +35,9 @@ import mlx.core as mx
 import numpy as np
 
 MIN_ROWS = 64  # below this a block's GEMMs lose more than the skipped scores save
-# Fewer scores than this (a decode step of a small batch) cost less in MLX than the evaluation stop
-# the NumPy softmax needs (scripts/bench_cpu_attention.py).
+MIN_LAYERS = 2  # fewer: the unread last layer's attention is all of it (see above)
+# Fewer scores than this (a decode step of a small batch) cost as much in MLX as the evaluation stop
+# the NumPy softmax needs (scripts/bench_cpu_attention_shapes.py).
 NUMPY_MIN_SCORES = 16384
 # More than this in one call (a long non-causal input, or a block over a very long context) goes to
 # MLX's op: the NumPy softmax holds the whole scores in float32 (a copy of them for a half-precision
@@ -45,38 +46,53 @@ NUMPY_MAX_SCORES = 1 << 25
 
 _mlx_attention = mx.fast.scaled_dot_product_attention
 _rows = 0  # query rows per block; 0 = no blocks
-_numpy_softmax = False
 _checked = threading.local()  # the last boolean mask checked (one per forward pass, every layer) and its verdict
 
 
-def install(rows: int, softmax: str = "mlx") -> bool:
-    """On the CPU, attention in blocks of `rows` query rows (0: none) and its softmax in NumPy when
-    `softmax` is "numpy"; MLX's own op when neither (or off the CPU). Whether anything was installed."""
-    global _rows, _numpy_softmax
+def wins(num_layers: int | None, softmax: str = "numpy") -> bool:
+    """Whether the replacement is worth installing for a model of `num_layers` layers (None: not known
+    yet, as for several) on this device."""
+    several = num_layers is None or num_layers >= MIN_LAYERS
+    return mx.default_device() == mx.cpu and softmax == "numpy" and several
+
+
+def install(rows: int, softmax: str = "numpy", num_layers: int | None = None) -> bool:
+    """MLX's attention replaced by `attention` (the NumPy softmax, blocks of `rows` query rows where
+    causal; 0: no blocks) where `wins` says so; otherwise MLX's own op. Whether it was installed."""
+    global _rows
     uninstall()
-    if mx.default_device() != mx.cpu or (rows <= 0 and softmax != "numpy"):
+    if not wins(num_layers, softmax):
         return False
     _rows = max(rows, MIN_ROWS) if rows > 0 else 0
-    _numpy_softmax = softmax == "numpy"
     mx.fast.scaled_dot_product_attention = attention
     return True
 
 
 def uninstall() -> None:
-    global _rows, _numpy_softmax
-    _rows, _numpy_softmax = 0, False
+    global _rows
+    _rows = 0
     mx.fast.scaled_dot_product_attention = _mlx_attention
 
 
 def attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: Any = None, **kwargs: Any) -> mx.array:
-    """`mx.fast.scaled_dot_product_attention` as installed: in blocks where causal, softmax in NumPy."""
+    """`mx.fast.scaled_dot_product_attention` as installed: the NumPy softmax where it wins, else MLX's op."""
+    mask = _as_causal(mask, q.shape[-2], k.shape[-2])
     return block_attention(q, k, v, scale=scale, mask=mask, rows=_rows, **kwargs)
 
 
+def block_rows(heads: int, length: int, keys: int, rows: int) -> int:
+    """Query rows per block for a causal call (0: one call): `rows`, fewer where the last block's
+    scores would pass NUMPY_MAX_SCORES, none when that leaves fewer than MIN_ROWS or one block."""
+    fit = min(rows, NUMPY_MAX_SCORES // max(heads * keys, 1))
+    return fit if rows > 0 and fit >= MIN_ROWS and length >= 2 * fit else 0
+
+
 def block_attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: Any, rows: int, **kwargs: Any):
-    """The attention of `q` in blocks of `rows` queries where `mask` is provably causal, else one call."""
-    length, keys = q.shape[-2], k.shape[-2]
-    if rows <= 0 or length < 2 * rows or keys < length or not _provably_causal(mask, length, keys):
+    """The attention of `q`, in blocks of up to `rows` queries where `mask` is provably causal."""
+    batch, heads, length = q.shape[:3]
+    keys = k.shape[-2]
+    rows = block_rows(batch * heads, length, keys, rows) if keys >= length else 0
+    if rows == 0 or not _provably_causal(mask, length, keys):
         return _one_call(q, k, v, scale, mask, kwargs)
     offset, outs = keys - length, []
     for a in range(0, length, rows):
@@ -91,7 +107,7 @@ def _one_call(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Any, kw
     scores = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
     sinks = kwargs.get("sinks")
     others = any(value is not None for key, value in kwargs.items() if key != "sinks")  # mlx-lm passes sinks=None
-    if _numpy_softmax and not others and NUMPY_MIN_SCORES <= scores <= NUMPY_MAX_SCORES and _numpy_handles(mask, q, k):
+    if not others and NUMPY_MIN_SCORES <= scores <= NUMPY_MAX_SCORES and _numpy_handles(mask, q, k):
         out = numpy_softmax_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
         if out is not None:
             return out
@@ -180,14 +196,24 @@ def _numpy_handles(mask: Any, q: mx.array, k: mx.array) -> bool:
 
 def _provably_causal(mask: Any, length: int, keys: int) -> bool:
     """Whether `mask` hides, from query i (at key position keys - length + i), every later key."""
-    if isinstance(mask, str):
-        return mask == "causal"
+    return isinstance(mask, str) and mask == "causal" or _mask_verdict(mask, length, keys)[0]
+
+
+def _as_causal(mask: Any, length: int, keys: int) -> Any:
+    """The mask "causal" for a boolean mask that is exactly the causal mask (mlx-lm's batch cache without padding
+    makes one): the NumPy softmax then hides only the last `length` keys instead of masking every score."""
+    return "causal" if _mask_verdict(mask, length, keys)[1] else mask
+
+
+def _mask_verdict(mask: Any, length: int, keys: int) -> tuple[bool, bool]:
+    """(hides every later key, is exactly the causal mask) for a boolean mask of [..., length, keys]."""
     if not isinstance(mask, mx.array) or mask.dtype != mx.bool_ or mask.shape[-2:] != (length, keys):
-        return False
+        return False, False
     if getattr(_checked, "mask", None) is mask:
         return _checked.verdict
-    offset = keys - length
-    later = mx.arange(keys)[None] > (offset + mx.arange(length))[:, None]
-    verdict = not bool(mx.any(mask & later).item())
+    later = mx.arange(keys)[None] > (keys - length + mx.arange(length))[:, None]
+    hides, exact = mx.logical_not(mx.any(mask & later)), mx.all(mask == mx.logical_not(later))
+    mx.eval(hides, exact)
+    verdict = (hides.item(), exact.item())
     _checked.mask, _checked.verdict = mask, verdict
     return verdict

@@ -28,7 +28,6 @@ from ..kv.ssd import FolderBusyError, FolderLock, SSDStore, SSDTier, SSDWriterTh
 from ..kv.ssd.budget import BUDGET_ROLE
 from ..kv.tails import TailStore
 from ..models.loader import LoadedModel
-from . import cpu_attention
 from .batch_state import SchedulerStats
 from .device_memory import array_memory_bytes, bound_buffer_cache
 from .distributed import World
@@ -66,10 +65,9 @@ class Stack(NamedTuple):
 
 def build_stack(loaded: LoadedModel, config: Config, world: World | None = None) -> Stack:
     """The block cache for `loaded` as [cache] and [ssd] configure it (see build_prefix_cache), and
-    MLX's buffer cache bounded as [server] mlx_cache_limit_bytes says (engine/device_memory.py), and
-    on the CPU the attention of [generation] cpu_attention_rows and cpu_attention_softmax (engine/cpu_attention.py)."""
+    MLX's buffer cache bounded as [server] mlx_cache_limit_bytes says (engine/device_memory.py). The CPU's
+    attention is the CLI's to install (cpu/attention.py), not the engine's."""
     bound_buffer_cache(config.server.mlx_cache_limit_bytes)
-    cpu_attention.install(config.generation.cpu_attention_rows, config.generation.cpu_attention_softmax)
     damaged: list[DamagedFile] = []
     stats = SchedulerStats()
     prefix_cache, folder_lock = build_prefix_cache(loaded, config, damaged, world, stats)

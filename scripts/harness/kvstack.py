@@ -62,10 +62,10 @@ def make_generator(
 
 
 def server_attention() -> bool:
-    """The CPU attention the server installs with its default settings (engine/cpu_attention.py), so an
+    """The CPU attention the server installs with its default settings (cpu/attention.py), so an
     in-process benchmark times what the server runs; nothing on a GPU."""
     from mlx_kvserve.config import GenerationConfig
-    from mlx_kvserve.engine import cpu_attention
+    from mlx_kvserve.cpu import attention as cpu_attention
 
     defaults = GenerationConfig()
     return cpu_attention.install(defaults.cpu_attention_rows, defaults.cpu_attention_softmax)

@@ -26,10 +26,8 @@ VARIANTS = {
     "batch8": "[server]\nprefill_batch_size = 8\n",
     # half the CPU's prefill chunk: a later turn arriving during a cold prompt's chunk waits for less of it
     "step256": "[generation]\nprefill_step_size = 256\n[server]\nshort_prefill_tokens = 128\n",
-    # MLX's own attention on the CPU: no blocks, MLX's softmax (engine/cpu_attention.py)
-    "mlx-attention": '[generation]\ncpu_attention_rows = 0\ncpu_attention_softmax = "mlx"\n',
-    # the block-causal attention with MLX's softmax instead of NumPy's (engine/cpu_attention.py)
-    "mlx-softmax": '[generation]\ncpu_attention_softmax = "mlx"\n',
+    # MLX's own attention on the CPU, not the NumPy softmax where it wins (cpu/attention.py)
+    "mlx-attention": '[generation]\ncpu_attention_softmax = "mlx"\n',
 }
 
 
