@@ -319,7 +319,7 @@ def live(loaded, tmp_path_factory):
 def idle_upload(server: LiveServer, path: str = TEXT, declared: int = 100, sent: bytes = b"{") -> socket.socket:
     """A connection that sends its headers and `sent`, promising `declared` body bytes."""
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
-    head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {declared}\r\n\r\n"
+    head = f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {declared}\r\n\r\n"
     sock.sendall(head.encode() + sent)
     return sock
 
