@@ -49,3 +49,21 @@ def test_cpu_prefill_with_and_without_the_block_attention(tmp_path, tiny_model_d
         assert run["same_argmax"] and run["max_logit_diff"] < 1e-3
         assert set(run["times"]) == {"mlx", "numpy softmax"}
         assert all(t > 0 for times in run["times"].values() for t in times)
+
+
+def test_cpu_attention_shapes(tmp_path):
+    """scripts/bench_cpu_attention_shapes.py: each case timed both ways, the path the rule took (a short
+    decode step stays MLX's, a prompt chunk takes the NumPy softmax), the outputs matching MLX's."""
+    out = tmp_path / "out"
+    args = ["--shapes", "2x2x16", "--cases", "decode:1:64,cold:256:512,turn:100:900", "--reps", "1", "--rows", "64"]
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench_cpu_attention_shapes.py", *args, "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    assert [(r["kind"], r["path"]) for r in runs] == [("decode", "mlx"), ("cold", "numpy"), ("turn", "numpy")]
+    assert all(r["diff"] < 1e-4 and r["mlx_ms"] > 0 and r["ours_ms"] > 0 for r in runs)
+    assert "| 2x2x16 | cold | 256 | 512 |" in (out / "report.md").read_text()
