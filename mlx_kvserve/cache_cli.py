@@ -153,6 +153,8 @@ def verify(config_path: str | None, cache_dir: Path | None) -> None:
             continue
         row, damaged = _verify_folder(folder, namespace)
         rows.append(row)
+        if row["unchecked"]:
+            notes.append(f"{folder.name}: {row['unchecked']}")
         bad += row["missing"] + row["invalid"] + row["temp"] + row["bad_tails"] + row["damaged"]
         for d in damaged:
             moved = f"set aside as {d.moved_to.name}" if d.moved_to else "could not be set aside"
@@ -193,13 +195,18 @@ def _verify_folder(folder: Path, namespace: bytes) -> tuple[dict[str, Any], list
     from .checked_json import remove_leftover_temps
     from .kv.pins import PINS_FILE, PinRegistry
     from .kv.ssd import SHUTDOWN_FILE, SSDStore, SSDTailStore, read_shutdown_record
+    from .kv.ssd.table_check import RULES_FILE, read_rules
 
     temps = remove_leftover_temps(folder / PINS_FILE) + remove_leftover_temps(folder / SHUTDOWN_FILE)
-    store = SSDStore(folder, namespace)
+    try:  # what the model's blocks may hold, as its server wrote it; without it, only the tables' structure
+        rules = read_rules(folder)
+    except (OSError, ValueError):
+        rules = None
+    store = SSDStore(folder, namespace, table_rules=rules)
     report = store.validate_index(check_headers=True)
     corrupt = store.verify_all()
     store.flush()
-    tails = SSDTailStore(folder / "tails", namespace).verify_all()
+    tails = SSDTailStore(folder / "tails", namespace, key=store.key, table_rules=rules).verify_all()
     damaged = store.damaged_files + PinRegistry(folder / PINS_FILE).damaged_files
     read_shutdown_record(folder, damaged, consume=False)  # the next start still needs it
     row = {
@@ -212,5 +219,6 @@ def _verify_folder(folder: Path, namespace: bytes) -> tuple[dict[str, Any], list
         "tails": tails.kept,
         "bad_tails": tails.deleted_invalid,
         "damaged": len(damaged),
+        "unchecked": "" if rules is not None else f"no usable {RULES_FILE}: array shapes and dtypes not checked",
     }
     return row, damaged

@@ -52,6 +52,7 @@ from mlx_kvserve.kv.ssd.writer import WriteJob
 GIB = 1024**3
 NS = b"\x01" * 32
 PARENT = b"\x00" * 32
+KEY = b"\x02" * 32  # a folder's secret (kv/ssd/folder_key.py)
 WRITER_BATCH_BYTES = 64 * 2**20  # the SSD writer's default max_batch_bytes
 
 
@@ -222,7 +223,7 @@ class Laps:
         return {name: median(ts) * 1e3 for name, ts in self.times.items()}
 
 
-def load_stages(blocks: list[tuple[bytes, Path]], cold: bool) -> dict[str, float]:
+def load_stages(blocks: list[tuple[bytes, Path]], cold: bool, key: bytes = KEY) -> dict[str, float]:
     """Median ms per block of each step of read_block_file, after a plain read of the same file."""
     laps = Laps()
     for block_hash, path in blocks:
@@ -239,7 +240,7 @@ def load_stages(blocks: list[tuple[bytes, Path]], cold: bool) -> dict[str, float
         laps.lap("open_and_parse_header")
         mx.eval(payload)
         laps.lap("mx_eval_read")
-        arrays = verified_arrays(NS, header, payload)
+        arrays = verified_arrays(NS, header, payload, key=key)
         laps.lap("checksum_and_views")
         mx.eval(arrays)
         laps.lap("views_eval")
@@ -256,9 +257,9 @@ def save_stages(folder: Path, shape: Shape, payloads: list[dict[str, mx.array]],
         header = BlockHeader(os.urandom(32), PARENT, tokens, "")
         tmp, final = folder / f"{i}.tmp.safetensors", folder / f"{i}.safetensors"
         laps.start()
-        block_checksum(NS, header, arrays)
+        block_checksum(NS, header, arrays, key=KEY)
         laps.lap("checksum")
-        write_block_file(tmp, NS, header, arrays, sync=False)  # computes the checksum again
+        write_block_file(tmp, NS, header, arrays, sync=False, key=KEY)  # computes the checksum again
         laps.lap("checksum_and_write")
         fsync_path(tmp)
         laps.lap("fsync")
@@ -301,11 +302,12 @@ def checksum_designs(
         "blake3 per-array digests on a thread pool": tree,
         "blake3 file bytes, 1 thread": lambda: blake3(data).digest(),
         "blake3 file bytes, AUTO threads": lambda: blake3(data, max_threads=blake3.AUTO).digest(),
+        "blake3 keyed file bytes, 1 thread (format v4)": lambda: blake3(data, key=KEY).digest(),
         "zlib.crc32 file bytes": lambda: zlib.crc32(data),
         "xxh3-128 file bytes": lambda: xxh3_128(data).digest(),
         "xxh3-128 per array via memoryview": lambda: per_array(xxh3_128, memoryview),
         "numpy uint64 sum (weak; a floor)": lambda: np.frombuffer(data[: len(data) // 8 * 8], np.uint64).sum(),
-        f"block_checksum as built (format v{FORMAT_VERSION})": lambda: block_checksum(NS, header, arrays),
+        f"block_checksum as built (format v{FORMAT_VERSION})": lambda: block_checksum(NS, header, arrays, key=KEY),
     }
 
 
@@ -342,9 +344,9 @@ def run(total_bytes: int, folder: Path, shape: Shape = LLAMA3_8B, reps: int = 2,
         num_blocks = max(1, total_bytes // shape.block_bytes)
         bandwidth, store, blocks, payloads = io_bandwidth(work, shape, num_blocks, reps)
         sample = blocks[:stage_blocks]
-        stages = {"load_page_cache_ms": load_stages(sample, cold=False)}
+        stages = {"load_page_cache_ms": load_stages(sample, cold=False, key=store.key)}
         if CAN_DROP:
-            stages["load_cold_ms"] = load_stages(sample, cold=True)
+            stages["load_cold_ms"] = load_stages(sample, cold=True, key=store.key)
         stages["save_ms"] = save_stages(work / "stages", shape, payloads, len(sample))
         return {
             "folder": str(folder),

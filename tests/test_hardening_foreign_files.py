@@ -259,8 +259,8 @@ def test_a_fifo_in_place_of_a_block_is_served_by_recomputing(tiny, stored, tmp_p
     # The FIFO is gone: deleted, or already replaced by the recomputed block the writer saved after
     # the request (a race with the check); then the file there is that block, intact.
     if os.path.lexists(fifo):
-        namespace = engine.prefix_cache.manager.hasher.namespace
-        assert read_block_file(fifo, namespace, hashes[2])[0].token_ids == tuple(prompt[2 * BS : 3 * BS])
+        namespace, key = engine.prefix_cache.manager.hasher.namespace, engine.prefix_cache.ssd_tier.store.key
+        assert read_block_file(fifo, namespace, hashes[2], key=key)[0].token_ids == tuple(prompt[2 * BS : 3 * BS])
 
 
 def test_shutdown_completes_with_fifos_at_the_index_and_record_temp_files(tiny, stored, tmp_path):

@@ -1,4 +1,4 @@
-"""The block checksum (xxh3-128), the format 3 payload (every array of a block in one byte array, laid
+"""The block checksum (blake3 keyed with the folder's secret), the format 3+ payload (every array of a block in one byte array, laid
 out by a table) and the format version bumps."""
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from test_ssd_store import NS, block, make_store
 from mlx_kvserve.chain import framed
 from mlx_kvserve.kv.ssd import format as ssd_format
 from mlx_kvserve.kv.ssd.format import BlockHeader, FormatError, block_checksum, block_relpath, read_block_file
+
+KEY = b"\x07" * 32
 
 
 def header_of(block_hash=b"\x01" * 32, parent=b"\x02" * 32, tokens=(1, 2, 3, 4)) -> BlockHeader:
@@ -59,11 +61,11 @@ def flipped(arr: mx.array, position: int) -> mx.array:
 def test_a_flipped_bit_anywhere_in_any_array_changes_the_checksum():
     _, _, _, arrays = block(2)
     header = header_of()
-    reference = block_checksum(NS, header, arrays)
+    reference = block_checksum(NS, header, arrays, key=KEY)
     for name, arr in arrays.items():
         for position in range(arr.nbytes):
             changed = {**arrays, name: flipped(arr, position)}
-            assert block_checksum(NS, header, changed) != reference, (name, position)
+            assert block_checksum(NS, header, changed, key=KEY) != reference, (name, position)
 
 
 def file_parts(path):
@@ -88,9 +90,9 @@ def test_a_flipped_byte_in_each_array_of_a_file_is_caught(tmp_path):
             damaged[8 + length + offset] ^= 0x80
             path.write_bytes(bytes(damaged))
             with pytest.raises(FormatError, match="checksum"):
-                read_block_file(path, NS, h)
+                read_block_file(path, NS, h, key=store.key)
     path.write_bytes(pristine)
-    assert read_block_file(path, NS, h)[0].token_ids == tuple(tokens)
+    assert read_block_file(path, NS, h, key=store.key)[0].token_ids == tuple(tokens)
 
 
 def test_a_changed_table_is_caught(tmp_path):
@@ -117,7 +119,7 @@ def test_a_changed_table_is_caught(tmp_path):
         text += b" " * (-len(text) % 8)
         path.write_bytes(struct.pack("<Q", len(text)) + text + pristine[8 + length :])
         with pytest.raises(FormatError, match="checksum"):
-            read_block_file(path, NS, h)
+            read_block_file(path, NS, h, key=store.key)
 
 
 def raw_bytes(arr: mx.array) -> bytes:
@@ -132,10 +134,10 @@ def test_arrays_come_back_bit_exact_whatever_their_sizes(tmp_path, dtype):
     arrays = {n: (mx.random.normal(s) * 50).astype(dtype) for n, s in shapes.items()}
     path = tmp_path / "b.safetensors"
     h = b"\x09" * 32
-    ssd_format.write_block_file(path, NS, BlockHeader(h, b"\x00" * 32, (1, 2, 3), ""), arrays)
+    ssd_format.write_block_file(path, NS, BlockHeader(h, b"\x00" * 32, (1, 2, 3), ""), arrays, key=KEY)
     _, _, slots = file_parts(path)
     assert all(s.offset % 16 == 0 for s in slots)
-    _, loaded = read_block_file(path, NS, h)
+    _, loaded = read_block_file(path, NS, h, key=KEY)
     assert sorted(loaded) == sorted(arrays)
     for name, arr in arrays.items():
         got = loaded[name]
@@ -146,7 +148,7 @@ def test_arrays_come_back_bit_exact_whatever_their_sizes(tmp_path, dtype):
 def test_the_checksum_covers_names_dtypes_shapes_and_identity():
     _, _, _, arrays = block(4, dtype=mx.float16)
     header = header_of()
-    reference = block_checksum(NS, header, arrays)
+    reference = block_checksum(NS, header, arrays, key=KEY)
     first = sorted(arrays)[0]
     variants = [
         (NS, header, {("x" + k if k == first else k): v for k, v in arrays.items()}),  # renamed
@@ -158,7 +160,7 @@ def test_the_checksum_covers_names_dtypes_shapes_and_identity():
         (b"\x05" * 32, header, arrays),
     ]
     for namespace, other_header, other_arrays in variants:
-        assert block_checksum(namespace, other_header, other_arrays) != reference
+        assert block_checksum(namespace, other_header, other_arrays, key=KEY) != reference
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
@@ -170,4 +172,4 @@ def test_a_strided_array_hashes_as_its_contiguous_copy(dtype):
     copy = mx.contiguous(sliced)
     mx.eval(copy)
     header = header_of()
-    assert block_checksum(NS, header, {"0.k": sliced}) == block_checksum(NS, header, {"0.k": copy})
+    assert block_checksum(NS, header, {"0.k": sliced}, key=KEY) == block_checksum(NS, header, {"0.k": copy}, key=KEY)

@@ -12,6 +12,7 @@ from mlx_kvserve import fsmode
 from mlx_kvserve.chain import BlockHasher
 from mlx_kvserve.kv.hashing import namespace_hash
 from mlx_kvserve.kv.ssd import format as ssd_format
+from mlx_kvserve.kv.ssd.folder_key import KEY_FILE
 from mlx_kvserve.kv.ssd.format import block_relpath
 from mlx_kvserve.kv.ssd.index import INDEX_NAME
 from mlx_kvserve.kv.ssd.store import SaveResult, SSDStore
@@ -54,7 +55,8 @@ def bits(arr: mx.array) -> bytes:
 
 
 def files_under(path) -> list[str]:
-    return sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())
+    """Every file the store wrote under `path` but the folder's key (folder_key.py)."""
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p.name != KEY_FILE)
 
 
 # --- save / load ---------------------------------------------------------------------------------
@@ -190,6 +192,8 @@ def test_validate_index_reconciles_a_messy_folder(tmp_path):
     assert store.flush()
     (root / block_relpath(blocks[0][0])).unlink()  # missing file
     orphan, foreign = block(10), block(11)
+    elsewhere.mkdir()
+    shutil.copy(root / KEY_FILE, elsewhere / KEY_FILE)  # written under this folder's key (a file of another fails)
     make_store(elsewhere).save_block(*orphan)  # an orphan: a valid file the index never saw
     copy_block(elsewhere, root, orphan[0])
     SSDStore(elsewhere / "ns2", namespace_hash("x", "float32", BS), clock=FakeClock()).save_block(*foreign)

@@ -26,6 +26,8 @@ from ..kv.pins import PINS_FILE, PinRegistry
 from ..kv.ram import RAMStore
 from ..kv.ssd import FolderBusyError, FolderLock, SSDStore, SSDTier, SSDWriterThread, store_dir
 from ..kv.ssd.budget import BUDGET_ROLE
+from ..kv.ssd.table_check import TableExpectation, save_rules
+from ..kv.table_rules import table_expectation
 from ..kv.tails import TailStore
 from ..models.loader import LoadedModel
 from .batch_state import SchedulerStats
@@ -119,10 +121,12 @@ def build_ssd_tier(
     pins: PinRegistry,
     layout: blocks.CacheLayout,
     folder_lock: FolderLock | None = None,
+    table_rules: TableExpectation | None = None,
 ) -> SSDTier | None:
     """The SSD tier for this namespace, validated and pruned, with its writer running; None when
     [ssd] is off or its folder cannot be used (the server then runs on RAM alone, logged). A guest
-    (see folder_lock) only reads the folder's state and adds blocks."""
+    (see folder_lock) only reads the folder's state and adds blocks. `table_rules`: what a block
+    file's arrays may be (kv/table_rules.py), checked before each is read."""
     is_owner = folder_lock is None or folder_lock.is_owner
     ssd = config.ssd
     if not ssd.enabled:
@@ -136,10 +140,16 @@ def build_ssd_tier(
             ttl_s=ssd.ttl_days * 86400.0,
             is_pinned=pins.is_pinned,
             is_owner=is_owner,
+            table_rules=table_rules,
         )
     except OSError as exc:
         log.error("SSD tier off: cannot use %s (%s)", config.ssd_path(), exc)
         return None
+    if is_owner and table_rules is not None:
+        try:  # for `cache verify`, which has no model to read them from
+            save_rules(store.cache_dir, table_rules)
+        except OSError as exc:
+            log.warning("cannot write the SSD table rules in %s: %s", store.cache_dir, exc)
     report = store.validate_index(others_write=folder_lock is not None and folder_lock.has_guests())
     pruned = store.prune_expired()
     log.info(
@@ -213,11 +223,15 @@ def build_prefix_cache(
     # Tails (partial last blocks) get an eighth of the RAM budget, full blocks the rest; for models
     # with recurrent layers tails carry the checkpoints, without which no block is usable: half.
     tails = TailStore(budget // 2 if layout.has_state else budget // 8, exact=layout.exact_tails)
+    # The SSD's table rules come from a one-token forward: every rank runs it, whatever its folder does.
+    table_rules = table_expectation(layout) if config.ssd.enabled else None
     folder_lock = lock_store_folder(config, store_namespace)  # before anything reads or writes the folder
     try:
         owns = folder_lock is not None and folder_lock.is_owner  # a guest keeps pins and leases in memory
         pins = PinRegistry(folder_lock.folder / PINS_FILE if owns else None, _leases(config, budget, folder_lock))
-        ssd_tier = build_ssd_tier(config, store_namespace, pins, layout, folder_lock) if folder_lock else None
+        ssd_tier = (
+            build_ssd_tier(config, store_namespace, pins, layout, folder_lock, table_rules) if folder_lock else None
+        )
     except BaseException:
         if folder_lock is not None:
             folder_lock.release()

@@ -1,6 +1,8 @@
 """The SSD tier: KV blocks and tails persisted as verified files, one folder per namespace.
 
 - format.py       the whole on-disk format: block and tail files, array names, checksum, durable writes
+- folder_key.py   the folder's secret the checksums are keyed with (block.key)
+- table_check.py  a block's array table against what the model's layout can hold
 - writeback.py    early writeback of a written file (Linux), so its fsync finds the data on its way
 - index.py        the index (hash -> entry in LRU order), index.json, reconciling it with the files
 - store.py        SSDStore: its state, save path and disk budget; reads.py and upkeep.py its other halves

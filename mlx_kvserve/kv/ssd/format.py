@@ -7,10 +7,12 @@ parent hash, token ids, the arrays' table, checksum). One array per file means o
 device copy per block, and a checksum over one buffer (format 2 held one safetensors array per
 layer side: 64 reads and copies per Llama-3-8B block, 0.12x the raw read speed on a GPU). A file
 alone is enough to rebuild its index entry (index.py), so losing the index costs only LRU/TTL
-history. The checksum covers the block's identity (namespace, hashes, token ids), the table (every
-array's name, dtype, shape and offset) and the payload's bytes, so a flipped byte anywhere in a file
-is caught. A tail is a block file too, named by `tail_key` and kept under its parent's folder
-(tails.py). Writes go through a temp file that is fsync'd and renamed.
+history. The checksum, keyed with the folder's secret (folder_key.py), covers the block's identity
+(namespace, hashes, token ids), the table (every array's name, dtype, shape and offset) and the
+payload's bytes: a flipped byte anywhere in a file is caught, and so is a file forged or edited
+without the key. What the table may say is checked against the model (table_check.py). A tail is
+a block file too, named by `tail_key` and kept under its parent's folder (tails.py). Writes go
+through a temp file that is fsync'd and renamed.
 """
 
 from __future__ import annotations
@@ -20,14 +22,13 @@ import json
 import math
 import os
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
 from blake3 import blake3
-from xxhash import xxh3_128
 
 from ...chain import HASH_BYTES, framed
 from ...fsmode import open_private
@@ -35,9 +36,9 @@ from ...safe_files import open_regular, regular_path
 from .writeback import start_writeback
 
 FORMAT_MAGIC = "mlx-kvserve-block"
-FORMAT_VERSION = (
-    3  # 3: one payload array; 2: an array per layer side, xxh3-128; 1: blake3. Others are deleted at startup
-)
+# 4: keyed blake3; 3: one payload array, xxh3-128; 2: an array per layer side; 1: blake3. Others are
+# deleted at startup (a folder of an older version is recomputed).
+FORMAT_VERSION = 4
 BLOCK_SUFFIX = ".safetensors"
 TEMP_SUFFIX = ".tmp.safetensors"  # mx.save_safetensors appends ".safetensors" to any other name
 _MAX_HEADER_BYTES = 16 * 1024 * 1024
@@ -163,30 +164,31 @@ def decode_tokens(text: str) -> tuple[int, ...]:
 
 def _array_bytes(arr: mx.array) -> memoryview | bytes:
     """The array's bytes in row-major order: the array's own memory when it is contiguous (a block's
-    arrays are), a copy otherwise. A memoryview works for every dtype, bfloat16 included."""
+    arrays are), a copy otherwise, as bytes (blake3 takes byte buffers only; bfloat16 included)."""
     view = memoryview(arr)
-    return view if view.c_contiguous else view.tobytes()
+    return view.cast("B") if view.c_contiguous else view.tobytes()
 
 
-def block_checksum(namespace: bytes, header: BlockHeader, arrays: Mapping[str, mx.array]) -> str:
-    """xxh3-128 over the block's identity, then its array table (every array's name, dtype, shape and
-    offset), then the payload's bytes (header.checksum and header.table unused: the table is the one
-    `plan_payload` makes for `arrays`). Equal to `payload_checksum` of the file written from them.
-    It detects damage, it does not authenticate: the hashes and token ids decide identity, and a hit
-    still compares token ids. xxh3 hashes ~13 GiB/s on one CPU core, blake3 ~2.5 GiB/s
-    (scripts/bench_ssd_io.py, docs/benchmarks.md)."""
+def block_checksum(namespace: bytes, header: BlockHeader, arrays: Mapping[str, mx.array], *, key: bytes) -> str:
+    """blake3 keyed with the folder's `key` over the block's identity, then its array table (every
+    array's name, dtype, shape and offset), then the payload's bytes (header.checksum and
+    header.table unused: the table is the one `plan_payload` makes for `arrays`). Equal to
+    `payload_checksum` of the file written from them. Keyed, it authenticates: a file made without
+    the key fails it (format 3's xxh3 only detected damage; the cost: docs/benchmarks.md)."""
     slots, _ = plan_payload(arrays)
-    return _checksum(namespace, header, encode_table(slots), _payload_chunks(slots, arrays))
+    return _checksum(key, namespace, header, encode_table(slots), _payload_chunks(slots, arrays))
 
 
-def payload_checksum(namespace: bytes, header: BlockHeader, payload: mx.array | np.ndarray) -> str:
+def payload_checksum(namespace: bytes, header: BlockHeader, payload: mx.array | np.ndarray, *, key: bytes) -> str:
     """The checksum of a read block: identity, the table as the file holds it, the payload."""
-    return _checksum(namespace, header, header.table, [memoryview(payload)] if payload.size else [])
+    return _checksum(key, namespace, header, header.table, [memoryview(payload).cast("B")] if payload.size else [])
 
 
-def _checksum(namespace: bytes, header: BlockHeader, table: str, chunks: Sequence[memoryview | bytes]) -> str:
-    hasher = xxh3_128(
-        framed(namespace, header.block_hash, header.parent_hash, encode_tokens(header.token_ids).encode())
+def _checksum(
+    key: bytes, namespace: bytes, header: BlockHeader, table: str, chunks: Sequence[memoryview | bytes]
+) -> str:
+    hasher = blake3(
+        framed(namespace, header.block_hash, header.parent_hash, encode_tokens(header.token_ids).encode()), key=key
     )
     hasher.update(framed(table.encode()))
     for chunk in chunks:
@@ -292,7 +294,7 @@ def _read_head(f) -> tuple[dict[str, str], int]:
 
 
 def write_block_file(
-    path: Path, namespace: bytes, header: BlockHeader, arrays: Mapping[str, mx.array], sync: bool = True
+    path: Path, namespace: bytes, header: BlockHeader, arrays: Mapping[str, mx.array], sync: bool = True, *, key: bytes
 ) -> int:
     """Write a block file (header.checksum and header.table are made here) and fsync it; returns its
     size. The arrays' bytes go to the file straight from their memory, without a joined copy.
@@ -302,7 +304,7 @@ def write_block_file(
         slots, size = plan_payload(arrays)
         chunks = _payload_chunks(slots, arrays)
         table = encode_table(slots)
-        header = header._replace(table=table, checksum=_checksum(namespace, header, table, chunks))
+        header = header._replace(table=table, checksum=_checksum(key, namespace, header, table, chunks))
         head = json.dumps(
             {PAYLOAD: {"dtype": "U8", "shape": [size], "data_offsets": [0, size]},
              "__metadata__": block_metadata(namespace, header)},
@@ -324,12 +326,19 @@ def write_block_file(
         raise
 
 
-def read_block_file(path: Path, namespace: bytes, block_hash: bytes) -> tuple[BlockHeader, dict[str, mx.array]]:
-    """Load and verify a block file: its header and named arrays. Raises FormatError (or mlx's
-    RuntimeError) unless it is intact."""
+TableCheck = Callable[[BlockHeader, int], None]  # (header, payload bytes): raises FormatError (table_check.py)
+
+
+def read_block_file(
+    path: Path, namespace: bytes, block_hash: bytes, *, key: bytes, check: TableCheck | None = None
+) -> tuple[BlockHeader, dict[str, mx.array]]:
+    """Load and verify a block file: its header and named arrays, the table passing `check` before
+    the payload is read. Raises FormatError (or mlx's RuntimeError) unless it is intact."""
     header, payload = open_block_file(path, namespace, block_hash)
+    if check is not None:
+        check(header, payload.size)
     mx.eval(payload)
-    return header, verified_arrays(namespace, header, payload)
+    return header, verified_arrays(namespace, header, payload, key=key)
 
 
 def open_block_file(path: Path, namespace: bytes, block_hash: bytes) -> tuple[BlockHeader, mx.array]:
@@ -348,10 +357,10 @@ def open_block_file(path: Path, namespace: bytes, block_hash: bytes) -> tuple[Bl
     return header, payload
 
 
-def verified_arrays(namespace: bytes, header: BlockHeader, payload: mx.array) -> dict[str, mx.array]:
+def verified_arrays(namespace: bytes, header: BlockHeader, payload: mx.array, *, key: bytes) -> dict[str, mx.array]:
     """The named arrays of an evaluated payload, after checking it against the header's checksum
     and table; raises FormatError. The arrays are views of the payload: no copy."""
-    if payload_checksum(namespace, header, payload) != header.checksum:
+    if payload_checksum(namespace, header, payload, key=key) != header.checksum:
         raise FormatError("checksum mismatch")
     return payload_arrays(header, payload)
 
@@ -362,20 +371,27 @@ def payload_arrays(header: BlockHeader, payload: mx.array) -> dict[str, mx.array
     slots = decode_table(header.table)
     if (slots[-1].offset + slots[-1].nbytes if slots else 0) != payload.size:
         raise FormatError("array table does not match the payload's size")
-    return {s.name: payload[s.offset : s.offset + s.nbytes].view(_DTYPES[s.dtype]).reshape(s.shape) for s in slots}
+    try:  # a shape mlx refuses (a dimension past its int range) is a bad table, not a crash
+        return {s.name: payload[s.offset : s.offset + s.nbytes].view(_DTYPES[s.dtype]).reshape(s.shape) for s in slots}
+    except (ValueError, RuntimeError, OverflowError, TypeError) as exc:
+        raise FormatError(f"array table mlx cannot use: {type(exc).__name__}") from None
 
 
-def read_block_host(path: Path, namespace: bytes, block_hash: bytes) -> tuple[BlockHeader, np.ndarray]:
+def read_block_host(
+    path: Path, namespace: bytes, block_hash: bytes, *, key: bytes, check: TableCheck | None = None
+) -> tuple[BlockHeader, np.ndarray]:
     """A block file's header and payload read into host memory and checked against its checksum
     there (not through mlx): for a device whose arrays live apart from the CPU (CUDA), where
     hashing an mlx array reads it back from the device. Thread-safe and mlx-free, so several files
-    are read at once on a thread pool; `mx.array(payload)` then makes the one device copy. Raises
-    FormatError or OSError."""
+    are read at once on a thread pool; `mx.array(payload)` then makes the one device copy. The
+    table passes `check` before the buffer is allocated. Raises FormatError or OSError."""
     with os.fdopen(open_regular(path), "rb", buffering=0) as f:
         meta, size = _read_head(f)
         header = parse_metadata(meta, namespace)
         if header.block_hash != block_hash:
             raise FormatError("file holds another block")
+        if check is not None:
+            check(header, size)
         payload = np.empty(size, dtype=np.uint8)
         view, done = memoryview(payload), 0
         while done < size:
@@ -383,7 +399,7 @@ def read_block_host(path: Path, namespace: bytes, block_hash: bytes) -> tuple[Bl
             if not got:
                 raise FormatError("file ended early")
             done += got
-    if payload_checksum(namespace, header, payload) != header.checksum:
+    if payload_checksum(namespace, header, payload, key=key) != header.checksum:
         raise FormatError("checksum mismatch")
     return header, payload
 

@@ -1,8 +1,9 @@
 """SSDStore's read path (one of its base classes): membership, adopting block files that another
 server of the folder wrote, and verified loads, the files of a chain read together.
 
-A file is served only when its header, checksum and token ids check out; a damaged file is a miss
-and is deleted, other tokens under the hash are a collision (the hash is isolated).
+A file is served only when its header, array table (table_check.py: before its payload is read),
+keyed checksum and token ids check out; a damaged or forged file is a miss and is deleted, other
+tokens under the hash are a collision (the hash is isolated).
 
 Two ways to read, the same checks: through mlx (`mx.load` of the payload, evaluated together so mlx
 reads the files in parallel, then hashed where it lies), or through host memory on a thread pool
@@ -24,7 +25,6 @@ import mlx.core as mx
 
 from .format import (
     BlockHeader,
-    FormatError,
     open_block_file,
     payload_arrays,
     read_block_host,
@@ -32,6 +32,7 @@ from .format import (
     verified_arrays,
 )
 from .index import BlockIndex, IndexEntry, tokens_digest
+from .table_check import TableExpectation, table_checker
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,8 @@ class StoreReads:
     `_remove` (called with `_lock` held)."""
 
     namespace: bytes
+    key: bytes  # the folder's secret (folder_key.py): the checksums are keyed with it
+    table_rules: TableExpectation | None  # what a table may hold (None: its structure only)
     _lock: threading.Lock  # guards _index, _stats, _dirty
     _index: BlockIndex
     _stats: dict[str, int]
@@ -208,11 +211,13 @@ class StoreReads:
                     self._stats["misses"] += 1
                 break
             if self.host_reads if self.host_reads is not None else reads_through_host():
-                future = _pool().submit(read_block_host, self._path(block_hash), self.namespace, block_hash)
+                path, check = self._path(block_hash), table_checker(self.table_rules)
+                future = _pool().submit(read_block_host, path, self.namespace, block_hash, key=self.key, check=check)
                 opened.append((block_hash, entry, None, future))
                 continue
             try:
                 header, payload = open_block_file(self._path(block_hash), self.namespace, block_hash)
+                table_checker(self.table_rules)(header, payload.size)  # before anything is read
             except Exception as exc:  # mlx raises RuntimeError for unreadable or truncated files
                 self._drop_unreadable(block_hash, entry, exc)
                 break
@@ -231,8 +236,11 @@ class StoreReads:
         """A read block if its checksum (unless `checked` already), table and token ids hold, else
         None (and the file is dealt with)."""
         try:
-            arrays = payload_arrays(header, payload) if checked else verified_arrays(self.namespace, header, payload)
-        except FormatError as exc:
+            if checked:
+                arrays = payload_arrays(header, payload)
+            else:
+                arrays = verified_arrays(self.namespace, header, payload, key=self.key)
+        except Exception as exc:  # FormatError; anything else a file makes happen is damage too
             self._drop_unreadable(block_hash, entry, exc)
             return None
         with self._lock:
@@ -245,6 +253,14 @@ class StoreReads:
                 self._dirty = True
             self._stats["hits"] += 1
         return LoadedBlock(header.token_ids, arrays, header.parent_hash)
+
+    def discard(self, block_hash: bytes, exc: Exception) -> None:
+        """A loaded block turned out unusable (its arrays do not make a payload): a damaged file,
+        deleted and counted in `corrupt` like one that fails its checks."""
+        with self._lock:
+            entry = self._index.get(block_hash)
+        if entry is not None:
+            self._drop_unreadable(block_hash, entry, exc)
 
     def _drop_unreadable(self, block_hash: bytes, entry: IndexEntry, exc: Exception) -> None:
         with self._lock:

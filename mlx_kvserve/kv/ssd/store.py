@@ -38,9 +38,11 @@ import mlx.core as mx
 from ...checked_json import DamagedFile, load_json, read_json
 from ...fsmode import private_mkdir
 from . import format as ssd_format
+from .folder_key import folder_key
 from .format import TEMP_SUFFIX, BlockHeader, block_relpath, fsync_dir, write_block_file
 from .index import INDEX_NAME, INDEX_SCHEMA, MAX_INDEX_BYTES, BlockIndex, IndexEntry, tokens_digest
 from .reads import StoreReads
+from .table_check import TableExpectation
 from .upkeep import StoreUpkeep
 
 log = logging.getLogger(__name__)
@@ -118,10 +120,13 @@ class SSDStore(StoreReads, StoreUpkeep):
         is_pinned: Callable[[bytes], bool] | None = None,
         free_bytes: Callable[[Path], int] = _free_bytes,
         is_owner: bool = True,
+        table_rules: TableExpectation | None = None,
     ):
         """`max_bytes` <= 0: no disk budget; `ttl_s` <= 0: no pruning. `is_pinned` is called under
-        the store's lock, so it must be cheap and must not call the store. Raises OSError when the
-        folder cannot be created; a missing or damaged index starts empty (validate_index adopts files)."""
+        the store's lock, so it must be cheap and must not call the store. `table_rules`: what a
+        block's arrays may be (kv/table_rules.py), checked before a file is read; None checks the
+        table's structure only. Raises OSError when the folder or its key (folder_key.py) cannot be
+        made; a missing or damaged index starts empty (validate_index adopts files)."""
         self.cache_dir = Path(cache_dir)
         self.namespace = namespace
         self.max_bytes = max_bytes
@@ -135,6 +140,8 @@ class SSDStore(StoreReads, StoreUpkeep):
         self._free_bytes = free_bytes
         self._temp_ids = itertools.count()
         private_mkdir(self.cache_dir)
+        self.key = folder_key(self.cache_dir, may_replace=is_owner)
+        self.table_rules = table_rules
         self._flush_lock = threading.Lock()  # serializes index writes; taken before _lock, never inside it
         self._lock = threading.Lock()  # guards _index, _noncacheable, _stats, _dirty, _last_flush and block files
         self.damaged_files: list[DamagedFile] = []  # bookkeeping files found damaged (and set aside) here
@@ -340,7 +347,7 @@ class SSDStore(StoreReads, StoreUpkeep):
         final = self._path(header.block_hash)
         private_mkdir(final.parent)  # the namespace folder too, if someone removed it meanwhile
         tmp = final.with_name(f"{header.block_hash.hex()}.{os.getpid()}-{next(self._temp_ids)}{TEMP_SUFFIX}")
-        return tmp, write_block_file(tmp, self.namespace, header, arrays, sync=sync)
+        return tmp, write_block_file(tmp, self.namespace, header, arrays, sync=sync, key=self.key)
 
     def _install(self, block_hash: bytes, entry: IndexEntry, tmp: Path) -> SaveResult:
         """Make room within the budget, rename the temp file into place, index it. Caller holds _lock."""

@@ -2,7 +2,7 @@
 token a RAM tail would have served, not only whole blocks.
 
 One verified file per tail in `<store>/tails/<parent hash>/<tail key>.safetensors` (the block
-file format: checksum, namespace, token ids). A file's mtime is its tail's last use (saved, served
+file format: table, keyed checksum, namespace, token ids). A file's mtime is its tail's last use (saved, served
 from the SSD, or served from RAM: `touch`), so the SSD keeps what RAM keeps: at most `per_parent`
 tails per parent, the least recently used replaced first; pruned with the blocks' TTL. Never
 raises: a failure is a miss, logged once.
@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 from ...chain import HASH_BYTES
 from ...fsmode import private_mkdir
 from ..tails import common_prefix
+from .folder_key import folder_key
 from .format import (
     BLOCK_SUFFIX,
     BlockHeader,
@@ -34,6 +35,7 @@ from .format import (
     write_block_file,
 )
 from .store import SaveResult
+from .table_check import TableExpectation, table_checker
 
 log = logging.getLogger(__name__)
 SUFFIX = BLOCK_SUFFIX  # a tail file is a block file (format.py)
@@ -53,11 +55,22 @@ class LoadedTail(NamedTuple):
 
 class SSDTailStore:
     def __init__(
-        self, folder: Path, namespace: bytes, per_parent: int = 4, exact: bool = False, may_delete: bool = True
+        self,
+        folder: Path,
+        namespace: bytes,
+        per_parent: int = 4,
+        exact: bool = False,
+        may_delete: bool = True,
+        key: bytes | None = None,
+        table_rules: TableExpectation | None = None,
     ):
         """`may_delete` False: a guest server in another server's folder (folder_lock.py) adds
-        tails but deletes none: the per-parent limit and damaged files are the owner's to act on."""
+        tails but deletes none: the per-parent limit and damaged files are the owner's to act on.
+        `key`: the store folder's (default: read from the folder above `folder`, when first
+        needed); `table_rules` as SSDStore's."""
         self.folder = folder
+        self._key = key
+        self.table_rules = table_rules
         self.may_delete = may_delete
         self.namespace = namespace
         self.per_parent = per_parent
@@ -68,6 +81,13 @@ class SSDTailStore:
         # it high, and the store's eviction lists the files (exact) before it removes anything.
         self._used_bytes = 0
         self.used_bytes(fresh=True)
+
+    @property
+    def key(self) -> bytes:
+        """The store folder's key (folder_key.py). Raises OSError when it can be neither read nor made."""
+        if self._key is None:
+            self._key = folder_key(self.folder.parent, may_replace=self.may_delete)
+        return self._key
 
     def _dir(self, parent_hash: bytes) -> Path:
         return self.folder / parent_hash.hex()
@@ -91,7 +111,8 @@ class SSDTailStore:
             private_mkdir(folder)  # tails/ too, if someone removed it meanwhile
             if not (_real_dir(self.folder) and _real_dir(folder)):
                 raise OSError(f"{folder} is not a plain folder (a link?); tails are never written through links")
-            size = write_block_file(tmp, self.namespace, BlockHeader(key, parent_hash, tuple(token_ids), ""), arrays)
+            header = BlockHeader(key, parent_hash, tuple(token_ids), "")
+            size = write_block_file(tmp, self.namespace, header, arrays, key=self.key)
             os.replace(tmp, path)
             if used_at is not None:  # a writer delay must not make it look newer than later uses
                 os.utime(path, (used_at, used_at))
@@ -147,7 +168,7 @@ class SSDTailStore:
             return None
         n, path, header = best
         try:
-            header, arrays = read_block_file(path, self.namespace, header.block_hash)
+            header, arrays = self._read(path, header.block_hash)
             check_identity(header, path, parent_hash)  # again: the file may have been replaced meanwhile
         except Exception as exc:  # mlx raises RuntimeError for unreadable files
             self._discard(path, exc)
@@ -155,6 +176,13 @@ class SSDTailStore:
         os.utime(path)  # recently used: kept longest by the per-parent limit and the TTL
         self.stats["ssd_tail_hits"] += 1
         return LoadedTail(header.token_ids, arrays, n)
+
+    def _read(self, path: Path, key: bytes) -> tuple[BlockHeader, dict[str, Any]]:
+        return read_block_file(path, self.namespace, key, key=self.key, check=table_checker(self.table_rules))
+
+    def discard(self, parent_hash: bytes, token_ids: Sequence[int], exc: Exception) -> None:
+        """A served tail turned out unusable (its arrays do not make a payload): deleted, counted."""
+        self._discard(self._dir(parent_hash) / f"{tail_key(parent_hash, token_ids).hex()}{SUFFIX}", exc)
 
     def _discard(self, path: Path, exc: Exception) -> None:
         if not self.may_delete:
@@ -224,7 +252,7 @@ class SSDTailStore:
                     invalid += _remove_any(path)
                 continue
             try:
-                header, _ = read_block_file(path, self.namespace, key)
+                header, _ = self._read(path, key)
                 check_identity(header, path, parent_hash)
                 kept += 1
             except Exception as exc:  # mlx raises RuntimeError for unreadable files

@@ -72,7 +72,12 @@ class SSDTier:
         )
         self.validation: dict[str, Any] = {}  # the startup validate_index report
         self.tails = SSDTailStore(
-            store.cache_dir / "tails", store.namespace, exact=exact_tails, may_delete=store.is_owner
+            store.cache_dir / "tails",
+            store.namespace,
+            exact=exact_tails,
+            may_delete=store.is_owner,
+            key=store.key,
+            table_rules=store.table_rules,
         )
         store.attach_secondary(self.tails)  # every byte the tier writes counts in one budget
         self._tail_lock = threading.Lock()  # guards _tail_keys
@@ -158,8 +163,8 @@ class SSDTier:
         for (block_hash, _), block in zip(wanted, loaded, strict=False):
             try:
                 out.append(self._from_arrays(block.arrays))
-            except (KeyError, ValueError) as exc:
-                log.warning("SSD block %s has an unexpected layout (%s); ignored", block_hash.hex()[:16], exc)
+            except Exception as exc:  # a file whose arrays make no payload is damaged: never a 500
+                self.store.discard(block_hash, exc)
                 break
         return out
 
@@ -247,7 +252,8 @@ class SSDTier:
             return None
         try:
             payload, nbytes = self._from_arrays(loaded.arrays)
-        except (KeyError, ValueError):
+        except Exception as exc:  # as in _payloads: damaged, deleted
+            self.tails.discard(parent_hash, loaded.token_ids, exc)
             return None
         return loaded.token_ids, payload, nbytes, loaded.num_shared
 

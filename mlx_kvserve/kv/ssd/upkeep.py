@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 from .format import atomic_write, block_files, read_block_file
 from .index import INDEX_NAME, BlockIndex, reconcile
+from .table_check import TableExpectation, table_checker
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,8 @@ class StoreUpkeep:
 
     cache_dir: Path
     namespace: bytes
+    key: bytes
+    table_rules: TableExpectation | None
     max_bytes: int
     ttl_s: float
     is_owner: bool
@@ -78,14 +81,15 @@ class StoreUpkeep:
         return len(expired)
 
     def verify_all(self) -> int:
-        """Read and verify every block file (checksum included); delete the damaged ones.
+        """Read and verify every block file (table and keyed checksum included); delete the damaged ones.
         Returns how many were deleted. Slow: for `mlx-kvserve cache verify`, not the hot path."""
         with self._lock:
             entries = list(self._index.items())
         damaged = 0
         for block_hash, entry in entries:
             try:
-                read_block_file(self._path(block_hash), self.namespace, block_hash)
+                path = self._path(block_hash)
+                read_block_file(path, self.namespace, block_hash, key=self.key, check=table_checker(self.table_rules))
             except Exception as exc:  # mlx raises RuntimeError for unreadable files
                 self._drop_unreadable(block_hash, entry, exc)
                 damaged += 1
