@@ -13,6 +13,7 @@ import it too (tests/conftest.py puts scripts/ on sys.path). Modules:
   restart.py    in-process engines on a cache folder, restarted (bench_restart_hit, bench_write_interference)
   scenarios/    the measurements bench.py runs together and each single-topic bench runs alone
   agent_model.py the random model try_clients.py and bench_claude_session.py serve to agent clients
+  client_requests.py  real clients' recorded requests (tests/data/client_requests/), which the tests replay
   agent_workload.py, agent_summary.py, families.py, grammar_libraries.py, grammar_compare.py, journey.py:
                 one bench's workload and arithmetic each, here so that the tests check them without servers
 """
