@@ -2,9 +2,10 @@
 format 4 next to format 3's xxh3-128 and unkeyed blake3, over block payloads of realistic sizes.
 
 For each size: the hash alone over a payload in memory, and a block read as the host path does it
-(`readinto` of the file from the page cache into a new buffer, then the hash). The variants alternate within each
-repetition (the machine is shared and noisy); medians. Then `read_block_host` itself on a format 4
-file of the same size, which the "read + keyed blake3" row should match.
+(`readinto` of the file from the page cache into a new buffer, then the hash). The variants alternate
+within each repetition, in a shuffled order (the machine is shared and noisy); medians. Then
+`read_block_host` itself on a format 4 file of the same size (it also parses the header and checks
+the table).
 
     .venv/bin/python scripts/bench_block_mac.py [--reps 40] [--json out.json]
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import tempfile
 import time
@@ -71,9 +73,11 @@ def measure(size: int, folder: Path, reps: int) -> dict[str, float]:
     variants.update({f"read + {name}": read_then(fn) for name, fn in HASHES.items()})
     variants["read_block_host (format 4, as built)"] = lambda: read_block_host(block, NS, block_hash, key=KEY)
     times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(reps):
-        for name, fn in variants.items():
-            times[name].append(_timed(fn))
+    for rep in range(reps):  # each repetition in another order: no variant always follows the same one
+        order = list(variants)
+        random.Random(rep).shuffle(order)
+        for name in order:
+            times[name].append(_timed(variants[name]))
     return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
 
 

@@ -175,6 +175,13 @@ def test_the_other_clients_dry_runs(server, home):
     assert settings["security"]["auth"]["selectedType"] == "openai"
     assert settings["modelProviders"]["openai"][0]["generationConfig"]["contextWindowSize"] == 4096
 
+    out = dry_run("cline", "--url", server.url, "--", "say hi")
+    assert f"export CLINE_DIR={home}/launch/cline\n" in out and out.endswith("cline 'say hi'\n")
+    settings = json.loads(_file(out, "providers.json"))["providers"]["openai-compatible"]["settings"]
+    assert settings == {"provider": "openai-compatible", "apiKey": "unused", "model": "tiny-model", "baseUrl": v1}
+    registry = json.loads(_file(out, "models.json"))["providers"]["openai-compatible"]
+    assert registry["models"]["tiny-model"]["contextWindow"] == 4096
+
     out = dry_run("aider", "--url", server.url, "--", "--message", "say hi")
     assert json.loads(_file(out, "model-metadata.json"))["openai/tiny-model"]["max_input_tokens"] == 4096
     meta = f"{home}/launch/aider/model-metadata.json"

@@ -9,6 +9,7 @@ from turn to turn. Pure: nothing is written or run here.
 
 from __future__ import annotations
 
+import datetime
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -146,6 +147,42 @@ def qwen(target: Target, folder: Path, args: list[str]) -> Profile:
     )
 
 
+def cline(target: Target, folder: Path, args: list[str]) -> Profile:
+    """Cline CLI: a private CLINE_DIR holding what `cline auth -p openai -b URL` writes (the provider
+    `openai-compatible`), and its model registry entry with the window (Cline assumes 128k otherwise)."""
+    settings = folder / "data" / "settings"
+    provider = {"provider": "openai-compatible", "apiKey": target.api_key, "model": target.model, "baseUrl": target.v1}
+    stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    providers = {
+        "version": 1,
+        "lastUsedProvider": "openai-compatible",
+        "modes": {},
+        "providers": {"openai-compatible": {"settings": provider, "updatedAt": stamp, "tokenSource": "manual"}},
+    }
+    model: dict = {"id": target.model, "name": target.model, "capabilities": ["streaming", "tools"]}
+    if target.context_length:
+        model |= {"contextWindow": target.context_length, "maxInputTokens": target.context_length}
+    registry = {
+        "version": 1,
+        "providers": {
+            "openai-compatible": {
+                "provider": {"name": "OpenAI Compatible", "baseUrl": target.v1, "defaultModelId": target.model},
+                "models": {target.model: model},
+            }
+        },
+    }
+    return Profile(
+        "cline",
+        ["cline", *args],
+        {"CLINE_DIR": str(folder)},
+        files=[
+            ProfileFile(settings / "providers.json", json_text(providers)),
+            ProfileFile(settings / "models.json", json_text(registry)),
+        ],
+        secret=target.api_key if target.has_key else "",
+    )
+
+
 def aider(target: Target, folder: Path, args: list[str]) -> Profile:
     """aider (LiteLLM's OpenAI provider): the model and base URL as flags, the key in OPENAI_API_KEY,
     and a model metadata file with the window (aider warns about an unknown model and asks otherwise)."""
@@ -209,6 +246,7 @@ CLIENTS = {
         Client("codex", "codex", "npm install -g @openai/codex", codex),
         Client("opencode", "opencode", "npm install -g opencode-ai", opencode),
         Client("qwen", "qwen", "npm install -g @qwen-code/qwen-code", qwen),
+        Client("cline", "cline", "npm install -g cline", cline),
         Client("aider", "aider", "python -m pip install aider-install && aider-install", aider),
         Client("llm", "llm", "pipx install llm  (or: python -m pip install llm)", llm),
     )

@@ -38,7 +38,7 @@ def launch_folder(client: str) -> Path:
 def launch(client, client_args, url, model, config_path, dry_run, start_timeout) -> None:
     """Run an agent client against this server, with no configuration to write.
 
-    CLIENT is claude, codex, opencode, qwen, aider or llm; arguments after `--` go to it, e.g.
+    CLIENT is claude, codex, opencode, qwen, cline, aider or llm; arguments after `--` go to it, e.g.
     `mlx-kvserve launch claude -- -p "say hi"`. Finds the server at --url (or the configured
     address); with none there, starts `mlx-kvserve run` with --model/--config and stops it when
     the client exits. The client's settings go in a private folder (<home>/launch/CLIENT) or its
