@@ -97,7 +97,15 @@ def test_without_a_window_on_the_card_healths_is_used():
         fake.close()
 
 
-def test_claude_codes_dry_run_shows_everything_it_sets(server, home):
+@pytest.fixture
+def long_server():
+    fake = FakeServer(card_context=200_000)
+    yield fake
+    fake.close()
+
+
+def test_claude_codes_dry_run_shows_everything_it_sets(long_server, home):
+    server = long_server
     out = dry_run("claude", "--url", server.url, "--", "-p", "say hi")
     folder = home / "launch" / "claude"
     assert out == (
@@ -115,7 +123,7 @@ def test_claude_codes_dry_run_shows_everything_it_sets(server, home):
         "export CLAUDE_CODE_ATTRIBUTION_HEADER=0\n"
         "export CLAUDE_CODE_TOTAL_TOKENS_REMINDER=off\n"
         "export CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1\n"
-        "export CLAUDE_CODE_AUTO_COMPACT_WINDOW=4096\n"
+        "export CLAUDE_CODE_AUTO_COMPACT_WINDOW=200000\n"
         f"# file merged into {folder}/.claude.json\n"
         "{\n"
         '  "hasCompletedOnboarding": true\n'
@@ -124,6 +132,14 @@ def test_claude_codes_dry_run_shows_everything_it_sets(server, home):
         "claude -p 'say hi'\n"
     )
     assert not folder.exists()  # a dry run writes nothing
+
+
+def test_claude_code_is_warned_of_a_short_context(server, home):
+    """Claude Code reads an auto-compact window under 100k as 100k (and says so on every run): none is
+    set, and the user is told the model's context is below Claude Code's own prompt."""
+    out = dry_run("claude", "--url", server.url)
+    assert "CLAUDE_CODE_AUTO_COMPACT_WINDOW" not in out
+    assert "# note: the served context (4,096 tokens) is below Claude Code's smallest auto-compact window" in out
 
 
 def test_codexs_dry_run_has_its_provider_window_and_the_git_check_skipped(server, home):
@@ -202,7 +218,9 @@ def test_a_servers_key_is_sent_and_never_shown(home):
         for client in CLIENTS:
             out = dry_run(client, "--url", fake.url, env={"MLX_KVSERVE_API_KEY": "sk-secret-123"})
             assert "sk-secret-123" not in out and KEY_PLACEHOLDER in out, client
-            assert "tiny-model" in out and ("4096" in out or client == "llm")  # the card was read with the key
+            assert "tiny-model" in out and (
+                "4096" in out or "4,096" in out or client == "llm"
+            )  # the card was read with the key
         assert set(fake.seen_auth) == {"Bearer sk-secret-123"}
     finally:
         fake.close()

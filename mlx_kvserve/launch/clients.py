@@ -20,6 +20,8 @@ from .target import Target
 
 KEY_ENV = "MLX_KVSERVE_LAUNCH_API_KEY"  # where a client that names its key variable reads the key
 PROVIDER = "mlx-kvserve"
+CLAUDE_MIN_COMPACT_WINDOW = 100_000  # Claude Code 2.1 reads a smaller CLAUDE_CODE_AUTO_COMPACT_WINDOW as this
+CLAUDE_PROMPT_TOKENS = 13_000  # its system prompt and tools (2.1.332: 12.4k with -p, 13.8k interactive)
 
 
 def claude(target: Target, folder: Path, args: list[str]) -> Profile:
@@ -47,8 +49,15 @@ def claude(target: Target, folder: Path, args: list[str]) -> Profile:
         "CLAUDE_CODE_TOTAL_TOKENS_REMINDER": "off",
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",  # no update checks, telemetry or error reports
     }
-    if target.context_length:
+    notes = []
+    if target.context_length >= CLAUDE_MIN_COMPACT_WINDOW:
         env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] = str(target.context_length)
+    elif target.context_length:  # it reads a smaller window as its 100k minimum, and says so on every run
+        notes.append(
+            f"the served context ({target.context_length:,} tokens) is below Claude Code's smallest auto-compact "
+            f"window ({CLAUDE_MIN_COMPACT_WINDOW:,}); its own prompt is about {CLAUDE_PROMPT_TOKENS:,} tokens. "
+            "Serve a model with a long context for Claude Code (README: models for agents)."
+        )
     state = {"hasCompletedOnboarding": True}
     return Profile(
         "claude",
@@ -57,6 +66,7 @@ def claude(target: Target, folder: Path, args: list[str]) -> Profile:
         unset=("ANTHROPIC_API_KEY",),
         files=[ProfileFile(folder / ".claude.json", json_text(state), merge=True)],
         secret=target.api_key if target.has_key else "",
+        notes=tuple(notes),
     )
 
 

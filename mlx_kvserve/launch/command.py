@@ -76,6 +76,8 @@ def launch(client, client_args, url, model, config_path, dry_run, start_timeout)
     write(profile)
     context = f"{target.context_length} tokens" if target.context_length else "not reported"
     click.echo(f"{client} -> {target.url}, model {target.model}, context {context}", err=True)
+    for note in profile.notes:
+        click.echo(f"note: {note}", err=True)
     if started is None:
         os.execvpe(program, [program, *profile.argv[1:]], profile.environment(dict(os.environ)))
     sys.exit(_run_then_stop(program, profile, started))

@@ -38,6 +38,7 @@ class Profile:
     unset: tuple[str, ...] = ()
     files: list[ProfileFile] = field(default_factory=list)
     secret: str = ""  # the API key in `env` and `files`: replaced by KEY_PLACEHOLDER when shown
+    notes: tuple[str, ...] = ()  # warnings for the user (a context too small for the client, ...)
 
     def environment(self, base: dict[str, str]) -> dict[str, str]:
         env = {k: v for k, v in base.items() if k not in self.unset}
@@ -74,7 +75,9 @@ def describe(profile: Profile) -> str:
     def hide(text: str) -> str:
         return text.replace(profile.secret, KEY_PLACEHOLDER) if profile.secret else text
 
-    lines = [f"# mlx-kvserve launch {profile.client}", "# environment"]
+    lines = [f"# mlx-kvserve launch {profile.client}"]
+    lines += [f"# note: {note}" for note in profile.notes]
+    lines += ["# environment"]
     lines += [f"unset {name}" for name in profile.unset]
     lines += [f"export {name}={shlex.quote(hide(value))}" for name, value in profile.env.items()]
     for item in profile.files:
