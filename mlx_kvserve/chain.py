@@ -31,11 +31,16 @@ class BlockHasher:
         self.block_size = block_size
 
     def hash_blocks(
-        self, tokens: Sequence[int], num_blocks: int | None = None, known: Sequence[bytes] = ()
+        self,
+        tokens: Sequence[int],
+        num_blocks: int | None = None,
+        known: Sequence[bytes] = (),
+        root: bytes | None = None,
     ) -> list[bytes]:
         """Chained hashes of the first `num_blocks` full blocks (default: all full blocks).
         `known`: the chain of a prefix of `tokens` computed before (a request's prompt, when its
-        completion is registered): only the blocks after it are hashed."""
+        completion is registered): only the blocks after it are hashed. `root`: h_0's parent in
+        place of the namespace (a principal's, kv/salts.py)."""
         bs = self.block_size
         n = len(tokens) // bs if num_blocks is None else min(num_blocks, len(tokens) // bs)
         start = min(len(known), n)
@@ -43,7 +48,7 @@ class BlockHasher:
         width = bs * 4
         count = struct.pack("<I", bs)
         hashes = list(known[:start])
-        parent = hashes[-1] if hashes else self.namespace
+        parent = hashes[-1] if hashes else (self.namespace if root is None else root)
         for i in range(n - start):
             parent = blake3(parent + count + data[i * width : (i + 1) * width]).digest()
             hashes.append(parent)

@@ -12,8 +12,9 @@ import re
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, NamedTuple, get_type_hints
+from typing import Any, get_type_hints
 
+from .api_keys import ApiKeys, is_key_text, key_overrides, load_api_keys  # noqa: F401 (their old home)
 from .errors import ConfigError
 
 try:
@@ -71,6 +72,7 @@ class ServerConfig:
     shutdown_timeout_s: float = 30.0  # how long in-flight requests may run after SIGTERM
     log_level: str = "info"
     max_concurrent: int = 0  # completion requests in flight (waiting + running); 0 = max_queue + 1
+    max_concurrent_counts: int = 2  # /v1/messages/count_tokens running at once (on HTTP threads); more get 429
     max_prompt_tokens: int = 0  # 0 = only the model's context limits the prompt
     context_overflow: str = "error"  # a prompt past the context: "error" (agents compact) or "truncate" (old turns go)
     max_completion_tokens: int = 0  # 0 = only the context limits a request's max_tokens
@@ -158,6 +160,12 @@ class CacheConfig:
     # running cache and in the blocks (RAM and SSD: 2x / 4x smaller than fp16). Outputs then equal
     # a cold run with the same kv_bits, not the full-precision run. Part of the cache namespace.
     kv_bits: int = 0
+    # Several API keys: "per_key" gives each its own cache namespace (no hit on another's blocks,
+    # kv/salts.py), "shared" one cache for all; "auto" = per_key when api_key_file holds several keys.
+    isolation: str = "auto"
+    # usage's cached_tokens: "exact", or "blocks" (rounded down to whole blocks, so a key sharing the
+    # cache cannot read another's prompt token by token); "auto" = blocks when several keys share it.
+    report_cached: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -287,54 +295,13 @@ def _validate_limits(s: ServerConfig) -> None:
         f"must be 0..max_queue + 1 ({s.max_queue + 1}): the worker queue holds at most max_queue waiting "
         f"requests, so raise server.max_queue too; got {s.max_concurrent}",
     )
+    _check(s.max_concurrent_counts >= 1, "server.max_concurrent_counts", f"must be >= 1, got {s.max_concurrent_counts}")
     for key in ("max_prompt_tokens", "max_completion_tokens", "first_token_timeout_s", "request_timeout_s"):
         _check(getattr(s, key) >= 0, f"server.{key}", f"must be >= 0 (0 = no limit), got {getattr(s, key)}")
     for key in ("api_key", "admin_api_key"):
         value = getattr(s, key)
         _check(not (value and getattr(s, f"{key}_file")), f"server.{key}", f"set {key} or {key}_file, not both")
-        _check(_is_key_text(value), f"server.{key}", "must be printable ASCII without spaces")
-
-
-def _is_key_text(key: str) -> bool:
-    # An Authorization header can carry nothing else, so any other key could never match.
-    return key.isascii() and key.isprintable() and " " not in key
-
-
-class ApiKeys(NamedTuple):
-    """The keys requests must present; "" = none needed."""
-
-    inference: str  # every endpoint but /health
-    admin: str  # /v1/cache/ endpoints; "" = the inference key (or none) applies there too
-
-
-def _read_key(path: str, key: str) -> str:
-    try:
-        text = Path(path).expanduser().read_text().strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"server.{key}: cannot read {path}: {exc}", param=f"server.{key}") from None
-    _check(bool(text), f"server.{key}", f"{path} is empty")
-    _check(_is_key_text(text), f"server.{key}", f"the key in {path} must be printable ASCII without spaces")
-    return text
-
-
-def load_api_keys(server: ServerConfig) -> ApiKeys:
-    """The API keys, with key files read now (surrounding whitespace stripped). Raises ConfigError
-    naming `server.api_key_file` or `server.admin_api_key_file` for a missing, unreadable or empty file."""
-    inference = _read_key(server.api_key_file, "api_key_file") if server.api_key_file else server.api_key
-    admin = _read_key(server.admin_api_key_file, "admin_api_key_file") if server.admin_api_key_file else ""
-    return ApiKeys(inference, admin or server.admin_api_key)
-
-
-def key_overrides(name: str, value: str | None, path: str | None) -> dict[str, str]:
-    """Overrides for `name` (api_key or admin_api_key) from a flag or variable pair: naming one source
-    clears the other, so the override replaces whichever kind of key the file set. {} when neither."""
-    if value and path:
-        raise ConfigError(f"give {name} or {name}_file, not both", param=f"server.{name}")
-    if value:
-        return {name: value, f"{name}_file": ""}
-    if path:
-        return {name: "", f"{name}_file": path}
-    return {}
+        _check(is_key_text(value), f"server.{key}", "must be printable ASCII without spaces")
 
 
 def validate(config: Config) -> Config:
@@ -368,6 +335,8 @@ def validate(config: Config) -> Config:
     _check(c.block_size >= 1, "cache.block_size", f"must be >= 1, got {c.block_size}")
     _check(c.checkpoint_every >= 0, "cache.checkpoint_every", f"must be >= 0, got {c.checkpoint_every}")
     _check(c.kv_bits in (0, 4, 8), "cache.kv_bits", f"must be 0, 4 or 8, got {c.kv_bits}")
+    _check(c.isolation in ("auto", "per_key", "shared"), "cache.isolation", "must be auto, per_key or shared")
+    _check(c.report_cached in ("auto", "exact", "blocks"), "cache.report_cached", "must be auto, exact or blocks")
     _check(0 < c.pinned_ram_share <= 1, "cache.pinned_ram_share", "must be in (0, 1]")
     _check(0 <= c.cache_control_share <= 1, "cache.cache_control_share", "must be in [0, 1]")
     d = config.ssd
@@ -415,7 +384,7 @@ def _validate_router(r: RouterConfig) -> None:
     for key in ("api_key", "backend_api_key"):
         value = getattr(r, key)
         _check(not (value and getattr(r, f"{key}_file")), f"router.{key}", f"set {key} or {key}_file, not both")
-        _check(_is_key_text(value), f"router.{key}", "must be printable ASCII without spaces")
+        _check(is_key_text(value), f"router.{key}", "must be printable ASCII without spaces")
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, Any]] | None = None) -> Config:

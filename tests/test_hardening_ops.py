@@ -22,7 +22,7 @@ from mlx_lm.utils import load
 
 from mlx_kvserve import cache_cli
 from mlx_kvserve.cli import _overrides, cli
-from mlx_kvserve.config import load_api_keys, load_config
+from mlx_kvserve.config import ApiKeys, load_api_keys, load_config
 from mlx_kvserve.engine.engine import Engine
 from mlx_kvserve.errors import ConfigError, ConflictError
 from mlx_kvserve.fsmode import ensure_private_root
@@ -450,7 +450,7 @@ def test_install_puts_the_keys_in_private_files_not_in_the_service_file(service_
     monkeypatch.delenv("MLX_KVSERVE_ADMIN_API_KEY")
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    assert load_api_keys(load_config(None, _overrides(None, None, None, None)).server) == (API_KEY, ADMIN_KEY)
+    assert load_api_keys(load_config(None, _overrides(None, None, None, None)).server) == ApiKeys(API_KEY, ADMIN_KEY)
 
     result = CliRunner().invoke(cli, ["service", "uninstall", "--platform", platform, "--label", "kv"])
     assert result.exit_code == 0, result.output

@@ -124,7 +124,7 @@ def test_referenced_blocks_are_never_evicted():
 class ConstantHasher(BlockHasher):
     """Every block of every prompt gets the same hash: forces collisions."""
 
-    def hash_blocks(self, tokens, num_blocks=None, known=()):
+    def hash_blocks(self, tokens, num_blocks=None, known=(), root=None):
         n = len(tokens) // self.block_size if num_blocks is None else min(num_blocks, len(tokens) // self.block_size)
         return [b"\x01" * 32] * n
 

@@ -17,6 +17,7 @@ from ..checked_json import DamagedFile
 from ..config import Config
 from ..errors import ModelLoadError
 from ..kv import blocks
+from ..kv.salts import CacheSalts, principal_chain
 from ..models.loader import LoadedModel
 from ..vision.runtime import build_runtime
 from . import tool_grammar
@@ -29,7 +30,7 @@ from .front_prefill import SPEEDS_FILE
 from .generate import Generator
 from .order import StartOrder
 from .prefetch import Prefetcher
-from .request import Failed, GenerationRequest, SamplingParams, request_hashes
+from .request import Failed, GenerationRequest, SamplingParams
 from .router_view import RouterView
 from .speculative import build_speculator
 from .worker import InferenceWorker
@@ -94,6 +95,10 @@ class Engine:
             self.worker = DistributedWorker(self.generator, config.server.max_queue, world, self._execute)
         self.started_at = time.time()
         self.prefetcher: Prefetcher | None = None  # set by start() with [ssd] prefetch_on_start
+        # Principals' chain roots ([cache] isolation = "per_key"), the secret beside the SSD blocks.
+        manager, lock = self.prefix_cache.manager, self.folder_lock
+        folder = lock.folder if lock is not None else None
+        self.salts = CacheSalts(folder, manager.hasher.namespace) if manager is not None else None
 
     def _execute(self, name: str, args: tuple) -> Any:
         """A cache command on this rank (distributed: run on every rank by the worker)."""
@@ -224,18 +229,28 @@ class Engine:
         block hashes are computed here if the caller has not asked for them yet."""
         manager = self.prefix_cache.manager
         if manager is not None and self.world is None:
-            request_hashes(req, manager.hasher)
+            req.cache_root = self.cache_root(req.principal)
+            if req.block_hashes is None:
+                req.block_hashes = self.block_hashes(req.cache_keys(req.prompt_tokens), req.principal)
         self.worker.submit(req)
 
-    def block_hashes(self, tokens: list[int]) -> list[bytes]:
-        """The chain of `tokens`' full blocks in this model's cache namespace ([] when the
-        block cache is off). Any thread."""
-        manager = self.prefix_cache.manager
-        return manager.hasher.hash_blocks(tokens) if manager is not None else []
+    def cache_root(self, principal: str) -> bytes | None:
+        """The root of `principal`'s chain (kv/salts.py); None for "" (the plain namespace)."""
+        return self.salts.root(principal) if principal and self.salts is not None else None
 
-    def prefill(self, tokens: list[int], timeout: float | None = None) -> None:
+    def block_hashes(self, tokens: list[int], principal: str = "") -> list[bytes]:
+        """The chain of `tokens`' full blocks in this model's cache namespace, or the one
+        `principal`'s lookups walk (shared pins first, kv/salts.py); [] when the block cache is
+        off. Any thread."""
+        manager = self.prefix_cache.manager
+        if manager is None:
+            return []
+        return principal_chain(manager.hasher, tokens, self.cache_root(principal), lambda h: manager.pins.count(h) > 0)
+
+    def prefill(self, tokens: list[int], timeout: float | None = None, principal: str = "") -> None:
         """Run `tokens` through the worker (one generated token, discarded) and block until its KV
-        blocks are registered. Raises the worker's error; OverloadedError when the queue is full."""
+        blocks are registered (in `principal`'s chain). Raises the worker's error; OverloadedError
+        when the queue is full."""
         done = threading.Event()
         failure: list[Exception] = []
 
@@ -244,7 +259,12 @@ class Engine:
                 failure.append(event.error)
 
         req = GenerationRequest(
-            f"prefill-{uuid.uuid4().hex[:12]}", tokens, SamplingParams(max_tokens=1), emit, on_done=done.set
+            f"prefill-{uuid.uuid4().hex[:12]}",
+            tokens,
+            SamplingParams(max_tokens=1),
+            emit,
+            on_done=done.set,
+            principal=principal,
         )
         self.submit(req)
         if not done.wait(timeout):

@@ -15,6 +15,7 @@ from typing import Any
 from ..kv import blocks
 from ..kv.base import Block, MatchResult
 from ..kv.manager import KVManager
+from ..kv.salts import tail_parent
 from .front_prefill import FrontPrefill
 from .turns import message_starts
 
@@ -36,6 +37,7 @@ class Prepared:
     deferred: list[Block] = field(default_factory=list)  # registered, not yet handed to the SSD tier
     deferred_at_flush: int = 0  # manager.num_flushes when they were registered
     prompt_hashes: list[bytes] = field(default_factory=list)  # the prompt's chain (GenerationRequest.block_hashes)
+    root: bytes | None = None  # the principal's chain root (kv/salts.py); None: the plain namespace
 
 
 class PrefixCache:
@@ -79,10 +81,13 @@ class PrefixCache:
     def enabled(self) -> bool:
         return self.manager is not None
 
-    def prepare(self, prompt: Sequence[int], hashes: Sequence[bytes] | None = None) -> Prepared:
+    def prepare(
+        self, prompt: Sequence[int], hashes: Sequence[bytes] | None = None, root: bytes | None = None
+    ) -> Prepared:
         """A prompt cache holding the longest cached prefix of `prompt`, always leaving at least
         one token to prefill (its logits pick the first generated token). Background SSD writes
-        are held from here until `first_token` (or `finish` / `release`)."""
+        are held from here until `first_token` (or `finish` / `release`). `root`: the principal's
+        (GenerationRequest.cache_root), for its tails and the blocks after its prompt."""
         if self.ssd_tier is not None:
             with self._hold_lock:
                 self._num_holding += 1
@@ -90,7 +95,7 @@ class PrefixCache:
         if self.manager is None:
             return Prepared(self.layout.assemble([]), MatchResult([], 0))
         front = self.front if self.agree is None else None  # ranks must read the same blocks in step
-        match = self.manager.lookup(prompt, max_tokens=len(prompt) - 1, front=front, hashes=hashes)
+        match = self.manager.lookup(prompt, max_tokens=len(prompt) - 1, front=front, hashes=hashes, root=root)
         if self.agree is not None:
             match = self._agree(prompt, match)
         try:
@@ -108,7 +113,7 @@ class PrefixCache:
             self.manager.release(match.blocks)
             self.first_token()
             raise
-        return Prepared(cache, match, prompt_hashes=list(hashes or ()))
+        return Prepared(cache, match, prompt_hashes=list(hashes or ()), root=root)
 
     def _agree(self, prompt: Sequence[int], match: MatchResult) -> MatchResult:
         """The longest prefix every rank has: while the ranks' cached lengths differ, those above
@@ -151,7 +156,7 @@ class PrefixCache:
         prepared.tails_done.add(end)
         manager, bs = self.manager, self.manager.block_size
         num_blocks = (end - 1) // bs
-        parent = hashes[num_blocks - 1] if num_blocks else manager.hasher.namespace
+        parent = tail_parent(hashes[num_blocks - 1] if num_blocks else manager.hasher.namespace, prepared.root)
         payload, nbytes = self.layout.slice_tail(prepared.prompt_cache, num_blocks * bs, end, state, prepared.captures)
         manager.cache_tail(parent, tokens[num_blocks * bs : end], payload, nbytes)
 
@@ -216,7 +221,8 @@ class PrefixCache:
         tokens = list(kv_tokens[:length])
         num_full = length // bs
         first = max(len(prepared.match.blocks), prepared.registered_blocks)
-        hashes = manager.hasher.hash_blocks(tokens, num_full, known=prepared.prompt_hashes)  # for blocks and tails
+        # For blocks and tails; the request's own chain (`known`) goes on past its prompt.
+        hashes = manager.hasher.hash_blocks(tokens, num_full, known=prepared.prompt_hashes, root=prepared.root)
         todo = manager.new_blocks(tokens, first, num_full, hashes)
         added = 0
         if todo:

@@ -102,6 +102,10 @@ class GenerationRequest:
     # keys derived from its pixel digest (None: the prompt's own ids).
     images: tuple[Any, ...] = ()
     cache_tokens: list[int] | None = None
+    # [cache] isolation = "per_key": the principal's identity (api_keys.Principal; "" = the plain
+    # namespace), and the root of its chain (kv/salts.py), which Engine.submit sets from it.
+    principal: str = ""
+    cache_root: bytes | None = None
 
     def cancel(self) -> None:
         """Ask the worker to stop this request at the next token (safe from any thread)."""
@@ -120,5 +124,5 @@ def request_hashes(req: GenerationRequest, hasher: Any) -> list[bytes]:
     """The prompt's full-block chain (`hasher`: chain.BlockHasher), computed once and kept on the
     request; later calls return the same list."""
     if req.block_hashes is None:
-        req.block_hashes = hasher.hash_blocks(req.cache_keys(req.prompt_tokens))
+        req.block_hashes = hasher.hash_blocks(req.cache_keys(req.prompt_tokens), root=req.cache_root)
     return req.block_hashes

@@ -214,7 +214,7 @@ class Scheduler:
 
     def _start(self, req: GenerationRequest, started: float, hashes: list[bytes]) -> None:
         try:
-            prepared = self.prefix_cache.prepare(req.cache_keys(req.prompt_tokens), req.block_hashes)
+            prepared = self.prefix_cache.prepare(req.cache_keys(req.prompt_tokens), req.block_hashes, req.cache_root)
         except Exception as exc:
             self._emit_end(req, Failed(exc))
             return

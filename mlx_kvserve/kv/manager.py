@@ -21,6 +21,7 @@ from .events import BlockEventLog
 from .next_tier import NextTier, NextTierReads
 from .pins import PinRegistry
 from .ram import RAMStore
+from .salts import tail_parent
 from .tails import Tail, TailMatch, TailStore
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,7 @@ class KVManager:
         max_tokens: int | None = None,
         front: FrontCompute | None = None,
         hashes: Sequence[bytes] | None = None,
+        root: bytes | None = None,
     ) -> MatchResult:
         """Longest verified cached prefix of `tokens`, at most `max_tokens` long: full blocks from
         RAM, then from the next tier (loaded outside the lock and promoted into RAM), then a tail.
@@ -94,10 +96,11 @@ class KVManager:
         after them) are tried until one is usable (the empty prefix always is).
         With `front`, the next tier's blocks are read from the back while `front` computes the
         first of them (as many as it asks for): the computed blocks join RAM like loaded ones.
-        `hashes`: the chain of `tokens` (or of a prefix of it) when the caller has it already."""
+        `hashes`: the chain of `tokens` (or of a prefix of it) when the caller has it already.
+        `root`: the principal's (kv/salts.py): its chain's root, and the key of its tails."""
         limit = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
         bs = self.block_size
-        hashes = self.hasher.hash_blocks(tokens, limit // bs, known=hashes or ())
+        hashes = self.hasher.hash_blocks(tokens, limit // bs, known=hashes or (), root=root)
         with self._lock:
             self._stats["lookups"] += 1
             found, missed = self._walk_ram(tokens, hashes)
@@ -105,7 +108,7 @@ class KVManager:
             loaded = self._reads.load(tokens, hashes, len(found), found, front)
             if loaded:
                 self._promote(loaded, found)
-        num_blocks, tail = self._choose_end(tokens, found, limit)
+        num_blocks, tail = self._choose_end(tokens, found, limit, root)
         if tail is not None and self.next_tier is not None:
             # A use on the SSD too: its per-parent limit keeps what RAM keeps for the next restart.
             self.next_tier.touch_tail(tail.tail.parent_hash, tail.tail.token_ids)
@@ -124,11 +127,14 @@ class KVManager:
             found, len(found) * bs + tail.num_tokens, tail.tail.payload, tail.num_tokens, len(tail.tail.token_ids)
         )
 
-    def _choose_end(self, tokens: Sequence[int], found: list[Block], limit: int) -> tuple[int, TailMatch | None]:
+    def _choose_end(
+        self, tokens: Sequence[int], found: list[Block], limit: int, root: bytes | None
+    ) -> tuple[int, TailMatch | None]:
         """How many of the found blocks to use, and the tail after them (no lock held)."""
         bs, rules = self.block_size, self.rules
         for k in range(len(found), -1, -1):
-            tail = self._match_tail(found[k - 1].block_hash if k else self.hasher.namespace, tokens[k * bs : limit])
+            parent = tail_parent(found[k - 1].block_hash if k else self.hasher.namespace, root)
+            tail = self._match_tail(parent, tokens[k * bs : limit])
             if rules is None:
                 return k, tail
             payloads = [b.payload for b in found[:k]]

@@ -17,7 +17,7 @@ from starlette.routing import Route
 from ..config import ApiKeys, load_api_keys
 from ..engine.engine import Engine
 from ..engine.registry import ModelRegistry
-from ..errors import InvalidRequestError, KVServeError, NotFoundError
+from ..errors import ConfigError, InvalidRequestError, KVServeError, NotFoundError
 from .anthropic.routes import anthropic_routes
 from .cache_routes import cache_routes
 from .completion import CompletionHandler
@@ -121,9 +121,18 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, registry: ModelRegis
     if registry is not None:  # added before the gate, so it runs inside it (on the body the gate read)
         app.add_middleware(ModelSelect, registry=registry)
         metrics.registry.register(RegistryCollector(registry))
+    cache = engine.config.cache
+    isolate = keys.isolated(cache.isolation)
+    handler.cached_block = cache.block_size if keys.whole_blocks(cache.isolation, cache.report_cached) else 0
+    if isolate:
+        if getattr(engine, "world", None) is not None:
+            raise ConfigError('cache.isolation: "per_key" does not work with --distributed yet; set "shared"')
+        names = ", ".join(p.name for p in keys.named())
+        log.info("cache isolation per_key: each key caches apart (%s%s)", names, ", admin" if keys.admin else "")
     app.add_middleware(
         RequestGate,
         keys=keys,
+        isolate=isolate,
         in_flight_limit=server.in_flight_limit(),
         metrics=metrics,
         routes=app.router.routes,

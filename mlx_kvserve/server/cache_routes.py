@@ -15,14 +15,24 @@ from ..errors import InvalidRequestError, ValidationError
 from . import prompts
 from .bodies import read_json
 from .context_window import check_prompt, window
+from .gate import PRINCIPAL_KEY
 from .messages import check_text, parse_messages
 
 
+def _principal(request: Request, body: dict[str, Any]) -> str:
+    """Whose chain a pin's prompt is hashed in: the requester's (per_key isolation), or with
+    `"shared": true` the plain namespace's, whose pinned blocks every principal's lookups use (kv/salts.py)."""
+    shared = body.get("shared", False)
+    if not isinstance(shared, bool):
+        raise ValidationError("'shared' must be a boolean", param="shared")
+    return "" if shared else request.scope.get(PRINCIPAL_KEY, "")
+
+
 async def _target_hashes(
-    engine: Engine, admin: CacheAdmin, body: dict[str, Any], warm: bool
+    engine: Engine, admin: CacheAdmin, body: dict[str, Any], warm: bool, principal: str = ""
 ) -> tuple[list[bytes], bool]:
     """(hashes named by the body, whether they are a prompt's chain). `warm`: prefill a prompt
-    whose blocks are not cached yet."""
+    whose blocks are not cached yet. `principal`: whose chain a prompt is hashed and warmed in."""
     forms = [k for k in ("block_hashes", "messages", "prompt") if k in body]
     if len(forms) != 1:
         raise ValidationError("give exactly one of 'block_hashes', 'messages' or 'prompt'")
@@ -39,14 +49,14 @@ async def _target_hashes(
         if not isinstance(prompt, str) or not prompt:
             raise ValidationError("'prompt' must be a non-empty string", param="prompt")
         tokens = await prompts.text_tokens(engine, check_text(prompt, "prompt"))
-    hashes = admin.block_hashes(tokens)
+    hashes = engine.block_hashes(tokens, principal)
     if not hashes:
         raise InvalidRequestError(
             f"the prompt has {len(tokens)} tokens, less than one {admin.manager.block_size}-token block"
         )
     check_prompt(len(tokens), window(engine.context_length), "chat" if "messages" in body else "text")
     if warm and admin.missing(hashes):
-        await run_in_threadpool(engine.prefill, tokens)
+        await run_in_threadpool(engine.prefill, tokens, None, principal)
     return hashes, True
 
 
@@ -61,7 +71,7 @@ def cache_routes(engine: Engine) -> list[Route]:
 
     async def pin(request: Request) -> Response:
         body = await body_of(request)
-        hashes, is_chain = await _target_hashes(engine, admin, body, warm=True)
+        hashes, is_chain = await _target_hashes(engine, admin, body, True, _principal(request, body))
         result = await run_in_threadpool(admin.pin, hashes, is_chain)
         if is_chain:
             result["block_hashes"] = [h.hex() for h in hashes]
@@ -69,7 +79,7 @@ def cache_routes(engine: Engine) -> list[Route]:
 
     async def unpin(request: Request) -> Response:
         body = await body_of(request)
-        hashes, is_chain = await _target_hashes(engine, admin, body, warm=False)
+        hashes, is_chain = await _target_hashes(engine, admin, body, False, _principal(request, body))
         return JSONResponse(await run_in_threadpool(admin.unpin, hashes, is_chain))
 
     async def pins(request: Request) -> Response:

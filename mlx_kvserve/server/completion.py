@@ -28,7 +28,7 @@ from ..vision.runtime import VisionPrompt
 from . import context_window as cw
 from . import prompts, sse
 from .deadlines import Deadlines, EventTracker
-from .gate import RECORD_KEY
+from .gate import PRINCIPAL_KEY, RECORD_KEY
 from .messages import IMAGE_MARK
 from .metrics import RequestRecord
 from .openai import parse as oa
@@ -57,6 +57,15 @@ class CompletionHandler:
         self.engine = engine
         gen = engine.config.generation
         self.defaults = oa.Defaults(gen.max_tokens, gen.temperature, gen.top_p)
+        self.cached_block = 0  # > 0: cached_tokens reported in whole blocks of this size ([cache] report_cached)
+
+    def reported(self, ev: Event) -> Event:
+        """`ev` as the client sees it: a Finished event's cached_tokens rounded down to whole blocks
+        when `cached_block` is set (and so in the request log and metrics, which read the same event)."""
+        if not self.cached_block or not isinstance(ev, Finished):
+            return ev
+        cached = ev.usage.cached_tokens - ev.usage.cached_tokens % self.cached_block
+        return dataclasses.replace(ev, usage=dataclasses.replace(ev.usage, cached_tokens=cached))
 
     def check_model(self, name: str | None) -> None:
         if name not in (None, "", "default", self.engine.model_name):
@@ -163,7 +172,8 @@ class CompletionHandler:
         req, (prompt, vision) = await self.fitted_prompt(request, req)  # refused here past the context
         keys = vision.cache_tokens if vision is not None else prompt  # what the block cache keys it by
         grammar = await self.call_grammar(prompt, calls) if calls is not None else None
-        hashes = self.engine.block_hashes(keys)  # once, for every stage of every choice
+        principal = request.scope.get(PRINCIPAL_KEY, "")  # per_key isolation: the key's own cache namespace
+        hashes = self.engine.block_hashes(keys, principal)  # once, for every stage of every choice
         await self.touch_leases(keys, hashes)
         budget = oa.completion_budget(
             req, len(prompt), self.engine.context_length, self.defaults.max_tokens, server.max_completion_tokens
@@ -181,9 +191,10 @@ class CompletionHandler:
                     params=req.sampling(budget, grammar, choice=i),
                     checkpoint_at=req.checkpoint_at,
                     block_hashes=hashes,
-                    emit=lambda ev, events=events: loop.call_soon_threadsafe(events.put_nowait, ev),
+                    emit=lambda ev, events=events: loop.call_soon_threadsafe(events.put_nowait, self.reported(ev)),
                     images=vision.images if vision is not None else (),
                     cache_tokens=vision.cache_tokens if vision is not None else None,
+                    principal=principal,
                 )
                 self.engine.submit(gen_req)
                 submitted.append((gen_req, EventTracker(events, deadlines, record)))
@@ -245,7 +256,7 @@ class CompletionHandler:
             hashes = (
                 gen_req.block_hashes
                 if gen_req.block_hashes is not None
-                else self.engine.block_hashes(gen_req.prompt_tokens)
+                else self.engine.block_hashes(gen_req.prompt_tokens, gen_req.principal)
             )
             body["kvserve"] = {"block_hashes": [h.hex() for h in hashes]}
         return body

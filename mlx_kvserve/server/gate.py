@@ -24,12 +24,16 @@ from starlette.responses import JSONResponse
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..config import ApiKeys
+from ..api_keys import ApiKeys, Principal
 from ..errors import AuthenticationError, BodyTimeoutError, KVServeError, OverloadedError, PayloadTooLargeError
 from .metrics import RequestRecord, ServerMetrics
 from .openai import reply as oar
 
 RECORD_KEY = "mlx_kvserve.record"  # the scope key under which handlers find their RequestRecord
+# The scope key holding the identity of the principal whose key opened the request, when each key
+# caches apart ([cache] isolation = "per_key"); "" (or absent): the plain namespace. Set here only:
+# no client field or header can choose it.
+PRINCIPAL_KEY = "mlx_kvserve.principal"
 OPEN_PATHS = frozenset({"/health"})  # answered without a key: service managers and probes hold none
 # Paths that hold an in-flight slot: the completion routes, count_tokens, whose chat template
 # rendering of a body of up to max_body_bytes costs as much CPU as a completion's, and embeddings.
@@ -134,10 +138,16 @@ class RequestGate:
         routes: list[BaseRoute],
         max_body_bytes: int,
         body_read_timeout_s: float,
+        isolate: bool = False,
     ):
         self.app = app
         self.routes = routes  # the app's live route list, to name the endpoint of a request the gate rejected
-        self.keys = ApiKeys(*(k.encode() for k in keys))
+        self.keys = ApiKeys(keys.inference.encode(), keys.admin.encode())
+        # (key, principal) per inference key, and the admin key's: who a request is, when `isolate`.
+        self.principals = [(p.key.encode(), p) for p in keys.named()]
+        admin = keys.admin_principal()
+        self.admin = [(keys.admin.encode(), admin)] if admin is not None else []
+        self.isolate = isolate
         self.in_flight_limit = in_flight_limit
         self.max_body_bytes = max_body_bytes
         self.body_read_timeout_s = body_read_timeout_s
@@ -145,28 +155,34 @@ class RequestGate:
         self.in_flight = 0
         metrics.track_in_flight(lambda: self.in_flight)
 
-    def accepted_keys(self, path: str) -> tuple[bytes, ...]:
-        """Keys that open `path`; () = no key needed. The admin key also opens every other path."""
+    def accepted_keys(self, path: str) -> list[tuple[bytes, Principal]]:
+        """(key, principal) for each key that opens `path`; [] = no key needed. The admin key also
+        opens every other path."""
         if path in OPEN_PATHS:
-            return ()
+            return []
         if is_admin_path(path) and self.keys.admin:
-            return (self.keys.admin,)
-        return (self.keys.inference, self.keys.admin) if self.keys.inference else ()
+            return self.admin
+        return self.principals + self.admin if self.keys.inference else []
 
     def check_key(self, scope: Scope) -> None:
+        """Raise AuthenticationError unless the request holds a key its path accepts; with `isolate`,
+        name its principal in the scope (PRINCIPAL_KEY)."""
         accepted = self.accepted_keys(scope["path"])
         if not accepted:
             return
         token = _bearer_token(scope)
         # compare_digest against every accepted key: the time taken says nothing about which one was close.
-        matches = [hmac.compare_digest(token, key) for key in accepted if key]
-        if not any(matches):
-            what = "admin API key" if is_admin_path(scope["path"]) and self.keys.admin else "API key"
-            detail = "a wrong" if token else "no"
-            raise AuthenticationError(
-                f"this endpoint needs the server's {what} as 'Authorization: Bearer <key>'; the request has {detail} key",
-                code="invalid_api_key",
-            )
+        matches = [hmac.compare_digest(token, key) for key, _ in accepted]
+        if any(matches):
+            if self.isolate:
+                scope[PRINCIPAL_KEY] = accepted[matches.index(True)][1].identity
+            return
+        what = "admin API key" if is_admin_path(scope["path"]) and self.keys.admin else "API key"
+        detail = "a wrong" if token else "no"
+        raise AuthenticationError(
+            f"this endpoint needs the server's {what} as 'Authorization: Bearer <key>'; the request has {detail} key",
+            code="invalid_api_key",
+        )
 
     def admit(self, scope: Scope) -> bool:
         """Take an in-flight slot for a POST to LIMITED_PATHS (True), or none for other paths (False)."""
