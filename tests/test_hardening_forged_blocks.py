@@ -42,6 +42,8 @@ from mlx_kvserve.kv.ssd.table_check import (
     read_rules,
     save_rules,
 )
+from mlx_kvserve.kv.ssd.tier import SSDTier
+from mlx_kvserve.kv.ssd.writer import SSDWriterThread
 from mlx_kvserve.models.loader import LoadedModel
 
 BS, NUM_BLOCKS, MAX_TOKENS = 16, 6, 8
@@ -373,3 +375,29 @@ def test_a_server_answers_a_forged_folder_with_the_cold_text(start_server, tiny_
     assert chat()[0] == text
     assert chat()[0] == text
     assert httpx.get(f"{server.base_url}/health").json()["cache"]["ssd_corrupt"] >= 1
+
+
+# --- any failure turning a verified file into a payload is a damaged file, not a 500 -----------------
+
+
+def test_a_payload_that_cannot_be_made_is_a_damaged_file(tmp_path):
+    """The tier's `from_arrays` raising anything (a layout it cannot take): the block is a miss,
+    deleted and counted; a tail likewise (ssd_tail_errors)."""
+    store = SSDStore(tmp_path, NS)
+    writer = SSDWriterThread(lambda *job: None)
+
+    def from_arrays(named):
+        raise RuntimeError("[concatenate] shapes differ")  # what mlx raised for a forged shape
+
+    tier = SSDTier(store, writer, "write_through", dict, from_arrays, async_writes=False)
+    try:
+        h, tokens = b"\x0e" * 32, list(range(4))
+        store.save_block(h, NS, tokens, arrays(4))
+        assert tier.load_many([(h, tokens)]) == []
+        assert store.stats()["ssd_corrupt"] == 1 and not (tmp_path / block_relpath(h)).exists()
+        tier.save_tail(h, [7, 8], arrays(2))
+        assert tier.load_tail(h, [7, 8, 9]) is None
+        assert tier.tails.stats["ssd_tail_errors"] == 1 and not list(tier.tails.folder.rglob("*.safetensors"))
+        store.check_integrity()
+    finally:
+        writer.stop(5)
