@@ -123,6 +123,7 @@ def test_claude_codes_dry_run_shows_everything_it_sets(long_server, home):
         "export CLAUDE_CODE_ATTRIBUTION_HEADER=0\n"
         "export CLAUDE_CODE_TOTAL_TOKENS_REMINDER=off\n"
         "export CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1\n"
+        "export CLAUDE_CODE_MAX_CONTEXT_TOKENS=200000\n"
         "export CLAUDE_CODE_AUTO_COMPACT_WINDOW=200000\n"
         f"# file merged into {folder}/.claude.json\n"
         "{\n"
@@ -138,7 +139,7 @@ def test_claude_code_is_warned_of_a_short_context(server, home):
     """Claude Code reads an auto-compact window under 100k as 100k (and says so on every run): none is
     set, and the user is told the model's context is below Claude Code's own prompt."""
     out = dry_run("claude", "--url", server.url)
-    assert "CLAUDE_CODE_AUTO_COMPACT_WINDOW" not in out
+    assert "CLAUDE_CODE_AUTO_COMPACT_WINDOW" not in out and "export CLAUDE_CODE_MAX_CONTEXT_TOKENS=4096\n" in out
     assert "# note: the served context (4,096 tokens) is below Claude Code's smallest auto-compact window" in out
 
 
@@ -155,6 +156,7 @@ def test_codexs_dry_run_has_its_provider_window_and_the_git_check_skipped(server
         'model = "tiny-model"\n'
         'model_provider = "mlx-kvserve"\n'
         "model_context_window = 4096\n"
+        "model_auto_compact_token_limit = 3276\n"
         "\n"
         "[model_providers.mlx-kvserve]\n"
         'name = "mlx-kvserve"\n'

@@ -86,6 +86,16 @@ def test_testclient_host_is_not_answered_in_production(engine):
     assert plain.get("/v1/models").status_code == 421
 
 
+def test_with_a_key_any_host_is_answered_and_the_key_decides(engine):
+    """A rebinding page cannot send the key, and LAN clients may name the server as they like."""
+    keyed = TestClient(create_app(engine, ApiKeys("k-1", "")))  # the engine runs already (module fixture)
+    lan = {"Host": "mac-a.local:8000"}
+    assert keyed.get("/v1/models", headers=lan).status_code == 401
+    assert keyed.get("/v1/models", headers={**lan, "Authorization": "Bearer k-1"}).status_code == 200
+    evil = {**lan, "Authorization": "Bearer k-1", "Origin": EVIL}
+    assert keyed.get("/v1/models", headers=evil).status_code == 403  # the Origin check stays
+
+
 def test_the_servers_own_page_is_served(client):
     page = client.get("/ui", headers={"Sec-Fetch-Site": "none", "Sec-Fetch-Mode": "navigate"})
     assert page.status_code == 200 and "<html" in page.text.lower()
@@ -136,6 +146,8 @@ def test_decide_is_pure_policy():
     bound = guard_policy("192.168.1.5", [], [], "server")
     assert decide(bound, "GET", Headers(headers={"host": "10.0.0.7"})).status == 421
     assert decide(guard_policy("127.0.0.1", ["*"], [], "server"), "GET", Headers({"host": "a.b"})).status == 0
+    keyed = guard_policy("127.0.0.1", [], [], "server", has_key=True)
+    assert decide(keyed, "GET", Headers({"host": "evil.example"})).status == 0
 
 
 @pytest.mark.parametrize(

@@ -50,6 +50,8 @@ def claude(target: Target, folder: Path, args: list[str]) -> Profile:
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",  # no update checks, telemetry or error reports
     }
     notes = []
+    if target.context_length:  # the window it assumes for a model id not starting with claude- (200k otherwise)
+        env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] = str(target.context_length)
     if target.context_length >= CLAUDE_MIN_COMPACT_WINDOW:
         env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] = str(target.context_length)
     elif target.context_length:  # it reads a smaller window as its 100k minimum, and says so on every run
@@ -79,8 +81,9 @@ def codex(target: Target, folder: Path, args: list[str]) -> Profile:
         f"model = {json.dumps(target.model)}",
         f"model_provider = {json.dumps(PROVIDER)}",
     ]
-    if target.context_length:
+    if target.context_length:  # it compacts at the limit, before the server has to refuse
         lines.append(f"model_context_window = {target.context_length}")
+        lines.append(f"model_auto_compact_token_limit = {target.context_length * 8 // 10}")
     lines += [
         "",
         f"[model_providers.{PROVIDER}]",

@@ -226,7 +226,7 @@ def create_router_app(
     app.state.router = router
     app.add_middleware(KeyCheck, key=client_key)
     mount_router_ui(app)  # /ui: static files outside the key check; its data needs the key
-    policy = guard_policy(config.listen_host, config.allowed_hosts, config.allowed_origins, "router")
+    policy = guard_policy(config.listen_host, config.allowed_hosts, config.allowed_origins, "router", bool(client_key))
     app.add_middleware(LocalGuard, policy=policy)  # outermost: web pages refused before anything reads them
     return app
 

@@ -141,6 +141,6 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, registry: ModelRegis
     )
     mount_ui(app)  # /ui outside the gate (static files, no data); its requests log inside it
     # Outermost: a web page's request is refused before anything else reads it, /ui's included.
-    policy = guard_policy(server.host, server.allowed_hosts, server.allowed_origins, "server")
+    policy = guard_policy(server.host, server.allowed_hosts, server.allowed_origins, "server", bool(keys.inference))
     app.add_middleware(LocalGuard, policy=policy)
     return app

@@ -6,7 +6,8 @@ attacker controls, re-pointed at 127.0.0.1) even read the answer. Two checks, be
 
 - Host: a request must name the server by a loopback name (localhost, 127.0.0.1, [::1]), the address it
   is bound to (any IP address when bound to all of them) or a name in `allowed_hosts`; else 421. A
-  rebinding page's requests carry the attacker's name.
+  rebinding page's requests carry the attacker's name. Not checked when every endpoint but /health
+  needs an API key: such a page cannot send the key, and LAN clients may use any name.
 - Origin: browsers name the page that sent a request in `Origin`. A request from another page than the
   server's own (Origin == http(s)://<Host>) gets 403 unless its origin is in `allowed_origins`; only
   then are CORS headers sent and preflights answered. Without `Origin`, a `Sec-Fetch-Site` of
@@ -86,6 +87,7 @@ class GuardPolicy:
     bind_host: str
     allowed_hosts: frozenset[str]  # extra names (lowercased); "*" = any Host
     allowed_origins: frozenset[str]  # exact origins (lowercased, no trailing slash) that get CORS
+    checks_host: bool = True  # False when an API key guards the endpoints (see the module docstring)
 
     def host_allowed(self, name: str) -> bool:
         if "*" in self.allowed_hosts or is_loopback(name) or name in self.allowed_hosts:
@@ -103,9 +105,12 @@ def _allowed_name(value: str) -> str | None:
     return host_name(inner) if ":" not in inner else None
 
 
-def guard_policy(bind_host: str, allowed_hosts: Iterable[str], allowed_origins: Iterable[str], section: str):
-    """The policy for a server bound to `bind_host`. ConfigError naming `<section>.allowed_hosts` or
-    `<section>.allowed_origins` for an entry that is no host name or no `scheme://host[:port]` origin."""
+def guard_policy(
+    bind_host: str, allowed_hosts: Iterable[str], allowed_origins: Iterable[str], section: str, has_key: bool = False
+) -> GuardPolicy:
+    """The policy for a server bound to `bind_host`, whose endpoints need an API key when `has_key`.
+    ConfigError naming `<section>.allowed_hosts` or `<section>.allowed_origins` for an entry that is no
+    host name or no `scheme://host[:port]` origin."""
     hosts = set()
     for value in allowed_hosts:
         name = _allowed_name(value)
@@ -125,7 +130,7 @@ def guard_policy(bind_host: str, allowed_hosts: Iterable[str], allowed_origins: 
             )
         origins.add(origin)
     bind = host_name(bind_host) or bind_host.strip("[]").lower()
-    return GuardPolicy(bind, frozenset(hosts), frozenset(origins))
+    return GuardPolicy(bind, frozenset(hosts), frozenset(origins), checks_host=not has_key)
 
 
 def check_exposure(bind_host: str, has_key: bool, allow_no_key: bool, section: str) -> str | None:
@@ -159,7 +164,7 @@ def decide(policy: GuardPolicy, method: str, headers: Headers) -> Verdict:
     """The verdict on a request with these headers: pure, no I/O."""
     host = headers.get("host", "")
     name = host_name(host)
-    if name is None or not policy.host_allowed(name):
+    if policy.checks_host and (name is None or not policy.host_allowed(name)):
         return Verdict(
             421,
             "host_not_allowed",
