@@ -196,3 +196,32 @@ def test_the_pin_probe(start_server, smollm_dir, tmp_path, cache, readable):
         assert result.pin is None, result.readings
         if "shared" in cache:  # whole blocks: every guess of the first digit reads the same
             assert len(set(result.readings[0])) == 1 and result.readings[0][0] % BLOCK == 0
+
+
+def test_a_model_in_its_own_process_keeps_the_keys_apart(start_server, tiny_model_dir, tmp_path):
+    """The parent names each request's principal to the model's process (x-kvserve-principal, which
+    the child trusts only from its parent): the child salts as the parent would."""
+    import tinymodel
+
+    other = tinymodel.build_mlx_model(tmp_path / "tiny-b", seed=1, hidden_size=96)
+    (tmp_path / "keys").write_text(KEY_FILE)
+    config = tmp_path / "models.toml"
+    config.write_text(
+        f'[server]\napi_key_file = "{tmp_path / "keys"}"\n[cache]\nblock_size = 16\n'
+        f'[[models]]\nname = "a"\nsource = "{tiny_model_dir}"\n'
+        f'[[models]]\nname = "b"\nsource = "{other}"\nprocess = true\n'
+    )
+    server = start_server(tiny_model_dir, config=config)
+    prompt = [(i * 37 + 11) % 250 + 3 for i in range(4 * 16 + 5)]
+
+    def cached_in_b(key: str, **headers: str) -> int:
+        body = {"model": "b", "prompt": prompt, "max_tokens": 1, "temperature": 0}
+        headers = {"Authorization": f"Bearer {key}", **headers}
+        reply = httpx.post(server.base_url + "/v1/completions", json=body, headers=headers, timeout=120)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached_in_b(KEY_A) == 0
+    assert cached_in_b(KEY_A) >= 4 * 16
+    assert cached_in_b(KEY_B, **{"x-kvserve-principal": "alice"}) == 0  # a client cannot name a principal
+    assert cached_in_b(KEY_C) == 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -23,7 +24,7 @@ from .cache_routes import cache_routes
 from .completion import CompletionHandler
 from .context_window import TruncationHeader
 from .embeddings import embedding_routes
-from .gate import CLIENT_CLOSED, RequestGate, error_response, note_error
+from .gate import CLIENT_CLOSED, PRINCIPAL_HEADER_ENV, RequestGate, error_response, note_error
 from .health import HealthMonitor
 from .local_guard import LocalGuard, guard_policy
 from .metrics import ServerMetrics
@@ -125,7 +126,7 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, registry: ModelRegis
     isolate = keys.isolated(cache.isolation)
     handler.cached_block = cache.block_size if keys.whole_blocks(cache.isolation, cache.report_cached) else 0
     if isolate:
-        if getattr(engine, "world", None) is not None:
+        if registry is None and getattr(engine, "world", None) is not None:  # (a registry has no ranks)
             raise ConfigError('cache.isolation: "per_key" does not work with --distributed yet; set "shared"')
         names = ", ".join(p.name for p in keys.named())
         log.info("cache isolation per_key: each key caches apart (%s%s)", names, ", admin" if keys.admin else "")
@@ -133,6 +134,7 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, registry: ModelRegis
         RequestGate,
         keys=keys,
         isolate=isolate,
+        trust_principal_header=bool(os.environ.get(PRINCIPAL_HEADER_ENV)),
         in_flight_limit=server.in_flight_limit(),
         metrics=metrics,
         routes=app.router.routes,

@@ -34,6 +34,11 @@ RECORD_KEY = "mlx_kvserve.record"  # the scope key under which handlers find the
 # caches apart ([cache] isolation = "per_key"); "" (or absent): the plain namespace. Set here only:
 # no client field or header can choose it.
 PRINCIPAL_KEY = "mlx_kvserve.principal"
+# A model's own process (server/model_process.py) serves the principals of the parent, whose only
+# client it is: the parent names each request's principal in this header, which the child reads when
+# the parent set PRINCIPAL_HEADER_ENV in its environment (and every other server ignores).
+PRINCIPAL_HEADER = b"x-kvserve-principal"
+PRINCIPAL_HEADER_ENV = "MLX_KVSERVE_PRINCIPAL_HEADER"
 OPEN_PATHS = frozenset({"/health"})  # answered without a key: service managers and probes hold none
 # Paths that hold an in-flight slot: the completion routes, count_tokens, whose chat template
 # rendering of a body of up to max_body_bytes costs as much CPU as a completion's, and embeddings.
@@ -103,6 +108,10 @@ def log_line(record: RequestRecord) -> str:
     )
 
 
+def _header(scope: Scope, wanted: bytes) -> bytes:
+    return next((value for name, value in scope["headers"] if name == wanted), b"")
+
+
 def _declared_length(scope: Scope) -> int | None:
     for name, value in scope["headers"]:
         if name == b"content-length":
@@ -139,6 +148,7 @@ class RequestGate:
         max_body_bytes: int,
         body_read_timeout_s: float,
         isolate: bool = False,
+        trust_principal_header: bool = False,
     ):
         self.app = app
         self.routes = routes  # the app's live route list, to name the endpoint of a request the gate rejected
@@ -148,6 +158,7 @@ class RequestGate:
         admin = keys.admin_principal()
         self.admin = [(keys.admin.encode(), admin)] if admin is not None else []
         self.isolate = isolate
+        self.trust_principal_header = trust_principal_header  # a model's process: the parent names principals
         self.in_flight_limit = in_flight_limit
         self.max_body_bytes = max_body_bytes
         self.body_read_timeout_s = body_read_timeout_s
@@ -175,7 +186,8 @@ class RequestGate:
         matches = [hmac.compare_digest(token, key) for key, _ in accepted]
         if any(matches):
             if self.isolate:
-                scope[PRINCIPAL_KEY] = accepted[matches.index(True)][1].identity
+                named = _header(scope, PRINCIPAL_HEADER) if self.trust_principal_header else b""
+                scope[PRINCIPAL_KEY] = named.decode("ascii", "replace") or accepted[matches.index(True)][1].identity
             return
         what = "admin API key" if is_admin_path(scope["path"]) and self.keys.admin else "API key"
         detail = "a wrong" if token else "no"

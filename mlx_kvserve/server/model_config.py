@@ -9,7 +9,7 @@ import json
 import math
 from typing import Any
 
-from ..config import Config, as_dict
+from ..config import Config, as_dict, load_api_keys
 from ..model_entries import ModelEntry
 
 
@@ -37,6 +37,11 @@ def child_config_text(config: Config, entry: ModelEntry, port: int, key: str) ->
     data["server"] |= {"host": "127.0.0.1", "port": port, "api_key": key, "api_key_file": ""}
     data["server"] |= {"admin_api_key": "", "admin_api_key_file": ""}
     data["cache"]["pin_on_start"] = []  # the parent pins through the child's API (ModelProcess.pin_files)
+    # The parent's keys decide, as for its own models: the child takes principals from the parent's header.
+    keys = load_api_keys(config.server)
+    data["cache"]["isolation"] = "per_key" if keys.isolated(config.cache.isolation) else "shared"
+    whole_blocks = keys.whole_blocks(config.cache.isolation, config.cache.report_cached)
+    data["cache"]["report_cached"] = "blocks" if whole_blocks else "exact"
     child = dataclasses.asdict(dataclasses.replace(entry, process=False, pinned=True, preload=True))
     lines: list[str] = []
     for section, values in data.items():

@@ -43,6 +43,7 @@ from ..config import Config
 from ..engine.model_load import Loaded
 from ..errors import ModelLoadError
 from ..model_entries import ModelEntry
+from .gate import PRINCIPAL_HEADER_ENV
 from .model_config import child_config_text
 
 log = logging.getLogger(__name__)
@@ -112,7 +113,7 @@ class ModelProcess:
         with os.fdopen(fd, "w") as f:
             f.write(child_config_text(self.config, self.entry, self.port, self.key))
         env = {k: v for k, v in os.environ.items() if k not in KEY_ENVS}
-        env |= {PARENT_PID_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1"}
+        env |= {PARENT_PID_ENV: str(os.getpid()), PRINCIPAL_HEADER_ENV: "1", "PYTHONUNBUFFERED": "1"}
         cmd = [sys.executable, "-m", "mlx_kvserve", "run", "--config", str(config_path)]
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.starts += 1
@@ -294,6 +295,7 @@ class ModelProcess:
             try:
                 text = Path(path).expanduser().read_text()
                 body = {"messages": [{"role": "system", "content": text}], "add_generation_prompt": False}
+                body["shared"] = True  # every principal's (per_key isolation), as in this process
                 reply = self.http.post(self.url("/v1/cache/pin"), json=body, headers=self.auth_headers(), timeout=None)
                 reply.raise_for_status()
                 log.info("pin_on_start: %s pinned in model %s's process", path, self.model_name)
