@@ -99,10 +99,12 @@ class GuardPolicy:
 def _allowed_name(value: str) -> str | None:
     """An `allowed_hosts` entry as host_name reads it ("*", a name, an IP; no port); None when it is none."""
     value = value.strip().lower()
+    if value == "*":
+        return value
     inner = value[1:-1] if value.startswith("[") and value.endswith("]") else value
-    if value == "*" or (":" in inner and _is_ip(inner)):  # only an IPv6 literal may hold a colon here
-        return value if value == "*" else inner
-    return host_name(inner) if ":" not in inner else None
+    if ":" in inner:  # only an IPv6 literal may hold a colon here: no ports
+        return inner if _is_ip(inner) else None
+    return host_name(inner)
 
 
 def guard_policy(
