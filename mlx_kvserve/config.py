@@ -99,6 +99,7 @@ class ServerConfig:
     # MLX keeps freed buffers for reuse up to this many bytes (engine/device_memory.py); 0 = by device:
     # a quarter of the GPU's own memory with CUDA (MLX's default there is 80% of it), MLX's own elsewhere.
     mlx_cache_limit_bytes: int = 0
+    kv_batch_bytes: int = 0  # the KV of the requests in the batch together (engine/kv_room.py); 0 = no bound
 
     def in_flight_limit(self) -> int:
         """Completion requests that may be in flight before the next gets 429."""

@@ -1,11 +1,14 @@
-"""Run the real agent clients against a fresh server, as a new user would (issue 24, item 5).
+"""Run the real agent clients against a fresh server, as a new user would (issues 24 and 47).
 
-Installs each client into a scratch folder (npm: Claude Code, Codex CLI; a scratch venv: aider, llm,
-the OpenAI Agents SDK, LangChain), starts `mlx-kvserve run` on a random-weight model with a long
-context and SmolLM2's tokenizer (so a ~30k-token agent prompt prefills in well under a minute on the
-CPU), puts a small logging proxy in front of it, and runs every client for two turns with the
-settings of docs/agent-clients.md. Per client it prints: works / first failure (status and the
-server's error, the request body saved under <work>/requests/) / cached tokens on the second turn.
+Installs each client into a scratch folder (npm: Claude Code, Codex CLI, opencode, Qwen Code, Cline; a
+scratch venv: aider, llm, the OpenAI Agents SDK, LangChain), starts `mlx-kvserve run` on a
+random-weight model with a long context and SmolLM2's tokenizer (so a ~30k-token agent prompt
+prefills in well under a minute on the CPU), puts a small logging proxy in front of it, and runs
+every client for two turns: the seven agent clients through `mlx-kvserve launch CLIENT --url PROXY`
+(no hand-written settings), the two SDKs with the settings of docs/agent-clients.md. Per client it
+prints: works / first failure (status and the server's error, the request body saved under
+<work>/requests/) / cached tokens on the second turn. `--record` saves each client version's requests
+(long text cut) under tests/data/client_requests/, which tests/test_client_requests.py replays.
 
 Gibberish answers are expected: the weights are random, the protocol is what is tested. The model
 ends its replies after a few tokens (see `bias_eos` in harness/agent_model.py), so a client asking for 32000 tokens finishes.
@@ -14,6 +17,7 @@ test suite.
 
     python scripts/try_clients.py                      # all clients
     python scripts/try_clients.py --only claude,codex  # some
+    python scripts/try_clients.py --record             # and refresh the recorded requests
 """
 
 from __future__ import annotations
@@ -35,11 +39,26 @@ from typing import Any, NamedTuple
 import httpx
 from harness import ROOT
 from harness.agent_model import build_model
+from harness.client_requests import recording, save
 from harness.servers import free_port
 
-NPM_PACKAGES = ["@anthropic-ai/claude-code", "@openai/codex"]
+NPM_PACKAGES = ["@anthropic-ai/claude-code", "@openai/codex", "opencode-ai", "@qwen-code/qwen-code", "cline"]
+# npm 11 runs no install script it was not told to allow; Claude Code's fetches its native binary.
+NPM_POSTINSTALL = {"@anthropic-ai/claude-code": "install.cjs"}
 PIP_PACKAGES = ["aider-chat", "llm", "openai-agents", "langchain-openai"]
-CLIENTS = ["claude", "codex", "aider", "llm", "agents", "langchain"]
+CLIENTS = ["claude", "codex", "opencode", "qwen", "cline", "aider", "llm", "agents", "langchain"]
+# Each launched client's two turns: the arguments after `mlx-kvserve launch CLIENT --`.
+AIDER = ["--yes", "--no-git", "--no-check-update", "--no-analytics", "--no-pretty", "--no-stream"]
+LAUNCH_TURNS = {
+    "claude": [["-p", "say hi"], ["-c", "-p", "again"]],
+    "codex": [["exec", "say hi"], ["exec", "resume", "--last", "again"]],
+    "opencode": [["run", "say hi"], ["run", "-c", "again"]],
+    "qwen": [["-p", "say hi"], ["--continue", "-p", "again"]],
+    "cline": [["say hi"], ["say it again"]],  # a second task (one word would be read as a command)
+    "aider": [[*AIDER, "--message", "say hi"], [*AIDER, "--restore-chat-history", "--message", "again"]],
+    "llm": [["say hi"], ["-c", "again"]],
+}
+RECORDED_NAMES = {"claude": "claude-code", "qwen": "qwen-code"}  # the recordings' file names
 LOG_LINE = re.compile(
     r"mlx_kvserve\.requests: id=(\S+) method=(\S+) endpoint=(\S+) status=(\d+) .*?prompt_tokens=(\S+) "
     r"cached_tokens=(\S+) completion_tokens=(\S+) .*?error=(\S+)"
@@ -173,8 +192,10 @@ class KvServer:
 def install(work: Path) -> None:
     """The npm clients into <work>/npm, the Python ones into the venv <work>/venv; skipped when there."""
     npm_bin = work / "npm" / "node_modules" / ".bin"
-    if not ((npm_bin / "claude").exists() and (npm_bin / "codex").exists()):
+    if not all((npm_bin / name).exists() for name in ("claude", "codex", "opencode", "qwen", "cline")):
         subprocess.run(["npm", "install", "--prefix", str(work / "npm"), *NPM_PACKAGES], check=True)
+        for package, script in NPM_POSTINSTALL.items():
+            subprocess.run(["node", script], cwd=work / "npm" / "node_modules" / package, check=True)
     venv = work / "venv"
     if not (venv / "bin" / "aider").exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
@@ -231,85 +252,22 @@ else:
     print("turn 2:", repr(reply.content), reply.tool_calls)
 """
 
-CODEX_CONFIG = """
-model = "default"
-model_provider = "kvserve"
-
-[model_providers.kvserve]
-name = "mlx-kvserve"
-base_url = "{url}/v1"
-wire_api = "responses"
-env_key = "KVSERVE_API_KEY"
-"""
-
-LLM_MODELS = """
-- model_id: kvserve
-  model_name: default
-  api_base: "{url}/v1"
-"""
-
 
 def client_turns(client: str, work: Path, url: str) -> tuple[Path, dict[str, str], list[list[str]]]:
-    """(scratch folder, environment, the command of each turn) for `client`, set up as
-    docs/agent-clients.md says, against the base URL `url`."""
+    """(scratch folder, environment, the command of each turn) for `client` against the base URL
+    `url`: an agent client through `mlx-kvserve launch`, an SDK with docs/agent-clients.md's settings."""
     folder = work / "scratch" / client
     shutil.rmtree(folder, ignore_errors=True)
     home = folder / "home"
     home.mkdir(parents=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "ANTHROPIC_", "CLAUDE"))}
-    env.update(HOME=str(home), NO_COLOR="1", TERM="dumb")
     npm_bin, venv_bin = work / "npm" / "node_modules" / ".bin", work / "venv" / "bin"
-    if client == "claude":
-        env.update(
-            ANTHROPIC_BASE_URL=url,
-            ANTHROPIC_AUTH_TOKEN="unused",
-            ANTHROPIC_MODEL="default",
-            ANTHROPIC_SMALL_FAST_MODEL="default",
-            ANTHROPIC_DEFAULT_HAIKU_MODEL="default",
-            DISABLE_AUTOUPDATER="1",
-        )
-        claude = str(npm_bin / "claude")
-        return folder, env, [[claude, "-p", "say hi"], [claude, "-c", "-p", "again"]]
-    if client == "codex":
-        codex_home = home / ".codex"
-        codex_home.mkdir()
-        (codex_home / "config.toml").write_text(CODEX_CONFIG.format(url=url))
-        env.update(CODEX_HOME=str(codex_home), KVSERVE_API_KEY="unused")
-        codex = str(npm_bin / "codex")
-        return (
-            folder,
-            env,
-            [
-                [codex, "exec", "--skip-git-repo-check", "say hi"],
-                [codex, "exec", "resume", "--skip-git-repo-check", "--last", "again"],
-            ],
-        )
-    if client == "aider":
-        aider = [
-            str(venv_bin / "aider"),
-            "--model",
-            "openai/default",
-            "--openai-api-base",
-            f"{url}/v1",
-            "--openai-api-key",
-            "unused",
-            "--yes",
-            "--no-git",
-            "--no-check-update",
-            "--no-show-model-warnings",
-            "--no-analytics",
-            "--no-pretty",
-            "--no-stream",
-            "--message",
-        ]
-        return folder, env, [[*aider, "say hi"], [*aider[:-1], "--restore-chat-history", "--message", "again"]]
-    if client == "llm":
-        user = folder / "llm"
-        user.mkdir()
-        (user / "extra-openai-models.yaml").write_text(LLM_MODELS.format(url=url))
-        env.update(LLM_USER_PATH=str(user))
-        llm = str(venv_bin / "llm")
-        return folder, env, [[llm, "-m", "kvserve", "say hi"], [llm, "-c", "again"]]
+    # The launched clients' private profiles go under the scratch folder's own mlx-kvserve home.
+    env.update(HOME=str(home), NO_COLOR="1", TERM="dumb", MLX_KVSERVE_HOME=str(folder / "kvserve-home"))
+    env["PATH"] = os.pathsep.join([str(npm_bin), str(venv_bin), env.get("PATH", "")])
+    if client in LAUNCH_TURNS:
+        launch = [str(ROOT / ".venv" / "bin" / "mlx-kvserve"), "launch", client, "--url", url, "--"]
+        return folder, env, [[*launch, *args] for args in LAUNCH_TURNS[client]]
     python = str(venv_bin / "python")
     if client == "agents":
         (folder / "agents_run.py").write_text(AGENTS_SCRIPT)
@@ -324,6 +282,31 @@ def client_turns(client: str, work: Path, url: str) -> tuple[Path, dict[str, str
     raise ValueError(f"unknown client {client!r}")
 
 
+def client_version(client: str, work: Path) -> str:
+    """The installed client's version, as its --version prints it ("" when it cannot say)."""
+    program = {"agents": None, "langchain": None}.get(client, client)
+    if program is None:
+        return ""
+    bins = [work / "npm" / "node_modules" / ".bin", work / "venv" / "bin"]
+    path = next((str(b / program) for b in bins if (b / program).exists()), program)
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    found = re.search(r"\d+\.\d+(\.\d+)?", out)
+    return found.group(0) if found else ""
+
+
+def record(client: str, work: Path, exchanges: list[Exchange]) -> None:
+    """Save the client version's requests for tests/test_client_requests.py (harness/client_requests.py)."""
+    version = client_version(client, work)
+    if not version:
+        return
+    requests = [(e.method, e.path, Path(e.request_file).read_bytes()) for e in exchanges if e.request_file]
+    path = save(recording(RECORDED_NAMES.get(client, client), version, requests))
+    print(f"  recorded {len(requests)} requests in {path}", flush=True)
+
+
 class Result(NamedTuple):
     client: str
     works: bool
@@ -335,7 +318,7 @@ class Result(NamedTuple):
     requests: int
 
 
-def run_client(client: str, work: Path, server: KvServer, proxy: Proxy, timeout_s: float) -> Result:
+def run_client(client: str, work: Path, server: KvServer, proxy: Proxy, timeout_s: float, keep: bool) -> Result:
     folder, env, turns = client_turns(client, work, proxy.url)
     start, first_exchange = server.log_size(), len(proxy.exchanges)
     failure = ""
@@ -362,6 +345,8 @@ def run_client(client: str, work: Path, server: KvServer, proxy: Proxy, timeout_
     proxy.label = "-"
     time.sleep(1.0)  # the request log line is written as a request ends
     exchanges = proxy.exchanges[first_exchange:]
+    if keep and client in LAUNCH_TURNS:
+        record(client, work, exchanges)
     errors = [e for e in exchanges if e.status >= 400]
     refused = (
         f"{errors[0].method} {errors[0].path} -> {errors[0].status}: {errors[0].error[:300]} ({errors[0].request_file})"
@@ -418,6 +403,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=600, help="seconds per client turn")
     parser.add_argument("--context", type=int, default=131072, help="the model's context in tokens")
     parser.add_argument("--eos-boost", type=float, default=12.0, help="how soon the random model ends a reply")
+    parser.add_argument("--record", action="store_true", help="save the requests under tests/data/client_requests")
     args = parser.parse_args()
     work = Path(args.work).expanduser().resolve()
     clients = args.only.split(",") if args.only else CLIENTS
@@ -432,7 +418,7 @@ def main() -> None:
     try:
         for client in clients:
             print(f"{client}:", flush=True)
-            results.append(run_client(client, work, server, proxy, args.timeout))
+            results.append(run_client(client, work, server, proxy, args.timeout, args.record))
     finally:
         proxy.server.shutdown()
         server.stop()

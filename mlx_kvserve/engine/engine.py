@@ -20,7 +20,7 @@ from ..kv import blocks
 from ..kv.salts import CacheSalts, principal_chain
 from ..models.loader import LoadedModel
 from ..vision.runtime import build_runtime
-from . import tool_grammar
+from . import kv_room, tool_grammar
 from .build import build_stack, prefill_step
 from .cache_admin import CacheAdmin
 from .constrain import grammars_for
@@ -73,6 +73,9 @@ class Engine:
         self.vision = build_runtime(loaded.vision, config) if getattr(loaded, "vision", None) is not None else None
         self.generator.scheduler.vision = self.vision
         self.generator.scheduler.share_prefill_step = config.generation.prefill_step_shared
+        budget = config.server.kv_batch_bytes  # admission by memory: the batch's KV bounded, the context capped
+        self.kv_room = kv_room.for_model(loaded.model, loaded.config, budget, config.cache.kv_bits)
+        self.generator.scheduler.kv_room = self.kv_room
         # Speculative decoding (engine/speculative.py): text models on one machine (ranks measure
         # their own pass times, and their adaptive choices must not differ). [speculative]
         # draft_model is loaded here (ConfigError when its tokenizer is not this model's).
@@ -184,9 +187,10 @@ class Engine:
 
     @property
     def context_length(self) -> int:
-        """The context served: the model's own, capped by [model] context_length when that is set."""
-        cap = self.config.model.context_length
-        return min(self.loaded.context_length, cap) if cap else self.loaded.context_length
+        """The context served: the model's own, capped by [model] context_length and by the tokens
+        [server] kv_batch_bytes holds (engine/kv_room.py) when those are set."""
+        caps = (self.config.model.context_length, self.kv_room.max_tokens if self.kv_room is not None else 0)
+        return min([self.loaded.context_length, *(c for c in caps if c)])
 
     @property
     def vocab_size(self) -> int:

@@ -47,6 +47,8 @@ class Scheduler:
     apart) and the batch starts afresh.
     """
 
+    kv_room: Any = None  # engine/kv_room.KvRoom: pending requests start only while their KV fits (None: no bound)
+
     def __init__(
         self,
         model: Any,
@@ -171,6 +173,9 @@ class Scheduler:
                     return
             now = time.perf_counter()
             pick = self.order.pick(candidates, self._uncached_tokens, now)
+            held = (r.req for r in [*self._running.values(), *self._waiting])
+            if self.kv_room is not None and not pick.req.cancelled.is_set() and not self.kv_room.fits(pick.req, held):
+                return  # its KV would not fit beside the batch's (engine/kv_room.py): nothing starts past it
             self._pending.remove(pick)
             self.order.passed(self._pending, pick, now)
             self.stats.max_wait_s = max(self.stats.max_wait_s, now - pick.started)
