@@ -22,7 +22,9 @@ from mlx_kvserve.server.app import create_app
 
 RECORDINGS = load_all()
 CASES = [
-    pytest.param(rec, i, id=f"{rec['client']}-{rec['version']}-{i + 1}-{req['method']}-{req['path'].split('?')[0]}")
+    pytest.param(
+        rec, i, id=f"{rec['client']}-{rec['version']}{rec.get('how', '')}-{i + 1}-{req['method']}-{req['path']}"
+    )
     for rec in RECORDINGS
     for i, req in enumerate(rec["requests"])
 ]

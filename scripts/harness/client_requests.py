@@ -32,20 +32,21 @@ def shrink(value: Any, key: str = "") -> Any:
     return value
 
 
-def recording(client: str, version: str, requests: list[tuple[str, str, bytes]]) -> dict[str, Any]:
-    """A client version's recording: its (method, path, body) requests, bodies shrunk."""
+def recording(client: str, version: str, requests: list[tuple[str, str, bytes]], how: str = "") -> dict[str, Any]:
+    """A client version's recording: its (method, path, body) requests, bodies shrunk. `how`: a
+    second recording of the same version run another way (e.g. "interactive"), saved beside it."""
     items = []
     for method, path, body in requests:
         item: dict[str, Any] = {"method": method, "path": path}
         if body:
             item["body"] = shrink(json.loads(body))
         items.append(item)
-    return {"client": client, "version": version, "requests": items}
+    return {"client": client, "version": version, "how": how, "requests": items}
 
 
 def save(rec: dict[str, Any], folder: Path = DATA) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{rec['client']}-{rec['version']}.json"
+    path = folder / f"{rec['client']}-{rec['version']}{'-' + rec['how'] if rec.get('how') else ''}.json"
     path.write_text(json.dumps(rec, indent=1, ensure_ascii=False) + "\n")
     return path
 
