@@ -225,3 +225,19 @@ def test_a_model_in_its_own_process_keeps_the_keys_apart(start_server, tiny_mode
     assert cached_in_b(KEY_A) >= 4 * 16
     assert cached_in_b(KEY_B, **{"x-kvserve-principal": "alice"}) == 0  # a client cannot name a principal
     assert cached_in_b(KEY_C) == 0
+
+
+def test_the_draft_models_block_cache_is_per_principal_too(tiny_model_dir):
+    """[speculative] draft: the draft's own prompt blocks are walked from the request's root."""
+    from mlx_lm.utils import load
+
+    from mlx_kvserve.engine.draft_model import DraftModel, draft_block_cache
+
+    model, _ = load(str(tiny_model_dir))
+    draft = DraftModel(model, "draft", draft_block_cache(model, "draft-fp", 16, 1 << 26), prefill_step=64)
+    prompt = [(i * 37 + 11) % 250 + 3 for i in range(3 * 16 + 5)]
+    root_a, root_b = b"a" * 32, b"b" * 32
+    for root, expected in ((root_a, 0), (root_a, len(prompt) - 1), (root_b, 0), (None, 0)):  # blocks and tail
+        run = draft.open(prompt, [*prompt, 7], root)
+        assert run.cached_tokens == expected, root
+        run.close()

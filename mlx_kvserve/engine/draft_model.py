@@ -56,10 +56,11 @@ class DraftModel:
                 "layers); a draft model needs plain attention"
             )
 
-    def open(self, prompt: Sequence[int], seq: Sequence[int]) -> DraftRun:
+    def open(self, prompt: Sequence[int], seq: Sequence[int], root: bytes | None = None) -> DraftRun:
         """A draft for a request whose sequence is `seq` (prompt, then the tokens generated so far):
-        its cached prompt blocks, then a prefill of seq[:-1]. Raises what the model raises."""
-        prepared = self.prefix_cache.prepare(list(prompt)) if self.prefix_cache is not None else None
+        its cached prompt blocks (in the chain of the request's principal, `root`), then a prefill of
+        seq[:-1]. Raises what the model raises."""
+        prepared = self.prefix_cache.prepare(list(prompt), None, root) if self.prefix_cache is not None else None
         cache = prepared.prompt_cache if prepared is not None else self.layout.new_cache()
         cached = prepared.match.num_tokens if prepared is not None else 0
         run = DraftRun(self, cache, list(seq[:cached]), len(prompt), prepared)

@@ -31,7 +31,8 @@ def speculate(self: Scheduler) -> bool:
             return False
         cache, tokens = self._generator().remove([run.uid], return_prompt_caches=True)[run.uid]
         params, prompt_len = run.req.params, len(run.req.prompt_tokens)
-        self._guard(run, spec.begin, run, cache, list(tokens), len(run.generated), params, prompt_len)
+        root = run.req.cache_root  # the draft's block cache is salted per principal too
+        self._guard(run, spec.begin, run, cache, list(tokens), len(run.generated), params, prompt_len, root)
         if spec.solo is None:  # it failed
             return True
     else:

@@ -274,15 +274,17 @@ class Speculator:
         num_generated: int,
         params: SamplingParams,
         prompt_len: int,
+        root: bytes | None = None,
     ) -> None:
         """Take over a request whose `cache` holds the KV of `tokens` (prompt and output so far;
-        `prompt_len` of them the prompt). Its draft model, if it gets one, prefills here."""
+        `prompt_len` of them the prompt). Its draft model, if it gets one, prefills here, its block
+        cache walked from the request's principal's `root` (kv/salts.py)."""
         if not all(c.is_trimmable() for c in cache):
             raise ValueError("speculation needs a trimmable cache")
         drafter: PromptLookup | DraftRun = PromptLookup()
         if self.kind(params) == DRAFT:
             assert self.draft is not None
-            drafter = self.draft.open(tokens[:prompt_len], tokens)
+            drafter = self.draft.open(tokens[:prompt_len], tokens, root)
             self.stats.draft_cached_tokens += drafter.cached_tokens
             self.stats.draft_prefill_tokens += len(drafter.fed) - drafter.cached_tokens
         for c in cache:  # its last token is run again: its logits pick the next one
