@@ -44,7 +44,8 @@ HOP_HEADERS = frozenset(
 AUTH_HEADERS = frozenset({"authorization", "x-api-key"})
 # The browser's headers were checked here (local_guard.py); the backend would see them come from another host.
 UNSENT_HEADERS = HOP_HEADERS | AUTH_HEADERS | BROWSER_HEADERS
-REPLY_HEADERS = ("content-type", "retry-after", "www-authenticate", "cache-control")
+# The backend's reply headers passed on (x-kvserve-truncated-messages: server/context_window.py).
+REPLY_HEADERS = ("content-type", "retry-after", "www-authenticate", "cache-control", "x-kvserve-truncated-messages")
 DISCONNECT_POLL_S = 0.2
 CLIENT_CLOSED = 499
 
