@@ -268,3 +268,15 @@ def test_truncate_refuses_when_the_last_turn_alone_is_past_the_window(truncating
         "/v1/chat/completions", json={"model": "default", "messages": [SYSTEM, TURNS[-1]], "max_tokens": 2}
     )
     assert fits.status_code == 200 and "x-kvserve-truncated-messages" not in fits.headers
+
+
+def test_a_registered_model_s_card_carries_its_window():
+    from mlx_kvserve.config import ServerConfig
+    from mlx_kvserve.server.models_admin import CARD_FIELDS, _card
+
+    row = {"id": "m", **dict.fromkeys(CARD_FIELDS), "context_length": 4096}
+    server = ServerConfig(max_prompt_tokens=1000, max_completion_tokens=256)
+    assert _card(row, 0, False, server)["context_length"] == 1000  # max_prompt_tokens binds
+    assert _card(row, 0, True, server)["max_input_tokens"] == 1000 and _card(row, 0, True, server)["max_tokens"] == 256
+    never_loaded = _card(row | {"context_length": None}, 0, False, ServerConfig())
+    assert "context_length" not in never_loaded and never_loaded["id"] == "m"
