@@ -146,6 +146,10 @@ def test_key_b_gets_nothing_of_key_a_in_ram_and_after_a_restart(start_server, sm
     assert cached(server, KEY_B, prompt_a) >= 2 * BLOCK  # B's own cache works
     assert cached(server, ADMIN, prompt_a) == 0  # the admin key is a principal of its own
     server.stop()
+    log = server.log_path.read_text()  # each request's line names its principal, never its key
+    assert "each key caches apart (alice, key-2, carol, admin)" in log
+    assert all(f"key={name}" in log for name in ("alice", "key-2", "admin"))
+    assert not any(key in log for key in (KEY_A, KEY_B, KEY_C, ADMIN))
     server = _start(start_server, smollm_dir, tmp_path / "cfg", home=home)  # a new process, same cache folder
     assert cached(server, KEY_C, prompt_a) == 0
     assert cached(server, KEY_A, prompt_a) >= 2 * BLOCK  # A's blocks came back from the SSD

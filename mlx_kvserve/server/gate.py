@@ -104,7 +104,7 @@ def log_line(record: RequestRecord) -> str:
         f"id={record.request_id} method={record.method} endpoint={record.endpoint} status={record.status} "
         f"stream={str(record.stream).lower()} prompt_tokens={record.prompt_tokens} "
         f"cached_tokens={record.cached_tokens} completion_tokens={record.completion_tokens} ttft_s={ttft} "
-        f"duration_s={record.duration_s:.3f} error={record.error or '-'}"
+        f"duration_s={record.duration_s:.3f} error={record.error or '-'} key={record.key_name or '-'}"
     )
 
 
@@ -185,9 +185,13 @@ class RequestGate:
         # compare_digest against every accepted key: the time taken says nothing about which one was close.
         matches = [hmac.compare_digest(token, key) for key, _ in accepted]
         if any(matches):
+            principal = accepted[matches.index(True)][1]
+            record = scope.get(RECORD_KEY)
+            if record is not None:
+                record.key_name = principal.name
             if self.isolate:
                 named = _header(scope, PRINCIPAL_HEADER) if self.trust_principal_header else b""
-                scope[PRINCIPAL_KEY] = named.decode("ascii", "replace") or accepted[matches.index(True)][1].identity
+                scope[PRINCIPAL_KEY] = named.decode("ascii", "replace") or principal.identity
             return
         what = "admin API key" if is_admin_path(scope["path"]) and self.keys.admin else "API key"
         detail = "a wrong" if token else "no"

@@ -40,6 +40,7 @@ class RequestRecord:
     first_token_s: float | None = None  # arrival to the first generated token
     duration_s: float = 0.0
     error: str = ""  # code or type of the error that ended the request ("" = none)
+    key_name: str = ""  # the principal whose key opened it (api_keys.Principal.name; never the key)
 
     def mark_first_token(self) -> None:
         if self.first_token_s is None:
