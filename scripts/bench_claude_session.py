@@ -6,12 +6,14 @@ previous assistant part (a scripted reply, or a scripted tool_use and its tool_r
 sends them) and a new user message. Every request opens its system prompt with Claude Code's billing
 line, `x-anthropic-billing-header: cc_version=…; cch=<random per request>;`. Streamed, greedy, 16 tokens.
 
-- mlx-kvserve through `POST /v1/messages` (cached tokens: usage.cache_read_input_tokens);
+- mlx-kvserve through `POST /v1/messages` (cached tokens: usage.cache_read_input_tokens), and again, fresh,
+  through `POST /v1/chat/completions` with the chat form of the same conversation (as mlx_lm.server gets it);
 - vllm-mlx (a scratch venv, `--vllm-mlx`) through its `POST /v1/messages`, same bodies;
-- mlx_lm.server through `POST /v1/chat/completions`: the same conversation as chat messages, the billing
-  line on the first line of the system message (a user of it would send it too).
+- mlx_lm.server through `POST /v1/chat/completions`: the same conversation as chat messages, without the
+  billing line (a chat client sends no Anthropic billing line; with its per-request nonce at the start of
+  the prompt no server reuses anything: `--chat-billing` keeps it as the system message's first line).
 
-One server runs at a time, on the same model folder (the random-weight long-context llama of
+One server runs at a time (`--ours-config`: a config file for both of ours), on the same model folder (the random-weight long-context llama of
 try_clients.py by default: a cold ~23k-token prefill takes seconds on the CPU), warmed up with a short
 unrelated request first. Per turn: prompt tokens, then per server cached tokens and TTFT (request to
 the first streamed content delta; the end of the stream when none came).
@@ -43,6 +45,10 @@ from harness.reports import write_report
 from harness.servers import Server, free_port, server_env, vllm_mlx_server
 
 CC_VERSION = "2.1.197.123"
+OURS_CHAT = f"{OURS} (chat)"  # ours again, over /v1/chat/completions
+BASE, BASE_CHAT = f"{OURS} (baseline)", f"{OURS} (baseline, chat)"  # ours from another source tree
+CHAT_SERVERS = (MLX_LM, OURS_CHAT, BASE_CHAT)
+OUR_SERVERS = (OURS, OURS_CHAT, BASE, BASE_CHAT)
 RECORDED = [Path("/tmp/try-clients/runs"), Path.home() / ".cache" / "mlx-kvserve-try-clients" / "runs"]
 MAX_TOKENS = 16
 
@@ -63,13 +69,15 @@ class Turn(NamedTuple):
 # -- the session -------------------------------------------------------------------------------------
 
 
-def recorded_shape(folders: list[Path]) -> Shape | None:
-    """System blocks, tools and opening of the newest recorded Claude Code request with tools."""
-    files = sorted(
-        (f for d in folders if d.exists() for f in d.glob("*/requests/*claude*POST_v1_messages.json")),
-        key=lambda f: f.stat().st_mtime,
-    )
-    for path in reversed(files):
+def recorded_files(folders: list[Path]) -> list[Path]:
+    """try_clients.py's recorded Claude Code requests under `folders`, newest first."""
+    files = (f for d in folders if d.exists() for f in d.glob("*/requests/*claude*POST_v1_messages.json"))
+    return sorted(files, key=lambda f: f.stat().st_mtime, reverse=True)
+
+
+def recorded_shape(files: list[Path]) -> Shape | None:
+    """System blocks, tools and opening of the first of `files` that is a request with tools."""
+    for path in files:
         body = json.loads(path.read_text())
         if not body.get("tools") or not isinstance(body.get("system"), list):
             continue
@@ -197,10 +205,12 @@ def messages_body(shape: Shape, turn: int) -> dict:
     }
 
 
-def as_chat(body: dict) -> tuple[list[dict], list[dict]]:
-    """(chat messages, OpenAI tools) of a /v1/messages body; the billing line stays the system's first line."""
-    billing, *rest = body["system"]
-    messages = [{"role": "system", "content": billing["text"] + "\n" + "".join(b["text"] for b in rest)}]
+def as_chat(body: dict, billing: bool = False) -> tuple[list[dict], list[dict]]:
+    """(chat messages, OpenAI tools) of a /v1/messages body; with `billing` the billing line stays the
+    system's first line."""
+    line, *rest = body["system"]
+    opening = line["text"] + "\n" if billing else ""
+    messages = [{"role": "system", "content": opening + "".join(b["text"] for b in rest)}]
     for m in body["messages"]:
         texts = "".join(b["text"] for b in m["content"] if b["type"] == "text")
         uses = [b for b in m["content"] if b["type"] == "tool_use"]
@@ -257,8 +267,8 @@ def stream_messages(url: str, body: dict) -> Turn:
     return Turn(ttft, prompt, cached)
 
 
-def chat_turn(server: Server, body: dict) -> Turn:
-    messages, tools = as_chat(body)
+def chat_turn(server: Server, body: dict, billing: bool) -> Turn:
+    messages, tools = as_chat(body, billing)
     reply = stream_turn(server, messages, tools, MAX_TOKENS)  # greedy, usage in the last chunk
     return Turn(reply.ttft_s, reply.prompt_tokens, reply.cached_tokens)
 
@@ -281,7 +291,7 @@ def vllm_logged(turn: Turn, log: Path, start: int) -> Turn:
 def warm_up(server: Server) -> None:
     """A short unrelated request: first-use kernel compilation, not part of the session."""
     body = {"model": "default", "max_tokens": 2, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
-    if server.name == MLX_LM:
+    if server.name in CHAT_SERVERS:
         stream_turn(server, body["messages"], [], 2)
     else:
         stream_messages(server.url, body)
@@ -290,14 +300,17 @@ def warm_up(server: Server) -> None:
 # -- servers -----------------------------------------------------------------------------------------
 
 
-def start(name: str, model: Path, vllm_mlx: str | None, work: Path) -> Server:
-    port, env = free_port(), server_env()
-    if name == OURS:
-        home = work / "kvserve-home"
+def start(name: str, args: argparse.Namespace, work: Path) -> Server:
+    port, env, model = free_port(), server_env(), args.model
+    if name in OUR_SERVERS:
+        env["MLX_KVSERVE_HOME"] = str(work / f"kvserve-home-{OUR_SERVERS.index(name)}")  # each its own cold cache
+        if name in (BASE, BASE_CHAT):  # the baseline's package first on the path (not the working directory's)
+            env.update(PYTHONPATH=str(args.baseline), PYTHONSAFEPATH="1")
         cmd = [sys.executable, "-m", "mlx_kvserve", "run", "--model", str(model), "--port", str(port)]
-        server = Server(name, cmd, port, dict(env, MLX_KVSERVE_HOME=str(home)), "/health")
+        cmd += ["--config", str(args.ours_config)] if args.ours_config else []
+        server = Server(name, cmd, port, env, "/health")
     elif name == VLLM:
-        server = vllm_mlx_server(vllm_mlx, model, work / "vllm-home", env)  # a fresh HOME: turn 1 cold
+        server = vllm_mlx_server(args.vllm_mlx, model, work / "vllm-home", env)  # a fresh HOME: turn 1 cold
         cmd = server.cmd
     else:
         cmd = [sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--port", str(port)]
@@ -308,17 +321,21 @@ def start(name: str, model: Path, vllm_mlx: str | None, work: Path) -> Server:
     return server
 
 
-def run_server(name: str, shape: Shape, turns: int, model: Path, vllm_mlx: str | None, work: Path) -> dict:
+def run_server(name: str, shape: Shape, turns: int, args: argparse.Namespace, work: Path) -> dict:
     """The session on one server: {"turns": [Turn as dict]} or {"error": why it could not run}."""
     try:
-        server = start(name, model, vllm_mlx, work)
+        server = start(name, args, work)
     except Exception as exc:  # reported in the table: a peer that cannot start here
         return {"error": f"{type(exc).__name__}: {exc}"}
     rows = []
     try:
         for turn in range(turns):
             body, log_start = messages_body(shape, turn), Path(server.log.name).stat().st_size
-            result = chat_turn(server, body) if name == MLX_LM else stream_messages(server.url, body)
+            result = (
+                chat_turn(server, body, args.chat_billing)
+                if name in CHAT_SERVERS
+                else stream_messages(server.url, body)
+            )
             if name == VLLM:
                 result = vllm_logged(result, Path(server.log.name), log_start)
             rows.append(result._asdict())
@@ -337,6 +354,11 @@ def run_server(name: str, shape: Shape, turns: int, model: Path, vllm_mlx: str |
 # -- report ------------------------------------------------------------------------------------------
 
 
+def cold_ttft(result: dict) -> float | None:
+    turns = result.get("turns", [])
+    return turns[0]["ttft_s"] if turns else None
+
+
 def later_mean(result: dict) -> float | None:
     ttfts = [t["ttft_s"] for t in result.get("turns", [])[1:]]
     return statistics.mean(ttfts) if ttfts else None
@@ -346,7 +368,8 @@ def report_lines(results: dict) -> list[str]:
     names = [n for n in results["servers"] if results["servers"][n].get("turns")]
     lines = [
         f"Shape: {results['source']}; {results['num_tools']} tools; {results['turns']} turns; {MAX_TOKENS} tokens "
-        f"per reply, greedy; a fresh `cch` nonce in the billing line of every request. Wall time "
+        f"per reply, greedy; a fresh `cch` nonce in the billing line of every /v1/messages request"
+        f"{' and chat request' if results.get('chat_billing') else ' (none in the chat form)'}. Wall time "
         f"{results['wall_s'] / 60:.1f} min. Prompt tokens per server in column order where they differ.",
         "",
         "| turn | prompt tokens | " + " | ".join(f"{n} cached | {n} TTFT s" for n in names) + " |",
@@ -364,12 +387,16 @@ def report_lines(results: dict) -> list[str]:
                 cells.append("- | -")
         shown = prompts[0] if len(set(prompts)) <= 1 else " / ".join(prompts)
         lines.append(f"| {i + 1} | {shown} | " + " | ".join(cells) + " |")
-    ours = later_mean(results["servers"].get(OURS, {}))
+    theirs = results["servers"].get(MLX_LM, {})
+    base_later, base_cold = later_mean(theirs), cold_ttft(theirs)
     lines.append("")
     for n in names:
-        mean = later_mean(results["servers"][n])
-        ratio = f" ({mean / ours:.1f}x ours)" if ours and mean and n != OURS else ""
-        lines.append(f"- {n}: turns 2-{results['turns']} mean TTFT {mean:.2f} s{ratio}")
+        mean, cold = later_mean(results["servers"][n]), cold_ttft(results["servers"][n])
+        ratio = f" ({mean / base_later:.2f}x {MLX_LM})" if base_later and mean and n != MLX_LM else ""
+        cold_ratio = f" ({cold / base_cold:.2f}x)" if base_cold and cold and n != MLX_LM else ""
+        lines.append(
+            f"- {n}: turns 2-{results['turns']} mean TTFT {mean:.2f} s{ratio}; turn 1 {cold:.2f} s{cold_ratio}"
+        )
     for n, r in results["servers"].items():
         if r.get("error"):
             lines.append(f"- {n}: {r['error']}")
@@ -384,6 +411,13 @@ def main() -> None:
     ap.add_argument("--vllm-mlx", help="the vllm-mlx executable of a scratch venv (left out: not run)")
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--synthetic", action="store_true", help="the synthetic shape even when a recording exists")
+    ap.add_argument("--ours-config", type=Path, help="a config file for both of our servers")
+    ap.add_argument(
+        "--baseline", type=Path, help="another source tree of ours (e.g. `git archive` of a commit), run too"
+    )
+    ap.add_argument("--recording", type=Path, help="a recorded Claude Code /v1/messages request body (JSON)")
+    ap.add_argument("--no-chat", action="store_true", help="ours over /v1/messages only")
+    ap.add_argument("--chat-billing", action="store_true", help="the billing line in the chat requests too")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "claude_session")
     args = ap.parse_args()
     if args.model is None:
@@ -394,18 +428,22 @@ def main() -> None:
             / ("model" if (args.layers, args.heads) == (1, 1) else f"model-{args.layers}l{args.heads}h")
         )
         args.model = build_model(folder, 131072, 12.0, args.layers, args.heads)
-    shape = (None if args.synthetic else recorded_shape(RECORDED)) or synthetic_shape()
-    names = [OURS, *([VLLM] if args.vllm_mlx else []), MLX_LM]
+    files = [args.recording] if args.recording else recorded_files(RECORDED)
+    shape = (None if args.synthetic else recorded_shape(files)) or synthetic_shape()
+    ours = [OURS, *([] if args.no_chat else [OURS_CHAT])]
+    base = [BASE, *([] if args.no_chat else [BASE_CHAT])] if args.baseline else []
+    names = [*ours, *base, *([VLLM] if args.vllm_mlx else []), MLX_LM]
     work, start_s = Path(tempfile.mkdtemp(prefix="kvserve-claude-session-")), time.perf_counter()
     results: dict = {
         "source": shape.source,
         "num_tools": len(shape.tools),
         "turns": args.turns,
+        "chat_billing": args.chat_billing,
         "model": str(args.model),
         "servers": {},
     }
     for name in names:
-        results["servers"][name] = run_server(name, shape, args.turns, args.model, args.vllm_mlx, work)
+        results["servers"][name] = run_server(name, shape, args.turns, args, work)
     results["wall_s"] = time.perf_counter() - start_s
     write_report(results, args.out, report_lines(results))
 
