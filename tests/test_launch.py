@@ -307,3 +307,56 @@ def test_a_started_server_is_stopped_when_the_client_exits(tmp_path):
     script = "import os, sys; sys.exit(int(os.environ['LAUNCH_TEST']))"
     assert command._run_then_stop(sys.executable, Profile("x", ["x", "-c", script], profile.env), started) == 7
     assert started.stopped
+
+
+def test_a_server_that_wants_a_key_is_named_in_the_error(home):
+    fake = FakeServer(key="sk-secret-123")
+    try:
+        result = CliRunner().invoke(cli, ["launch", "llm", "--url", fake.url])
+        assert result.exit_code == 1 and "wants an API key: set $MLX_KVSERVE_API_KEY" in result.output
+        result = CliRunner().invoke(cli, ["launch", "llm", "--url", fake.url], env={"MLX_KVSERVE_API_KEY": "wrong"})
+        assert result.exit_code == 1 and "refuses the key given" in result.output
+    finally:
+        fake.close()
+
+
+FAKE_RUN = """
+import json, sys, time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+port = int(sys.argv[sys.argv.index("--port") + 1])
+if "--fail" in sys.argv:
+    print("cannot load the model"); sys.exit(3)
+time.sleep(0.5)  # a server takes a moment to load
+class H(BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"status": "ok", "model": "started", "context_length": 2048}).encode()
+        self.send_response(200 if self.path == "/health" else 404)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+HTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+
+def test_a_started_server_is_waited_for_and_stopped(tmp_path):
+    from harness.servers import free_port
+
+    from mlx_kvserve.errors import KVServeError
+    from mlx_kvserve.launch.server import StartedServer
+
+    script = tmp_path / "fake_run.py"
+    script.write_text(FAKE_RUN)
+    port = free_port()
+    started = StartedServer(["--port", str(port)], tmp_path / "server.log", (sys.executable, str(script)))
+    target = started.wait(f"http://127.0.0.1:{port}", "", 30, print, poll_s=0.1)
+    assert target == Target(f"http://127.0.0.1:{port}", "started", 2048, NO_KEY)
+    started.stop()
+    assert started.proc.returncode is not None
+
+    failing = StartedServer(["--port", "1", "--fail"], tmp_path / "fail.log", (sys.executable, str(script)))
+    with pytest.raises(KVServeError) as err:
+        failing.wait("http://127.0.0.1:1", "", 30, print, poll_s=0.1)
+    assert "exited with code 3" in err.value.message and str(tmp_path / "fail.log") in err.value.message
+    assert "cannot load the model" in (tmp_path / "fail.log").read_text()

@@ -17,7 +17,7 @@ from ..errors import KVServeError
 from .clients import CLIENTS, Client
 from .profile import Profile, describe, write
 from .server import StartedServer
-from .target import NO_KEY, Target, probe
+from .target import NO_KEY, KeyRefused, Target, probe
 
 API_KEY_ENV = "MLX_KVSERVE_API_KEY"  # as `mlx-kvserve run` reads it
 ANY_ADDRESS = ("0.0.0.0", "::", "")
@@ -52,7 +52,13 @@ def launch(client, client_args, url, model, config_path, dry_run, start_timeout)
         raise click.ClickException(exc.message) from None
     host = "127.0.0.1" if config.server.host in ANY_ADDRESS else config.server.host
     base = (url or f"http://{host}:{config.server.port}").rstrip("/")
-    target = probe(base, key)
+    try:
+        target = probe(base, key)
+    except KeyRefused:
+        which = "refuses the key given" if key else "wants an API key"
+        raise click.ClickException(
+            f"the server at {base} {which}: set ${API_KEY_ENV} (or server.api_key_file in --config)"
+        ) from None
     if target is None and url:
         raise click.ClickException(f"no mlx-kvserve server answers at {base}/health")
     run_args = _run_args(host, config.server.port, model, config_path)

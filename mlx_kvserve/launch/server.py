@@ -14,13 +14,13 @@ from .target import Target, probe
 
 
 class StartedServer:
-    """`mlx-kvserve run ARGS` in its own session (the terminal's Ctrl-C reaches the client, not the
+    """`mlx-kvserve run ARGS` (or `program` ARGS: tests) in its own session (the terminal's Ctrl-C reaches the client, not the
     server), writing to `log_path`. `wait` raises KVServeError when it exits or is not up in time."""
 
-    def __init__(self, run_args: list[str], log_path: Path):
+    def __init__(self, run_args: list[str], log_path: Path, program: tuple[str, ...] = ()):
         log_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.log_path = log_path
-        self.argv = [sys.executable, "-m", "mlx_kvserve", "run", *run_args]
+        self.argv = [*(program or (sys.executable, "-m", "mlx_kvserve", "run")), *run_args]
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True

@@ -26,20 +26,30 @@ class Target(NamedTuple):
         return self.api_key != NO_KEY
 
 
+class KeyRefused(Exception):
+    """The server wants an API key, and not the one given (401 on /v1/models)."""
+
+
 def get_json(url: str, api_key: str = "", timeout_s: float = 3.0) -> dict[str, Any] | None:
-    """The JSON object at `url`, or None when nothing answers there, or not with 200 and an object."""
+    """The JSON object at `url`, or None when nothing answers there, or not with 200 and an object.
+    KeyRefused on a 401."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout_s) as reply:
             body = json.loads(reply.read())
-    except (urllib.error.URLError, OSError, ValueError):  # refused, timed out, an error status, not JSON
+    except urllib.error.HTTPError as exc:
+        if exc.code == 401:
+            raise KeyRefused(url) from None
+        return None
+    except (urllib.error.URLError, OSError, ValueError):  # refused, timed out, not JSON
         return None
     return body if isinstance(body, dict) else None
 
 
 def probe(url: str, api_key: str = "") -> Target | None:
     """The server at `url` as clients see it, or None when no mlx-kvserve answers /health there.
-    /health is open to all; the model card (with the key) adds the window where /health lacks it."""
+    /health is open to all; the model card (with the key) adds the window where /health lacks it.
+    KeyRefused when the server wants another key than `api_key` (or one, and none was given)."""
     url = url.rstrip("/")
     health = get_json(url + "/health")
     if health is None or "status" not in health:
