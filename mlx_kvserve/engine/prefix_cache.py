@@ -106,8 +106,10 @@ class PrefixCache:
                 match.tail_len,
                 # Room for the rest: a request joining the batch alone (kv/blocks.py _merge_alone) or
                 # directly (engine/direct_join.py) writes it in place; growing would copy the whole
-                # prefix. mlx-lm's merge of several requests copies only their filled positions.
-                room=len(prompt) - match.num_tokens,
+                # prefix. mlx-lm's merge of several requests copies only their filled positions. One
+                # more for the first generated token: mlx-lm runs its decode step before it reports that
+                # token, and a prompt filling the buffer exactly would grow (copy) it inside the TTFT.
+                room=len(prompt) - match.num_tokens + 1,
             )
         except Exception:
             self.manager.release(match.blocks)
@@ -225,17 +227,18 @@ class PrefixCache:
         hashes = manager.hasher.hash_blocks(tokens, num_full, known=prepared.prompt_hashes, root=prepared.root)
         todo = manager.new_blocks(tokens, first, num_full, hashes)
         added = 0
-        if todo:
-            start, end = todo[0][0], todo[-1][0] + 1
-            sliced = layout.slice_blocks(prepared.prompt_cache, start, end, bs, prepared.captures)
-            for index, block_hash, parent in todo:
-                payload, nbytes = sliced[index - start]
-                ids = tokens[index * bs : (index + 1) * bs]
-                if manager.cache_block(block_hash, parent, ids, payload, nbytes, write=write, depth=index):
-                    added += 1
-                    if not write:
-                        prepared.deferred.append(Block(block_hash, parent, tuple(ids), payload, nbytes, depth=index))
-                        prepared.deferred_at_flush = manager.num_flushes
+        sliced: dict[int, tuple[Any, int]] = {}
+        for start, end in _stretches([index for index, _, _ in todo]):  # one run each (kv/runs.py), no gaps held
+            cut = layout.slice_blocks(prepared.prompt_cache, start, end, bs, prepared.captures)
+            sliced.update(zip(range(start, end), cut, strict=True))
+        for index, block_hash, parent in todo:
+            payload, nbytes = sliced[index]
+            ids = tokens[index * bs : (index + 1) * bs]
+            if manager.cache_block(block_hash, parent, ids, payload, nbytes, write=write, depth=index):
+                added += 1
+                if not write:
+                    prepared.deferred.append(Block(block_hash, parent, tuple(ids), payload, nbytes, depth=index))
+                    prepared.deferred_at_flush = manager.num_flushes
         prepared.registered_blocks = max(prepared.registered_blocks, num_full)
         for end, state in sorted(self._tail_ends(prepared, tokens, len(kv_tokens), prompt_len).items()):
             self._keep_tail(prepared, tokens, end, hashes, state)
@@ -255,3 +258,14 @@ class PrefixCache:
         if held == length:  # the cache's own state is at the sequence's end
             ends[length] = self.layout.capture(prepared.prompt_cache, length) if self.layout.has_state else None
         return ends
+
+
+def _stretches(indices: Sequence[int]) -> list[tuple[int, int]]:
+    """(start, end) of each stretch of consecutive numbers in the ascending `indices`."""
+    out: list[tuple[int, int]] = []
+    for i in indices:
+        if out and out[-1][1] == i:
+            out[-1] = (out[-1][0], i + 1)
+        else:
+            out.append((i, i + 1))
+    return out

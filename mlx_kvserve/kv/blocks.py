@@ -25,7 +25,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, RotatingKVCache, make_prompt_cache
 
-from . import kvquant
+from . import kvquant, runs
 from .concat import join_pair
 from .payloads import (
     IDLE,
@@ -171,23 +171,33 @@ class CacheLayout:
     def slice_blocks(
         self, prompt_cache: list[Any], start: int, end: int, block_size: int, captures: Sequence[Capture] = ()
     ) -> list[tuple[Payload, int]]:
-        """Copy blocks start..end-1 (block indices) out of the cache: [(payload, nbytes)]. Window
-        layers take what the cache or a capture still holds of each block."""
-        out = []
+        """Copy blocks start..end-1 (block indices) out of the cache: [(payload, nbytes)]. Full-attention
+        layers are copied once for all of them, a run each block's entries are views of (kv/runs.py);
+        window layers take what the cache or a capture still holds of each block."""
+        runs.compact_pending(block_size)
+        first, last = start * block_size, end * block_size
+        run = runs.Run(
+            [
+                self._kv_entry(c.keys[..., first:last, :], c.values[..., first:last, :]) if spec.kind == KV else None
+                for spec, c in zip(self.specs, prompt_cache, strict=True)
+            ],
+            end - start,
+        )
         windows = {
             i: self._window_sources(prompt_cache, captures, i) for i, s in enumerate(self.specs) if s.kind == WINDOW
         }
+        out = []
         for b in range(start, end):
             lo, hi = b * block_size, (b + 1) * block_size
             payload: Payload = []
-            for i, (spec, c) in enumerate(zip(self.specs, prompt_cache, strict=True)):
+            for i, spec in enumerate(self.specs):
                 if spec.kind == KV:
-                    payload.append(self._kv_entry(c.keys[..., lo:hi, :], c.values[..., lo:hi, :]))
+                    payload.append(runs.view(run.layers[i], lo - first, hi - first))
                 elif spec.kind == WINDOW:
                     payload.append(self._window_part(windows[i], lo, hi))
                 else:  # recurrent (kept with tails only) or not run here
                     payload.append(None)
-            out.append(payload)
+            out.append(runs.RunPayload(payload, run, lo - first))
         mx.eval(arrays_of(out))
         return [(p, payload_nbytes(p)) for p in out]
 
@@ -264,9 +274,11 @@ class CacheLayout:
         length = len(payloads) * self.block_size + tail_tokens
         if not length:
             return prompt_cache
+        runs.compact_pending(self.block_size)
+        spans = runs.spans(payloads, self.block_size)  # a few per prefix: one join per layer of that many
         for i, (spec, cache) in enumerate(zip(self.specs, prompt_cache, strict=True)):
             if spec.kind == KV:
-                kv = [self._kv_arrays(p[i]) for p in payloads]
+                kv = [self._kv_arrays(e) for e in runs.layer_pieces(spans, payloads, i)]
                 if tail_tokens:
                     kv.append(self._kv_arrays(tail[i]))
                 _fill_kv(cache, kv, tail_tokens, length, room)

@@ -4,7 +4,8 @@ layer's pieces, the dtype a model's KV arrays have, their names in the SSD store
 
 A payload is a list with one entry per layer: `(keys, values)` of shape (1, heads, n, dim) for
 attention layers (n = the block's or tail's positions; fewer, or None, for a window layer), a
-tuple of state arrays (or None) for recurrent layers. Payload entries own their memory.
+tuple of state arrays (or None) for recurrent layers. Payload entries own their memory, or are
+views of their run: one copy of the blocks registered together (kv/runs.py).
 """
 
 from __future__ import annotations

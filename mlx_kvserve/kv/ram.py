@@ -1,10 +1,12 @@
-"""The RAM hot tier: a byte-budgeted LRU of blocks. Not thread-safe: KVManager's lock guards it."""
+"""The RAM hot tier: a byte-budgeted LRU of blocks. Not thread-safe: KVManager's lock guards it.
+Blocks entering and leaving are reported to kv/runs.py, which frees the memory of runs mostly gone."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
+from . import runs
 from .base import Block
 
 
@@ -40,11 +42,13 @@ class RAMStore:
         block.last_access = tick
         self._blocks[block.block_hash] = block
         self.used_bytes += block.nbytes
+        runs.entered(block.payload)
 
     def remove(self, block_hash: bytes) -> Block | None:
         block = self._blocks.pop(block_hash, None)
         if block is not None:
             self.used_bytes -= block.nbytes
+            runs.left(block.payload)
         return block
 
     def evict_to_budget(

@@ -47,6 +47,19 @@ SHAPES: dict[str, dict[str, Any]] = {
         "rope_theta": 10000.0,
         "max_position_embeddings": 16384,
     },
+    # Deep and narrow (48 layers, 2 KV heads x 16 dims, 12 KiB of float32 KV per token): a hit's cost per
+    # layer and per block shows, not its bytes or the model's compute (scripts/bench_hit_blocks.py).
+    "deep-narrow": {
+        "hidden_size": 32,
+        "num_hidden_layers": 48,
+        "intermediate_size": 64,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 1024,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 65536,
+    },
     "tiny": {
         "hidden_size": 64,
         "num_hidden_layers": 2,
