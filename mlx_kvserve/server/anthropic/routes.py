@@ -28,6 +28,7 @@ from ..deadlines import EventTracker
 from ..gate import note_error
 from ..messages import parse_messages
 from ..openai import parse as oa
+from ..slots import Slots
 from .context import PromptSize, measures_prompt
 from .parse import thinking_wanted, to_openai
 from .reply import (
@@ -44,6 +45,7 @@ from .reply import (
 def anthropic_routes(handler: CompletionHandler) -> list[Route]:
     """/v1/messages and /v1/messages/count_tokens, served by `handler` (the OpenAI chat path)."""
     engine = handler.engine
+    counting = Slots(engine.config.server.max_concurrent_counts, "token counts", "server.max_concurrent_counts")
 
     def count_text(text: str) -> int:
         return len(engine.tokenizer.encode(text, add_special_tokens=False))
@@ -59,7 +61,10 @@ def anthropic_routes(handler: CompletionHandler) -> list[Route]:
 
     def failed(request: Request, exc: KVServeError) -> Response:
         note_error(request.scope, exc)
-        return error_response(exc)
+        response = error_response(exc)
+        if exc.status_code in (429, 503):  # as the gate's: a client's retry waits a second
+            response.headers["retry-after"] = "1"
+        return response
 
     async def render_cut(cut: dict[str, Any]) -> list[int]:
         """A cache_control cut's prompt tokens, rendered as the request's own prompt is; not parsed as a
@@ -104,9 +109,10 @@ def anthropic_routes(handler: CompletionHandler) -> list[Route]:
 
     async def count_tokens(request: Request) -> Response:
         try:
-            _, req = await parse(request, count_only=True)
-            handler.check_model(req.model)
-            return JSONResponse({"input_tokens": len(await handler.tokens(req))})
+            with counting.hold():  # to the thread's end: a tokenizer thread is not cancelled with its request
+                _, req = await parse(request, count_only=True)
+                handler.check_model(req.model)
+                return JSONResponse({"input_tokens": len(await handler.tokens(req))})
         except KVServeError as exc:
             return failed(request, exc)
 
