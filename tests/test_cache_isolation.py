@@ -179,27 +179,33 @@ def test_a_shared_admin_pin_is_hit_by_every_key(start_server, smollm_dir, tmp_pa
         server.base_url + "/v1/cache/pin", json={**body, "shared": "yes"}, headers={"Authorization": f"Bearer {ADMIN}"}
     )
     assert bad.status_code == 422 and bad.json()["error"]["param"] == "shared"
+    # The PIN probe per key, on the shared pin's first blocks: C (who sent nothing yet) reads nothing of
+    # A's PIN, though A's prompt and C's guesses start from the same shared blocks (tails after them
+    # are each key's own).
+    assert cached(server, KEY_A, victim_system(PIN)) >= tokens
+    result = probe_pin(lambda system: cached(server, KEY_C, system))
+    assert result.pin is None and result.requests == 10, result.readings
+    assert min(result.readings[0]) >= tokens
 
 
 @pytest.mark.parametrize(
     ("cache", "readable"),
     [
-        ("", False),  # two keys: per_key by default
         ('[cache]\nisolation = "shared"\nreport_cached = "exact"\n', True),  # the issue's finding
         ('[cache]\nisolation = "shared"\n', False),  # shared among several keys: whole blocks by default
     ],
-    ids=["per_key", "shared-exact", "shared-blocks"],
+    ids=["shared-exact", "shared-blocks"],
 )
-def test_the_pin_probe(start_server, smollm_dir, tmp_path, cache, readable):
+def test_the_pin_probe_through_a_shared_cache(start_server, smollm_dir, tmp_path, cache, readable):
+    """Per key: in test_a_shared_admin_pin_is_hit_by_every_key. Two digits here (ten requests each)."""
     server = _start(start_server, smollm_dir, tmp_path / "cfg", cache)
     cached(server, KEY_A, victim_system(PIN))  # A's request: its blocks and tails are cached
-    result = probe_pin(lambda system: cached(server, KEY_B, system))
+    result = probe_pin(lambda system: cached(server, KEY_B, system), digits=2)
     if readable:
-        assert result.pin == PIN and result.requests == 40
-    else:
+        assert result.pin == PIN[:2] and result.requests == 20
+    else:  # whole blocks: every guess of the first digit reads the same
         assert result.pin is None, result.readings
-        if "shared" in cache:  # whole blocks: every guess of the first digit reads the same
-            assert len(set(result.readings[0])) == 1 and result.readings[0][0] % BLOCK == 0
+        assert len(set(result.readings[0])) == 1 and result.readings[0][0] % BLOCK == 0
 
 
 def test_a_model_in_its_own_process_keeps_the_keys_apart(start_server, tiny_model_dir, tmp_path):
