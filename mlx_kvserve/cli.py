@@ -104,6 +104,8 @@ def run(config_path, model, dtype, host, port, api_key, api_key_file, distribute
         keys = load_api_keys(config.server)  # before the model loads: a bad key file fails fast
     except KVServeError as exc:
         raise click.ClickException(exc.message) from None
+    if distributed and keys.isolated(config.cache.isolation):  # ranks would hash apart (server/app.py)
+        raise click.ClickException('cache.isolation: "per_key" does not work with --distributed yet; set "shared"')
     _log_access(config, keys.inference, keys.admin)
     import uvicorn
 
