@@ -55,10 +55,7 @@ def launch(client, client_args, url, model, config_path, dry_run, start_timeout)
     try:
         target = probe(base, key)
     except KeyRefused:
-        which = "refuses the key given" if key else "wants an API key"
-        raise click.ClickException(
-            f"the server at {base} {which}: set ${API_KEY_ENV} (or server.api_key_file in --config)"
-        ) from None
+        raise _key_refused(base, key) from None
     if target is None and url:
         raise click.ClickException(f"no mlx-kvserve server answers at {base}/health")
     run_args = _run_args(host, config.server.port, model, config_path)
@@ -71,13 +68,11 @@ def launch(client, client_args, url, model, config_path, dry_run, start_timeout)
     program = _installed(spec)
     started = None
     if target is None:
-        log_path = default_home() / "launch" / "server.log"
-        click.echo(f"starting the server: mlx-kvserve run {' '.join(run_args)} (log: {log_path})", err=True)
-        started = StartedServer(run_args, log_path)
-        try:
-            target = started.wait(base, key, start_timeout, lambda msg: click.echo(msg, err=True))
-        except KVServeError as exc:
-            raise click.ClickException(exc.message) from None
+        started, target = _start_server(base, key, run_args, start_timeout)
+    elif model and target.model != _model_name(model):
+        click.echo(
+            f"note: the server at {base} serves {target.model}; --model applies to a server launch starts", err=True
+        )
     profile = spec.build(target, launch_folder(client), list(client_args))
     write(profile)
     context = f"{target.context_length} tokens" if target.context_length else "not reported"
@@ -87,6 +82,29 @@ def launch(client, client_args, url, model, config_path, dry_run, start_timeout)
     if started is None:
         os.execvpe(program, [program, *profile.argv[1:]], profile.environment(dict(os.environ)))
     sys.exit(_run_then_stop(program, profile, started))
+
+
+def _start_server(base: str, key: str, run_args: list[str], timeout_s: float) -> tuple[StartedServer, Target]:
+    """`mlx-kvserve run` in the background, once /health answers; stopped again if it never does."""
+    log_path = default_home() / "launch" / "server.log"
+    click.echo(f"starting the server: mlx-kvserve run {' '.join(run_args)} (log: {log_path})", err=True)
+    started = StartedServer(run_args, log_path)
+    try:
+        return started, started.wait(base, key, timeout_s, lambda msg: click.echo(msg, err=True))
+    except BaseException as exc:  # Ctrl-C included: the server runs in its own session, so stop it
+        started.stop()
+        if isinstance(exc, KVServeError):
+            raise click.ClickException(exc.message) from None
+        if isinstance(exc, KeyRefused):
+            raise _key_refused(base, key) from None
+        raise
+
+
+def _key_refused(base: str, key: str) -> click.ClickException:
+    which = "refuses the key given" if key else "wants an API key"
+    return click.ClickException(
+        f"the server at {base} {which}: set ${API_KEY_ENV} (or server.api_key_file in --config)"
+    )
 
 
 def _run_args(host: str, port: int, model: str | None, config_path: str | None) -> list[str]:
