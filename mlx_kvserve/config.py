@@ -73,7 +73,6 @@ class ServerConfig:
     log_level: str = "info"
     max_concurrent: int = 0  # completion requests in flight (waiting + running); 0 = max_queue + 1
     max_concurrent_counts: int = 2  # /v1/messages/count_tokens running at once (on HTTP threads); more get 429
-    max_concurrent_counts: int = 2  # /v1/messages/count_tokens running at once (on HTTP threads); more get 429
     max_prompt_tokens: int = 0  # 0 = only the model's context limits the prompt
     context_overflow: str = "error"  # a prompt past the context: "error" (agents compact) or "truncate" (old turns go)
     max_completion_tokens: int = 0  # 0 = only the context limits a request's max_tokens
@@ -297,7 +296,6 @@ def _validate_limits(s: ServerConfig) -> None:
         f"must be 0..max_queue + 1 ({s.max_queue + 1}): the worker queue holds at most max_queue waiting "
         f"requests, so raise server.max_queue too; got {s.max_concurrent}",
     )
-    _check(s.max_concurrent_counts >= 1, "server.max_concurrent_counts", f"must be >= 1, got {s.max_concurrent_counts}")
     _check(s.max_concurrent_counts >= 1, "server.max_concurrent_counts", f"must be >= 1, got {s.max_concurrent_counts}")
     for key in ("max_prompt_tokens", "max_completion_tokens", "first_token_timeout_s", "request_timeout_s"):
         _check(getattr(s, key) >= 0, f"server.{key}", f"must be >= 0 (0 = no limit), got {getattr(s, key)}")
