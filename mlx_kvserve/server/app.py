@@ -128,8 +128,11 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, registry: ModelRegis
     if isolate:
         if registry is None and getattr(engine, "world", None) is not None:  # (a registry has no ranks)
             raise ConfigError('cache.isolation: "per_key" does not work with --distributed yet; set "shared"')
-        names = ", ".join(p.name for p in keys.named())
-        log.info("cache isolation per_key: each key caches apart (%s%s)", names, ", admin" if keys.admin else "")
+        names = [p.name for p in keys.named()] + (["admin"] if keys.admin else [])
+        if names:
+            log.info("cache isolation per_key: each key caches apart (%s)", ", ".join(names))
+        else:
+            log.warning("cache.isolation is per_key but no API key is set: every request shares one cache")
     app.add_middleware(
         RequestGate,
         keys=keys,
