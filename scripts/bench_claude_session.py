@@ -354,6 +354,21 @@ def run_server(name: str, shape: Shape, turns: int, args: argparse.Namespace, wo
 # -- report ------------------------------------------------------------------------------------------
 
 
+def median_run(runs: list[dict]) -> dict:
+    """One server's rounds as one: per turn the median TTFT (tokens from the first round); errors kept."""
+    done = [r for r in runs if r.get("turns") and len(r["turns"]) == len(runs[0].get("turns", []))]
+    merged = dict(runs[0])
+    if done:
+        merged["turns"] = [
+            dict(turn, ttft_s=statistics.median(r["turns"][i]["ttft_s"] for r in done))
+            for i, turn in enumerate(done[0]["turns"])
+        ]
+    errors = [r["error"] for r in runs if r.get("error")]
+    if errors:
+        merged["error"] = "; ".join(errors)
+    return merged
+
+
 def cold_ttft(result: dict) -> float | None:
     turns = result.get("turns", [])
     return turns[0]["ttft_s"] if turns else None
@@ -368,7 +383,8 @@ def report_lines(results: dict) -> list[str]:
     names = [n for n in results["servers"] if results["servers"][n].get("turns")]
     lines = [
         f"Shape: {results['source']}; {results['num_tools']} tools; {results['turns']} turns; {MAX_TOKENS} tokens "
-        f"per reply, greedy; a fresh `cch` nonce in the billing line of every /v1/messages request"
+        f"per reply, greedy; TTFT the median of {len(results.get('rounds', [1]))} rounds, servers rotated; "
+        f"a fresh `cch` nonce in the billing line of every /v1/messages request"
         f"{' and chat request' if results.get('chat_billing') else ' (none in the chat form)'}. Wall time "
         f"{results['wall_s'] / 60:.1f} min. Prompt tokens per server in column order where they differ.",
         "",
@@ -410,6 +426,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=1, help="attention heads of the built model (64 dimensions each)")
     ap.add_argument("--vllm-mlx", help="the vllm-mlx executable of a scratch venv (left out: not run)")
     ap.add_argument("--turns", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=1, help="the session this many times per server, rotated; medians")
     ap.add_argument("--synthetic", action="store_true", help="the synthetic shape even when a recording exists")
     ap.add_argument("--ours-config", type=Path, help="a config file for both of our servers")
     ap.add_argument(
@@ -442,8 +459,13 @@ def main() -> None:
         "model": str(args.model),
         "servers": {},
     }
-    for name in names:
-        results["servers"][name] = run_server(name, shape, args.turns, args, work)
+    rounds = []
+    for r in range(args.rounds):  # each round in another order, on fresh homes (turn 1 cold again)
+        order = names[r % len(names) :] + names[: r % len(names)]
+        (work / f"round-{r}").mkdir()
+        rounds.append({name: run_server(name, shape, args.turns, args, work / f"round-{r}") for name in order})
+    results["rounds"] = rounds
+    results["servers"] = {name: median_run([found[name] for found in rounds]) for name in names}
     results["wall_s"] = time.perf_counter() - start_s
     write_report(results, args.out, report_lines(results))
 

@@ -2,9 +2,10 @@
 
 In one process, alternating: the default model (or `--model`) prefills a prompt of `--tokens` in
 chunks of `--step`, through mlx-lm's plain cache (its "causal" mask) and through its batch cache (a
-boolean mask array, as the server's batch uses), with MLX's `scaled_dot_product_attention` and with the
-server's (its softmax in NumPy, `--rows` query rows per causal block), installed whatever the model's
-depth (the server leaves it out below MIN_LAYERS: a one-layer model shows why). Reports the best of `--reps` times, the ratios to MLX's, and how far the last logits
+boolean mask array, as the server's batch uses), with MLX's `scaled_dot_product_attention`, with the
+server's (its softmax in NumPy, `--rows` query rows per causal block) on every call, and with the server's
+as `mlx-kvserve run` installs it for this model ("as installed": below MIN_LAYERS layers a whole chunk's
+call stays MLX's, cpu/attention.py; a one-layer model shows why). Reports the best of `--reps` times, the ratios to MLX's, and how far the last logits
 differ from MLX's (and whether their argmax agrees).
 
 Usage: python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_cpu_prefill.py [--tokens 470,1500]
@@ -49,7 +50,12 @@ def main() -> None:
     mx.set_default_device(mx.cpu)
     model, tokenizer = load(args.model or str(default_model_dir()))
     vocab = tokenizer.vocab_size
-    variants = {"mlx": (0, "mlx"), "numpy softmax": (args.rows, "numpy")}
+    layers = len(model.layers)
+    variants = {
+        "mlx": (0, "mlx"),
+        "numpy softmax": (args.rows, "numpy"),
+        "as installed": (args.rows, "numpy", layers, args.step),
+    }
     names = list(variants)
     results: list[dict] = []
     lines = [

@@ -47,7 +47,7 @@ def test_cpu_prefill_with_and_without_the_block_attention(tmp_path, tiny_model_d
     assert [r["tokens"] for r in runs] == [300, 300]  # plain cache and batch cache
     for run in runs:
         assert run["same_argmax"] and run["max_logit_diff"] < 1e-3
-        assert set(run["times"]) == {"mlx", "numpy softmax"}
+        assert set(run["times"]) == {"mlx", "numpy softmax", "as installed"}
         assert all(t > 0 for times in run["times"].values() for t in times)
 
 
