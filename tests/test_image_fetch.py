@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import io
 import ipaddress
+import shutil
+import ssl
+import subprocess
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -233,3 +236,29 @@ def test_a_body_over_the_limit_is_refused(site):
     site.routes["/big.png"] = (200, {}, b"x" * 2048)
     with pytest.raises(FetchError, match="over 1024"):
         fetch(f"{site.base}/big.png", FetchPolicy(5.0, 1024, allow_private=True))
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command for a test certificate")
+def test_https_speaks_to_the_name_at_the_checked_address(site, tmp_path):
+    """TLS over the pinned connection: the certificate is verified against the URL's name."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert, "-days", "1"]
+        + ["-subj", "/CN=images.test", "-addext", "subjectAltName=DNS:images.test"],
+        check=True,
+        capture_output=True,
+    )
+    server_tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_tls.load_cert_chain(cert, key)
+    site.server.socket = server_tls.wrap_socket(site.server.socket, server_side=True)
+    port = site.server.server_address[1]
+    policy = FetchPolicy(
+        5.0,
+        1 << 20,
+        allow_private=True,
+        resolver=lambda host, p: ["127.0.0.1"],
+        tls_context=lambda: ssl.create_default_context(cafile=str(cert)),
+    )
+    assert fetch(f"https://images.test:{port}/img.png", policy) == PNG
+    with pytest.raises(FetchError, match="CERTIFICATE_VERIFY_FAILED"):
+        fetch(f"https://other.test:{port}/img.png", policy)

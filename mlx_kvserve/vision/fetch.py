@@ -90,7 +90,7 @@ def literal_address(host: str) -> IPAddress | None:
 @dataclass(frozen=True)
 class FetchPolicy:
     """How one image URL is fetched. `allowed` decides each address (tests replace it); `resolver` maps a
-    name and port to addresses."""
+    name and port to addresses; `tls_context` makes the context that verifies an https host's name."""
 
     timeout_s: float
     max_bytes: int
@@ -98,6 +98,7 @@ class FetchPolicy:
     max_redirects: int = MAX_REDIRECTS
     resolver: Callable[[str, int], Sequence[str]] = system_resolver
     allowed: Callable[[IPAddress, bool], bool] = field(default=address_allowed)
+    tls_context: Callable[[], ssl.SSLContext] = ssl.create_default_context
 
 
 class _Deadline:
@@ -176,7 +177,7 @@ def _get(url: str, policy: FetchPolicy, deadline: _Deadline) -> tuple[int, str |
         raise FetchError(f"not an http(s) URL with a host: {url[:200]!r}")
     host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
     addresses = _checked_addresses(host, port, policy, deadline)
-    conn = _connect(parts.scheme, host, port, addresses, deadline)
+    conn = _connect(parts.scheme, host, port, addresses, deadline, policy.tls_context)
     try:
         path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         conn.request("GET", path, headers={"Accept": "image/*", "User-Agent": "mlx-kvserve"})
@@ -238,7 +239,12 @@ def _resolve(policy: FetchPolicy, host: str, port: int, deadline: _Deadline) -> 
 
 
 def _connect(
-    scheme: str, host: str, port: int, addresses: list[IPAddress], deadline: _Deadline
+    scheme: str,
+    host: str,
+    port: int,
+    addresses: list[IPAddress],
+    deadline: _Deadline,
+    tls_context: Callable[[], ssl.SSLContext],
 ) -> http.client.HTTPConnection:
     """A connection to the first of `addresses` that accepts, speaking to `host` (Host header, TLS name)."""
     last: Exception = FetchError("no address")
@@ -250,8 +256,7 @@ def _connect(
             continue
         deadline.watch(sock)
         if scheme == "https":
-            context = ssl.create_default_context()
-            sock = context.wrap_socket(sock, server_hostname=host, do_handshake_on_connect=False)
+            sock = tls_context().wrap_socket(sock, server_hostname=host, do_handshake_on_connect=False)
             deadline.watch(sock)  # wrapping took over the socket: watch the new one before the handshake
             sock.do_handshake()
         cls = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection  # its default port
