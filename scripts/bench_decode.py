@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from harness import ROOT, default_model_dir
+from harness.kvstack import server_attention
 from harness.prompts import system_prompt
 from harness.reports import write_report
 
@@ -78,6 +79,7 @@ def main(argv=None) -> dict:
     # A prompt the model does not end early: a long text to continue, no chat template.
     prompt = tok.encode(system_prompt("decode", target_words=args.words) + "\n\nThe next section explains")
     config = load_config(overrides={"ssd": {"enabled": False}, "speculative": {"mode": "off"}})
+    server_attention(loaded.model, config)  # as `mlx-kvserve run` installs it (cpu/attention.py)
     engine = Engine(loaded, config)
     engine.start()
     load_start = os.getloadavg()

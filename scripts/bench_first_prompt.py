@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from harness.kvstack import server_attention
 from harness.reports import write_report
 
 
@@ -139,6 +140,7 @@ def main(argv=None) -> int:
     cfg = load_config(
         overrides={"cache": {"ram_max_bytes": "16GiB"}, "ssd": ssd, "speculative": {"mode": args.speculative}}
     )
+    server_attention(loaded.model, cfg)  # as `mlx-kvserve run` installs it (cpu/attention.py)
     engine = Engine(loaded, cfg)
     engine.start()
     rng = np.random.default_rng(0)

@@ -26,6 +26,7 @@ from statistics import median
 
 import harness  # noqa: F401  (puts the repository on sys.path)
 import numpy as np
+from harness.kvstack import server_attention
 from harness.restart import served_ttft
 
 
@@ -82,6 +83,7 @@ class EngineRun:
                 "generation": {"prefill_step_size": step},
             }
         )
+        server_attention(loaded.model, config)  # as `mlx-kvserve run` installs it (cpu/attention.py)
         self.engine = Engine(loaded, config)
         self.engine.start()
 

@@ -14,6 +14,7 @@ from mlx_kvserve.kv.ram import RAMStore
 from mlx_kvserve.kv.ssd.store import SSDStore, store_dir
 from mlx_kvserve.kv.ssd.tier import SSDTier
 from mlx_kvserve.kv.ssd.writer import SSDWriterThread
+from mlx_kvserve.kv.table_rules import table_expectation
 from mlx_kvserve.kv.tails import TailStore
 
 OPEN_TIERS: list[SSDTier] = []  # closed by conftest after each test: writer threads are non-daemon
@@ -38,7 +39,8 @@ def make_generator(
     hasher = BlockHasher(namespace, block_size)
     tier = None
     if ssd_dir is not None:
-        store = SSDStore(store_dir(ssd_dir, namespace), namespace)
+        # The table rules as engine/build.py makes them: every file read back is checked against them.
+        store = SSDStore(store_dir(ssd_dir, namespace), namespace, table_rules=table_expectation(layout))
         store.validate_index()
         holder: list[SSDTier] = []
         writer = SSDWriterThread(save_batch=lambda jobs: holder[0].save_jobs(jobs))  # as engine/build.py
@@ -61,14 +63,20 @@ def make_generator(
     return Generator(model, tokenizer, prefix_cache, prefill_step_size)
 
 
-def server_attention() -> bool:
-    """The CPU attention the server installs with its default settings (cpu/attention.py), so an
-    in-process benchmark times what the server runs; nothing on a GPU."""
-    from mlx_kvserve.config import GenerationConfig
+def server_attention(model=None, config=None) -> bool:
+    """The CPU attention `mlx-kvserve run` installs (cpu/attention.py) for `model` (its layer count; None:
+    as for several) under `config` (None: the defaults), so an in-process benchmark that builds an engine
+    itself times what the server runs; nothing on a GPU."""
+    from mlx_kvserve.config import Config
     from mlx_kvserve.cpu import attention as cpu_attention
+    from mlx_kvserve.engine.build import prefill_step
 
-    defaults = GenerationConfig()
-    return cpu_attention.install(defaults.cpu_attention_rows, defaults.cpu_attention_softmax)
+    config = config or Config()
+    layers = getattr(model, "layers", None)
+    g = config.generation
+    return cpu_attention.install(
+        g.cpu_attention_rows, g.cpu_attention_softmax, None if layers is None else len(layers), prefill_step(config)
+    )
 
 
 def close_ssd(generator: Generator) -> bool:

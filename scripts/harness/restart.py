@@ -73,11 +73,15 @@ def make_engine(loaded, folder: Path, block_size: int, split: bool):
     from mlx_kvserve.config import load_config
     from mlx_kvserve.engine.engine import Engine
 
+    from .kvstack import server_attention
+
     overrides = {
         "cache": {"block_size": block_size},
         "ssd": {"cache_dir": str(folder), "compute_while_loading": split, "write_hold_s": 0.0},
     }
-    return Engine(loaded, load_config(overrides=overrides))
+    config = load_config(overrides=overrides)
+    server_attention(loaded.model, config)  # as `mlx-kvserve run` installs it (the engine does not)
+    return Engine(loaded, config)
 
 
 def restart_report_lines(r: dict) -> list[str]:
