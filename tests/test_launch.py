@@ -209,9 +209,10 @@ def test_the_other_clients_dry_runs(server, home):
 
     out = dry_run("llm", "--url", server.url, "--", "say hi")
     assert _file(out, "extra-openai-models.yaml") == (
-        f'- model_id: kvserve\n  model_name: "tiny-model"\n  api_base: "{v1}"\n  supports_tools: true'
+        f'- model_id: kvserve\n  model_name: "tiny-model"\n  api_base: "{v1}"\n  supports_tools: true\n'
+        "  api_key_name: kvserve"
     )
-    assert _file(out, "default_model.txt") == "kvserve" and "keys.json" not in out
+    assert _file(out, "default_model.txt") == "kvserve" and json.loads(_file(out, "keys.json")) == {"kvserve": "unused"}
 
 
 def test_a_servers_key_is_sent_and_never_shown(home):
@@ -291,7 +292,7 @@ def test_a_launch_runs_the_client_with_its_profile(server, tmp_path):
     assert seen == {
         "argv": ["say hi"],
         "folder": str(tmp_path / "home" / "launch" / "llm"),
-        "files": ["default_model.txt", "extra-openai-models.yaml"],
+        "files": ["default_model.txt", "extra-openai-models.yaml", "keys.json"],
     }
 
 

@@ -232,12 +232,10 @@ def llm(target: Target, folder: Path, args: list[str]) -> Profile:
         f"  model_name: {json.dumps(target.model)}",
         f"  api_base: {json.dumps(target.v1)}",
         "  supports_tools: true",
+        "  api_key_name: kvserve",  # its own key: llm would send the user's OpenAI key otherwise
     ]
-    files = []
-    if target.has_key:
-        entry.append("  api_key_name: kvserve")
-        files.append(ProfileFile(folder / "keys.json", json_text({"kvserve": target.api_key})))
-    files += [
+    files = [
+        ProfileFile(folder / "keys.json", json_text({"kvserve": target.api_key})),
         ProfileFile(folder / "extra-openai-models.yaml", "\n".join(entry) + "\n"),
         ProfileFile(folder / "default_model.txt", "kvserve\n"),
     ]
