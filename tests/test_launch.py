@@ -137,10 +137,16 @@ def test_claude_codes_dry_run_shows_everything_it_sets(long_server, home):
 
 def test_claude_code_is_warned_of_a_short_context(server, home):
     """Claude Code reads an auto-compact window under 100k as 100k (and says so on every run): none is
-    set, and the user is told the model's context is below Claude Code's own prompt."""
+    set, and the user is told when the model's context is below Claude Code's own prompt."""
     out = dry_run("claude", "--url", server.url)
     assert "CLAUDE_CODE_AUTO_COMPACT_WINDOW" not in out and "export CLAUDE_CODE_MAX_CONTEXT_TOKENS=4096\n" in out
-    assert "# note: the served context (4,096 tokens) is below Claude Code's smallest auto-compact window" in out
+    assert "# note: the served context (4,096 tokens) is too small for Claude Code, whose own prompt" in out
+    fake = FakeServer(card_context=32768)  # compacts at the server's "prompt is too long": no note
+    try:
+        out = dry_run("claude", "--url", fake.url)
+        assert "# note" not in out and "CLAUDE_CODE_AUTO_COMPACT_WINDOW" not in out
+    finally:
+        fake.close()
 
 
 def test_codexs_dry_run_has_its_provider_window_and_the_git_check_skipped(server, home):

@@ -52,13 +52,15 @@ def claude(target: Target, folder: Path, args: list[str]) -> Profile:
     notes = []
     if target.context_length:  # the window it assumes for a model id not starting with claude- (200k otherwise)
         env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] = str(target.context_length)
+    # A smaller auto-compact window is read as its 100k minimum, with a warning on every run: below it,
+    # Claude Code compacts when the server answers "prompt is too long".
     if target.context_length >= CLAUDE_MIN_COMPACT_WINDOW:
         env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] = str(target.context_length)
-    elif target.context_length:  # it reads a smaller window as its 100k minimum, and says so on every run
+    if 0 < target.context_length < CLAUDE_PROMPT_TOKENS + 4096:  # its prompt and a few turns
         notes.append(
-            f"the served context ({target.context_length:,} tokens) is below Claude Code's smallest auto-compact "
-            f"window ({CLAUDE_MIN_COMPACT_WINDOW:,}); its own prompt is about {CLAUDE_PROMPT_TOKENS:,} tokens. "
-            "Serve a model with a long context for Claude Code (README: models for agents)."
+            f"the served context ({target.context_length:,} tokens) is too small for Claude Code, whose own "
+            f"prompt is about {CLAUDE_PROMPT_TOKENS:,} tokens: serve a model with a long context "
+            "(README: Agent clients)"
         )
     state = {"hasCompletedOnboarding": True}
     return Profile(
@@ -67,7 +69,7 @@ def claude(target: Target, folder: Path, args: list[str]) -> Profile:
         env,
         unset=("ANTHROPIC_API_KEY",),
         files=[ProfileFile(folder / ".claude.json", json_text(state), merge=True)],
-        secret=target.api_key if target.has_key else "",
+        secret=target.secret,
         notes=tuple(notes),
     )
 
@@ -99,7 +101,7 @@ def codex(target: Target, folder: Path, args: list[str]) -> Profile:
         ["codex", *args],
         {"CODEX_HOME": str(folder), KEY_ENV: target.api_key},
         files=[ProfileFile(folder / "config.toml", "\n".join(lines) + "\n")],
-        secret=target.api_key if target.has_key else "",
+        secret=target.secret,
     )
 
 
@@ -131,7 +133,7 @@ def opencode(target: Target, folder: Path, args: list[str]) -> Profile:
         ["opencode", *args],
         env,
         files=[ProfileFile(path, json_text(config))],
-        secret=target.api_key if target.has_key else "",
+        secret=target.secret,
     )
 
 
@@ -156,7 +158,7 @@ def qwen(target: Target, folder: Path, args: list[str]) -> Profile:
         ["qwen", *args],
         env,
         files=[ProfileFile(folder / "settings.json", json_text(settings))],
-        secret=target.api_key if target.has_key else "",
+        secret=target.secret,
     )
 
 
@@ -192,7 +194,7 @@ def cline(target: Target, folder: Path, args: list[str]) -> Profile:
             ProfileFile(settings / "providers.json", json_text(providers)),
             ProfileFile(settings / "models.json", json_text(registry)),
         ],
-        secret=target.api_key if target.has_key else "",
+        secret=target.secret,
     )
 
 
@@ -220,7 +222,7 @@ def aider(target: Target, folder: Path, args: list[str]) -> Profile:
         argv,
         {"OPENAI_API_KEY": target.api_key},
         files=[ProfileFile(path, json_text(metadata))],
-        secret=target.api_key if target.has_key else "",
+        secret=target.secret,
     )
 
 
@@ -239,8 +241,7 @@ def llm(target: Target, folder: Path, args: list[str]) -> Profile:
         ProfileFile(folder / "extra-openai-models.yaml", "\n".join(entry) + "\n"),
         ProfileFile(folder / "default_model.txt", "kvserve\n"),
     ]
-    secret = target.api_key if target.has_key else ""
-    return Profile("llm", ["llm", *args], {"LLM_USER_PATH": str(folder)}, files=files, secret=secret)
+    return Profile("llm", ["llm", *args], {"LLM_USER_PATH": str(folder)}, files=files, secret=target.secret)
 
 
 class Client(NamedTuple):

@@ -25,6 +25,11 @@ class Target(NamedTuple):
     def has_key(self) -> bool:
         return self.api_key != NO_KEY
 
+    @property
+    def secret(self) -> str:
+        """The key to keep out of sight ("" when the server has none)."""
+        return self.api_key if self.has_key else ""
+
 
 class KeyRefused(Exception):
     """The server wants an API key, and not the one given (401 on /v1/models)."""
