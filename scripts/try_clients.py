@@ -45,8 +45,9 @@ from harness.servers import free_port
 NPM_PACKAGES = ["@anthropic-ai/claude-code", "@openai/codex", "opencode-ai", "@qwen-code/qwen-code", "cline"]
 # npm 11 runs no install script it was not told to allow; Claude Code's fetches its native binary.
 NPM_POSTINSTALL = {"@anthropic-ai/claude-code": "install.cjs"}
-PIP_PACKAGES = ["aider-chat", "llm", "openai-agents", "langchain-openai"]
-CLIENTS = ["claude", "codex", "opencode", "qwen", "cline", "aider", "llm", "agents", "langchain"]
+PIP_PACKAGES = ["aider-chat", "llm", "openai-agents", "langchain-openai", "litellm"]
+CLIENTS = ["claude", "codex", "opencode", "qwen", "cline", "aider", "llm", "agents", "langchain", "litellm"]
+SDK_PACKAGES = {"agents": "openai-agents", "langchain": "langchain-openai", "litellm": "litellm"}
 # Each launched client's two turns: the arguments after `mlx-kvserve launch CLIENT --`.
 AIDER = ["--yes", "--no-git", "--no-check-update", "--no-analytics", "--no-pretty", "--no-stream"]
 LAUNCH_TURNS = {
@@ -58,7 +59,7 @@ LAUNCH_TURNS = {
     "aider": [[*AIDER, "--message", "say hi"], [*AIDER, "--restore-chat-history", "--message", "again"]],
     "llm": [["say hi"], ["-c", "again"]],
 }
-RECORDED_NAMES = {"claude": "claude-code", "qwen": "qwen-code"}  # the recordings' file names
+RECORDED_NAMES = {"claude": "claude-code", "qwen": "qwen-code", **SDK_PACKAGES}  # the recordings' file names
 LOG_LINE = re.compile(
     r"mlx_kvserve\.requests: id=(\S+) method=(\S+) endpoint=(\S+) status=(\d+) .*?prompt_tokens=(\S+) "
     r"cached_tokens=(\S+) completion_tokens=(\S+) .*?error=(\S+)"
@@ -197,7 +198,7 @@ def install(work: Path) -> None:
         for package, script in NPM_POSTINSTALL.items():
             subprocess.run(["node", script], cwd=work / "npm" / "node_modules" / package, check=True)
     venv = work / "venv"
-    if not (venv / "bin" / "aider").exists():
+    if not all((venv / "bin" / name).exists() for name in ("aider", "llm", "litellm")):
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
         subprocess.run([str(venv / "bin" / "pip"), "install", "-q", *PIP_PACKAGES], check=True)
 
@@ -252,6 +253,23 @@ else:
     print("turn 2:", repr(reply.content), reply.tool_calls)
 """
 
+LITELLM_SCRIPT = """
+import sys
+import litellm
+
+weather = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+history = [{"role": "user", "content": "say hi"}]
+first = litellm.completion(model="openai/default", api_base=sys.argv[1], api_key="unused", messages=history,
+                           tools=[weather], max_tokens=64)
+print("turn 1:", repr(first.choices[0].message.content))
+history += [{"role": "assistant", "content": first.choices[0].message.content or "hi"},
+            {"role": "user", "content": "again"}]
+second = litellm.completion(model="openai/default", api_base=sys.argv[1], api_key="unused", messages=history,
+                            tools=[weather], max_tokens=64, stream=True)
+print("turn 2:", repr("".join(c.choices[0].delta.content or "" for c in second)))
+"""
+
 
 def client_turns(client: str, work: Path, url: str) -> tuple[Path, dict[str, str], list[list[str]]]:
     """(scratch folder, environment, the command of each turn) for `client` against the base URL
@@ -272,6 +290,9 @@ def client_turns(client: str, work: Path, url: str) -> tuple[Path, dict[str, str
     if client == "agents":
         (folder / "agents_run.py").write_text(AGENTS_SCRIPT)
         return folder, env, [[python, "agents_run.py", f"{url}/v1"]]
+    if client == "litellm":
+        (folder / "litellm_run.py").write_text(LITELLM_SCRIPT)
+        return folder, env, [[python, "litellm_run.py", f"{url}/v1"]]
     if client == "langchain":
         (folder / "langchain_run.py").write_text(LANGCHAIN_SCRIPT)
         return (
@@ -283,14 +304,16 @@ def client_turns(client: str, work: Path, url: str) -> tuple[Path, dict[str, str
 
 
 def client_version(client: str, work: Path) -> str:
-    """The installed client's version, as its --version prints it ("" when it cannot say)."""
-    program = {"agents": None, "langchain": None}.get(client, client)
-    if program is None:
-        return ""
+    """The installed client's version, as its --version prints it, or the SDK's package version ("" when
+    it cannot say)."""
     bins = [work / "npm" / "node_modules" / ".bin", work / "venv" / "bin"]
-    path = next((str(b / program) for b in bins if (b / program).exists()), program)
+    path = next((str(b / client) for b in bins if (b / client).exists()), client)
+    cmd = [path, "--version"]
+    if client in SDK_PACKAGES:
+        python = str(work / "venv" / "bin" / "python")
+        cmd = [python, "-c", f"import importlib.metadata as m; print(m.version({SDK_PACKAGES[client]!r}))"]
     try:
-        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60).stdout
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.TimeoutExpired):
         return ""
     found = re.search(r"\d+\.\d+(\.\d+)?", out)
@@ -345,7 +368,7 @@ def run_client(client: str, work: Path, server: KvServer, proxy: Proxy, timeout_
     proxy.label = "-"
     time.sleep(1.0)  # the request log line is written as a request ends
     exchanges = proxy.exchanges[first_exchange:]
-    if keep and client in LAUNCH_TURNS:
+    if keep:
         record(client, work, exchanges)
     errors = [e for e in exchanges if e.status >= 400]
     refused = (
