@@ -179,10 +179,9 @@ def run(config_path, model, dtype, host, port, api_key, api_key_file, distribute
 def _install_cpu_attention(config: Config, num_layers: int | None = None) -> None:
     """On the CPU, MLX's attention with its softmax in NumPy where that wins (cpu/attention.py)."""
     from .cpu import attention as cpu_attention
-    from .engine.build import prefill_step
 
     g = config.generation
-    if cpu_attention.install(g.cpu_attention_rows, g.cpu_attention_softmax, num_layers, prefill_step(config)):
+    if cpu_attention.install(g.cpu_attention_rows, g.cpu_attention_softmax, num_layers):
         log.info("CPU attention: softmax in NumPy, %d-row causal blocks (cpu/attention.py)", g.cpu_attention_rows)
 
 

@@ -19,10 +19,9 @@ Blocks with MLX's own softmax did not win (0.6-1.6x) and are not offered.
 Where it loses, by model: the NumPy softmax needs the scores evaluated in the middle of the forward pass,
 so it computes attentions MLX would never compute: a prefill chunk evaluates only the cache, and the last
 layer's attention feeds nothing but the chunk's unread logits. That is 1/layers of the work; at 0.2-0.5x
-per call it wins from 2 layers, and lost 5x on a one-layer model's cold prompt. So `install` takes the
-model's layer count and, below MIN_LAYERS, the prefill chunk: there a call of a whole chunk's rows or more
-(a cold prompt's chunks, all unread but the last) is MLX's, a shorter one (a prompt's last chunk, a cached
-turn's new tokens, a decode step: read) the NumPy softmax's.
+per call it wins from 2 layers, and loses 5x on a one-layer model's cold prompt. `install` takes the
+model's layer count for that reason. (Keeping it for a one-layer model's calls shorter than a prefill chunk,
+which are mostly read, lost too: the prefill also stops at message starts, whose short chunks are unread.)
 
 Installed process-wide by the CLI (cli.py) in place of MLX's op, which mlx-lm's models call through
 `mlx_lm.models.base.scaled_dot_product_attention`; never inside `mx.compile` or another transform."""
@@ -37,7 +36,7 @@ import mlx.core as mx
 import numpy as np
 
 MIN_ROWS = 64  # below this a block's GEMMs lose more than the skipped scores save
-MIN_LAYERS = 2  # fewer: the unread last layer's attention is all of a chunk's (see above)
+MIN_LAYERS = 2  # fewer: the unread last layer's attention is all of it (see above)
 # Fewer scores than this (a decode step of a small batch) cost as much in MLX as the evaluation stop
 # the NumPy softmax needs (scripts/bench_cpu_attention_shapes.py).
 NUMPY_MIN_SCORES = 16384
@@ -48,36 +47,36 @@ NUMPY_MAX_SCORES = 1 << 25
 
 _mlx_attention = mx.fast.scaled_dot_product_attention
 _rows = 0  # query rows per block; 0 = no blocks
-_mlx_from_rows = 0  # calls of this many query rows or more are MLX's (a one-layer model's full chunks); 0 = none
 _checked = threading.local()  # the last boolean mask checked (one per forward pass, every layer) and its verdict
 
 
-def install(rows: int, softmax: str = "numpy", num_layers: int | None = None, chunk_rows: int = 0) -> bool:
-    """On the CPU with `softmax` "numpy", MLX's attention replaced by `attention` (the NumPy softmax,
-    blocks of `rows` query rows where causal; 0: no blocks); otherwise MLX's own op. For a model of fewer
-    than MIN_LAYERS layers (None: not known, as for several), calls of `chunk_rows` (the prefill chunk)
-    query rows or more stay MLX's. Whether it was installed."""
-    global _rows, _mlx_from_rows
+def wins(num_layers: int | None, softmax: str = "numpy") -> bool:
+    """Whether the replacement is worth installing for a model of `num_layers` layers (None: not known
+    yet, as for several) on this device."""
+    several = num_layers is None or num_layers >= MIN_LAYERS
+    return mx.default_device() == mx.cpu and softmax == "numpy" and several
+
+
+def install(rows: int, softmax: str = "numpy", num_layers: int | None = None) -> bool:
+    """MLX's attention replaced by `attention` (the NumPy softmax, blocks of `rows` query rows where
+    causal; 0: no blocks) where `wins` says so; otherwise MLX's own op. Whether it was installed."""
+    global _rows
     uninstall()
-    if mx.default_device() != mx.cpu or softmax != "numpy":
+    if not wins(num_layers, softmax):
         return False
     _rows = max(rows, MIN_ROWS) if rows > 0 else 0
-    few_layers = num_layers is not None and num_layers < MIN_LAYERS
-    _mlx_from_rows = max(chunk_rows, 1) if few_layers else 0
     mx.fast.scaled_dot_product_attention = attention
     return True
 
 
 def uninstall() -> None:
-    global _rows, _mlx_from_rows
-    _rows, _mlx_from_rows = 0, 0
+    global _rows
+    _rows = 0
     mx.fast.scaled_dot_product_attention = _mlx_attention
 
 
 def attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: Any = None, **kwargs: Any) -> mx.array:
     """`mx.fast.scaled_dot_product_attention` as installed: the NumPy softmax where it wins, else MLX's op."""
-    if _mlx_from_rows and q.shape[-2] >= _mlx_from_rows:  # a one-layer model's full chunk: likely unread
-        return _mlx_attention(q, k, v, scale=scale, mask=mask, **kwargs)
     mask = _as_causal(mask, q.shape[-2], k.shape[-2])
     return block_attention(q, k, v, scale=scale, mask=mask, rows=_rows, **kwargs)
 

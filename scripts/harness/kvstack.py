@@ -69,14 +69,10 @@ def server_attention(model=None, config=None) -> bool:
     itself times what the server runs; nothing on a GPU."""
     from mlx_kvserve.config import Config
     from mlx_kvserve.cpu import attention as cpu_attention
-    from mlx_kvserve.engine.build import prefill_step
 
-    config = config or Config()
+    g = (config or Config()).generation
     layers = getattr(model, "layers", None)
-    g = config.generation
-    return cpu_attention.install(
-        g.cpu_attention_rows, g.cpu_attention_softmax, None if layers is None else len(layers), prefill_step(config)
-    )
+    return cpu_attention.install(g.cpu_attention_rows, g.cpu_attention_softmax, None if layers is None else len(layers))
 
 
 def close_ssd(generator: Generator) -> bool:
