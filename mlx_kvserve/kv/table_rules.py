@@ -13,7 +13,7 @@ from typing import Any
 import mlx.core as mx
 
 from .payloads import KV, STATE
-from .ssd.table_check import ArrayRule, TableExpectation, layer_of
+from .ssd.table_check import TOKEN_AXIS, ArrayRule, TableExpectation, layer_of
 
 
 def table_expectation(layout: Any) -> TableExpectation:
@@ -26,5 +26,6 @@ def table_expectation(layout: Any) -> TableExpectation:
     for name, array in layout.to_arrays(payload).items():
         kind = layout.specs[int(layer_of(name))].kind
         dtype = str(array.dtype).removeprefix("mlx.core.")
-        rules[name] = ArrayRule(dtype, tuple(array.shape), per_token=kind != STATE, required=kind == KV)
+        per_token = kind != STATE and array.ndim > TOKEN_AXIS
+        rules[name] = ArrayRule(dtype, tuple(array.shape), per_token=per_token, required=kind == KV)
     return TableExpectation(rules, layout.block_size)
