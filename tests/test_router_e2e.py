@@ -69,6 +69,8 @@ def test_later_turns_reach_the_backend_holding_the_session(cluster):
         wait_for(lambda n=need: cached_blocks(router, home) >= n, what="this turn's blocks")
     metrics = httpx.get(router.url + "/metrics").text
     assert f'mlx_kvserve_router_decisions_total{{backend="{home}",policy="unified",reason="affinity"}} 2.0' in metrics
+    row = next(row for row in health(router)["backends"] if row["url"] == home)
+    assert row["claims"] == {"contradicted": 0, "ignored_s": 0}  # a real server's replies bear its claims out
 
 
 def test_load_spreads_when_the_sessions_backend_is_overloaded(cluster):
