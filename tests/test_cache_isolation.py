@@ -127,8 +127,10 @@ def _start(start, smollm_dir, folder, cache: str = "", home=None):
     return start(smollm_dir, flag, keys, config=config, home=home)
 
 
-def cached(server, key: str, system: str) -> int:
-    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=key, max_retries=0, timeout=120)
+def cached(server, key: str, system: str, headers: dict | None = None) -> int:
+    client = openai.OpenAI(
+        base_url=server.base_url + "/v1", api_key=key, max_retries=0, timeout=120, default_headers=headers
+    )
     reply = client.chat.completions.create(model="default", messages=messages(system), max_tokens=1)
     return reply.usage.prompt_tokens_details.cached_tokens
 
@@ -142,7 +144,8 @@ def test_key_b_gets_nothing_of_key_a_in_ram_and_after_a_restart(start_server, sm
     prompt_a = victim_system(PIN)
     assert cached(server, KEY_A, prompt_a) == 0
     assert cached(server, KEY_A, prompt_a) >= 2 * BLOCK  # A hits its own prompt
-    assert cached(server, KEY_B, prompt_a) == 0  # B, the same prompt: nothing of A's
+    # B, the same prompt: nothing of A's, also when it names A in the header a model's process trusts.
+    assert cached(server, KEY_B, prompt_a, {"x-kvserve-principal": "alice"}) == 0
     assert cached(server, KEY_B, prompt_a) >= 2 * BLOCK  # B's own cache works
     assert cached(server, ADMIN, prompt_a) == 0  # the admin key is a principal of its own
     server.stop()
