@@ -92,14 +92,14 @@ class ServerConfig:
     allowed_origins: list[str] = field(default_factory=list)
     allow_no_key: bool = False
     # Several models ([[models]], engine/registry.py): the weights (and KV in RAM) of loaded models stay
-    # under this; the least recently used idle model is unloaded to make room. 0 = half of the memory
-    # the arrays live in (the system's; the GPU's own with CUDA).
+    # under this; the least recently used idle model is unloaded to make room. 0 = by the memory plan
+    # (engine/memory_plan.py): half of the memory the arrays live in, within the working set.
     model_memory_bytes: int = 0
     model_keep_alive_s: float = 0.0  # an idle model is unloaded after this long; 0 = only for room
     # MLX keeps freed buffers for reuse up to this many bytes (engine/device_memory.py); 0 = by device:
     # a quarter of the GPU's own memory with CUDA (MLX's default there is 80% of it), MLX's own elsewhere.
     mlx_cache_limit_bytes: int = 0
-    kv_batch_bytes: int = 0  # the KV of the requests in the batch together (engine/kv_room.py); 0 = no bound
+    kv_batch_bytes: int = 0  # the KV of the requests in the batch together (engine/kv_room.py); 0 = planned
 
     def in_flight_limit(self) -> int:
         """Completion requests that may be in flight before the next gets 429."""
@@ -148,7 +148,7 @@ class SpeculativeConfig:
 class CacheConfig:
     enabled: bool = True
     block_size: int = 64
-    ram_max_bytes: int = 0  # 0 = a quarter of the memory the arrays live in (system; the GPU's own with CUDA)
+    ram_max_bytes: int = 0  # 0 = by the memory plan (engine/memory_plan.py), at most a quarter of the memory
     pinned_ram_share: float = 0.5  # above this share of the RAM budget, pinned blocks are served from the SSD
     pin_on_start: list[str] = field(default_factory=list)  # prompt files warmed and pinned at startup
     # Anthropic cache_control pins (TTL 5 min / 1 h, refreshed on use) hold at most this share of the

@@ -213,8 +213,9 @@ def test_on_a_gpu_with_its_own_memory_the_servers_get_equal_bounds(tiny_model_di
     from mlx_kvserve.engine import device_memory
 
     monkeypatch.setattr(device_memory, "arrays_in_device_memory", lambda: True)
-    monkeypatch.setattr(mx, "device_info", lambda: {"total_memory": 64 * 1024**3})
-    share = 64 * 1024**3 // 8  # a quarter of the GPU between two servers
+    # 32 GiB: the servers' explicit KV budgets (4 GiB) within this machine's memory plan, which refuses more
+    monkeypatch.setattr(mx, "device_info", lambda: {"total_memory": 32 * 1024**3})
+    share = 32 * 1024**3 // 8  # a quarter of the GPU between two servers
     servers = start_servers(tiny_model_dir)
     try:
         servers.append(variant_server(servers[0], "fifo"))

@@ -97,7 +97,7 @@ def test_a_budget_for_one_model_unloads_the_other_and_a_reload_is_an_ssd_hit(fol
 
 
 def test_both_loaded_answer_at_once_as_each_alone(folders, app_for):
-    client, _ = app_for(2**34)
+    client, _ = app_for(2**30)
     alone = {m: complete(client, m)["choices"][0]["text"] for m in ("a", "b")}
     results: dict[str, list[str]] = {"a": [], "b": []}
     prompts = [PROMPT[i:] for i in range(0, 8, 2)]
@@ -118,7 +118,7 @@ def test_both_loaded_answer_at_once_as_each_alone(folders, app_for):
 
 
 def test_unknown_ids_are_a_404_naming_the_registered_ones_in_each_apis_shape(app_for):
-    client, _ = app_for(2**34)
+    client, _ = app_for(2**30)
     reply = client.post("/v1/chat/completions", json={"model": "gpt-5", "messages": [{"role": "user", "content": "x"}]})
     assert reply.status_code == 404
     error = reply.json()["error"]
@@ -132,7 +132,7 @@ def test_unknown_ids_are_a_404_naming_the_registered_ones_in_each_apis_shape(app
 
 
 def test_health_metrics_and_the_admin_api_report_each_model(app_for):
-    client, _ = app_for(2**34)
+    client, _ = app_for(2**30)
     assert client.post("/v1/cache/models/load", json={"model": "b"}).json()["state"] == "loaded"
     health = client.get("/health").json()
     assert health["status"] == "ok"

@@ -37,13 +37,15 @@ def folders(tiny_model_dir, tmp_path_factory):
     }
 
 
-def start(folders, root, memory_bytes: int, ssd_max_bytes: int = 0) -> tuple[TestClient, ModelRegistry]:
+def start(
+    folders, root, memory_bytes: int, ssd_max_bytes: int = 0, entry_bytes: int = 0
+) -> tuple[TestClient, ModelRegistry]:
     overrides = {
         "server": {"model_memory_bytes": memory_bytes},
         "cache": {"block_size": BS},
         "ssd": {"cache_dir": str(root), "async_writes": False, "max_bytes": ssd_max_bytes},
     }
-    entries = tuple(ModelEntry(name, str(folder)) for name, folder in folders.items())
+    entries = tuple(ModelEntry(name, str(folder), memory_bytes=entry_bytes) for name, folder in folders.items())
     registry = ModelRegistry(load_config(overrides=overrides), entries)
     client = TestClient(create_app(RoutedEngine(registry), ApiKeys("", ""), registry))
     client.__enter__()
@@ -71,7 +73,7 @@ def cold(folders, tmp_path_factory):
     """Each model on a fresh cache without a budget: its greedy text for the prompts used below, and
     the bytes each prompt adds to its SSD folder (blocks and tail)."""
     root = tmp_path_factory.mktemp("cold")
-    client, _ = start(folders, root / "kv", 2**34)
+    client, _ = start(folders, root / "kv", 2**30)
     texts, size = {}, {}
     for seed in (1, 2):
         was = ssd_bytes(client)
@@ -92,8 +94,10 @@ def test_one_ssd_budget_across_three_models(folders, cold, tmp_path, monkeypatch
     monkeypatch.setenv("MLX_KVSERVE_HOME", str(tmp_path / "home"))
     texts, size = cold
     budget = size[("a", 1)] + size[("b", 1)] + size[("c", 1)] + size[("a", 1)] // 4
-    memory = 2**34 if loaded == "all" else max(weights(f) for f in folders.values()) + 2**16
-    client, registry = start(folders, tmp_path / "kv", memory, budget)
+    # "one": each model counted at 3 MiB in a 4 MiB budget, so one at a time (its KV cache planned within)
+    memory, entry_bytes = (2**30, 0) if loaded == "all" else (4 * 2**20, 3 * 2**20)
+    assert loaded == "all" or max(weights(f) for f in folders.values()) < 2**20
+    client, registry = start(folders, tmp_path / "kv", memory, budget, entry_bytes)
     try:
         complete(client, "a", prompt(1))
         complete(client, "b", prompt(1))

@@ -134,6 +134,9 @@ def test_figures_match_health_without_console_errors(browser, open_server):
     assert float(field(browser, "batch.running")) == batch["running"] == 0
     assert float(field(browser, "cached_share")) > 0
     assert float(field(browser, "ttft_hit_median")) > 0 and float(field(browser, "ttft_cold_median")) > 0
+    # the memory plan at start, as /health tells it (engine/memory_plan.py)
+    assert browser.find_element(By.ID, "memory-plan").text == health["memory_plan"]["line"]
+    assert "largest context" in health["memory_plan"]["line"]
     screenshot(browser, "overview")
     open_tab(browser, server.base_url, "cache")
     for name in ("kv_ram_blocks", "kv_ram_bytes", "kv_hits", "kv_tails", "ssd_blocks", "ssd_bytes", "writer_written"):

@@ -31,6 +31,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch, TokenBuffer, _merge_caches
 
 from ..kv.blocks import borrowed_row
+from .device_memory import rewire
 
 MIN_SHARE = 32  # prompt tokens per prompt and step, however many prefill together
 
@@ -43,6 +44,7 @@ class KVServeBatchGenerator(BatchGenerator):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        rewire()  # mlx-lm wired the recommended working set: the memory plan's limit instead
         self._joining: list[tuple] = []  # requests inserted by insert_decoding, entering at the next step
 
     def _next(self) -> tuple[list[Any], list[Any]]:

@@ -102,3 +102,34 @@ def memory_report() -> dict:
         "requests_failed_out_of_memory": _failures["count"],
         "last_out_of_memory": _failures["last"] or None,
     }
+
+
+# Metal's wired limit (engine/memory_plan.py): the plan's, and the one before it, restored at exit.
+_wired: dict[str, int | None] = {"planned": None, "before": None}
+
+
+def wire(limit_bytes: int) -> None:
+    """On Metal, keep `limit_bytes` wired (the plan's weights + KV budgets); elsewhere nothing. The limit
+    before the first call is kept for `unwire`."""
+    if limit_bytes <= 0 or not mx.metal.is_available():
+        return
+    previous = mx.set_wired_limit(limit_bytes)
+    if _wired["before"] is None:
+        _wired["before"] = previous
+    _wired["planned"] = limit_bytes
+    log.info("Metal wired limit set to %.2f GiB (the memory plan)", limit_bytes / 1024**3)
+
+
+def rewire() -> None:
+    """The plan's wired limit again: mlx-lm's BatchGenerator sets the recommended working set when it
+    is built (and puts the one before back when it closes)."""
+    if _wired["planned"] is not None:
+        mx.set_wired_limit(_wired["planned"])
+
+
+def unwire() -> None:
+    """The wired limit as it was before `wire` (at exit)."""
+    if _wired["before"] is not None:
+        mx.set_wired_limit(_wired["before"])
+        log.info("Metal wired limit restored to %.2f GiB", _wired["before"] / 1024**3)
+    _wired["planned"] = _wired["before"] = None

@@ -20,7 +20,7 @@ from ..kv import blocks
 from ..kv.salts import CacheSalts, principal_chain
 from ..models.loader import LoadedModel
 from ..vision.runtime import build_runtime
-from . import kv_room, tool_grammar
+from . import device_memory, kv_room, tool_grammar
 from .build import build_stack, prefill_step
 from .cache_admin import CacheAdmin
 from .constrain import grammars_for
@@ -28,6 +28,8 @@ from .distributed import BroadcastAdmin, DistributedWorker, World
 from .draft_model import load_draft
 from .front_prefill import SPEEDS_FILE
 from .generate import Generator
+from .memory_facts import plan_for
+from .memory_plan import planned_config
 from .order import StartOrder
 from .prefetch import Prefetcher
 from .request import Failed, GenerationRequest, SamplingParams
@@ -46,13 +48,18 @@ class Engine:
     """The model, its block cache and the worker that runs the batch. Distributed (`world`), one
     per rank: rank 0's serves HTTP; the others run `serve_follower` (engine/distributed.py)."""
 
-    def __init__(self, loaded: LoadedModel, config: Config, world: World | None = None):
-        self.loaded = loaded
-        self.config = config
-        self.world = world
+    def __init__(self, loaded: LoadedModel, config: Config, world: World | None = None, share_bytes: int = 0):
+        """`share_bytes`: one of several models (engine/registry.py), planned within their shared budget."""
         reason = blocks.unbatchable(loaded.model)
         if reason:  # every request would fail: refuse to start instead
             raise ModelLoadError(f"model {loaded.name} cannot be served: {reason}")
+        # The memory plan (engine/memory_plan.py): the KV budgets beside the weights; ConfigError when
+        # an explicit one does not fit. Everything below is built from the planned config.
+        self.memory_plan = plan_for(loaded, config, share_bytes)
+        log.info("%s%s", f"{loaded.name}: " if share_bytes else "", self.memory_plan.line())
+        self._wires = not share_bytes  # Metal's wired limit set by start(); a registry wires the models' budget
+        self.loaded, self.world = loaded, world
+        self.config = config = planned_config(self.memory_plan, config)
         # The folder lock is held from here to stop(): one process per cache folder.
         stack = build_stack(loaded, config, world)
         self.prefix_cache, self.folder_lock = stack.prefix_cache, stack.folder_lock
@@ -188,7 +195,7 @@ class Engine:
     @property
     def context_length(self) -> int:
         """The context served: the model's own, capped by [model] context_length and by the tokens
-        [server] kv_batch_bytes holds (engine/kv_room.py) when those are set."""
+        the batch's KV budget holds (engine/kv_room.py: [server] kv_batch_bytes, else the memory plan's)."""
         caps = (self.config.model.context_length, self.kv_room.max_tokens if self.kv_room is not None else 0)
         return min([self.loaded.context_length, *(c for c in caps if c)])
 
@@ -200,8 +207,11 @@ class Engine:
         return size if isinstance(size, int) and size > 0 else 0
 
     def start(self) -> None:
-        """Start the worker; with [ssd] prefetch_on_start, it reads the hottest chains from the SSD
-        into RAM while no request runs (engine/prefetch.py)."""
+        """Set Metal's wired limit to the memory plan's (put back by stop()) and start the worker; with
+        [ssd] prefetch_on_start, it reads the hottest chains from the SSD into RAM while no request
+        runs (engine/prefetch.py)."""
+        if self._wires:
+            device_memory.wire(self.memory_plan.wired_limit_bytes)
         manager, tier = self.prefix_cache.manager, self.prefix_cache.ssd_tier
         if self.config.ssd.prefetch_on_start and manager is not None and tier is not None:
             if self.world is None:
@@ -227,6 +237,8 @@ class Engine:
             tier.close(self.config.ssd.drain_timeout_s)
         if self.folder_lock is not None:
             self.folder_lock.release()
+        if self._wires:
+            device_memory.unwire()
 
     def submit(self, req: GenerationRequest) -> None:
         """Queue `req` for the worker (OverloadedError when the queue is full); its prompt's
@@ -419,6 +431,7 @@ class Engine:
             "busy": self.worker.is_busy,
             "batch": self.batch_stats(),
             "context_length": self.context_length,
+            "memory_plan": self.memory_plan.describe(),
             "cache": self.cache_stats(),
             **({"vision": self.vision.stats()} if self.vision is not None else {}),
         }

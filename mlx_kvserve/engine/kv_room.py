@@ -62,20 +62,25 @@ class KvRoom:
         return not held or self.batch_bytes([*held, req]) <= self.budget_bytes
 
 
+def model_kv_bytes_per_token(model: Any, config: dict[str, Any], kv_bits: int = 0) -> int:
+    """kv_bytes_per_token of `model` (an MLX module with this config.json), at its activations' width:
+    the narrowest floating weights (a quantized model's scales, else its weights)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    widths = [a.dtype.size for _, a in tree_flatten(model.parameters()) if mx.issubdtype(a.dtype, mx.floating)]
+    return kv_bytes_per_token(config, min(widths, default=2), kv_bits)
+
+
 def for_model(model: Any, config: dict[str, Any], budget_bytes: int, kv_bits: int = 0) -> KvRoom | None:
     """The KvRoom of `model` (an MLX module with this config.json) for [server] kv_batch_bytes =
     `budget_bytes`; None when that is 0 (off) or the config names no attention shape. ConfigError
     when the budget holds less than one step (STEP tokens)."""
     if not budget_bytes:
         return None
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
     from ..errors import ConfigError
 
-    # The activations' width: the narrowest floating weights (a quantized model's scales, else its weights).
-    widths = [a.dtype.size for _, a in tree_flatten(model.parameters()) if mx.issubdtype(a.dtype, mx.floating)]
-    per_token = kv_bytes_per_token(config, min(widths, default=2), kv_bits)
+    per_token = model_kv_bytes_per_token(model, config, kv_bits)
     if not per_token:
         return None
     room = KvRoom(budget_bytes, per_token)

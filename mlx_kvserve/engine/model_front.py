@@ -153,8 +153,11 @@ class RoutedEngine:
             if engine is not None:
                 row["batch"] = engine.batch_stats()
                 row["cache"] = engine.cache_stats()
+                if getattr(engine, "memory_plan", None) is not None:  # in this process: its share of the plan
+                    row["memory_plan"] = engine.memory_plan.describe()
         body.update(
             {
+                "memory_plan": described["memory_plan"],  # the models' plan (the default's is its row's)
                 "memory_budget_bytes": described["memory_budget_bytes"],
                 "memory_used_bytes": described["memory_used_bytes"],
                 "models": described["models"],

@@ -57,8 +57,8 @@ def load_engine(entry: ModelEntry, config: Config) -> Loaded:
         from .embedding import EmbeddingEngine
 
         engine: Any = EmbeddingEngine(loaded, cfg, entry.pooling, entry.normalize, entry.min_dimensions)
-    else:
-        engine = Engine(loaded, cfg)
+    else:  # planned within the models' budget and its batch share (the registry's plan)
+        engine = Engine(loaded, cfg, share_bytes=cfg.server.model_memory_bytes + cfg.server.kv_batch_bytes)
     engine.start()
     return Loaded(engine, weights)
 

@@ -26,6 +26,7 @@ Contract:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -37,7 +38,9 @@ from typing import Any
 from ..config import Config
 from ..errors import ModelLoadError, OverloadedError, ShuttingDownError, model_not_found
 from ..model_entries import ModelEntry
-from .device_memory import array_memory_bytes
+from . import device_memory
+from .memory_facts import device_facts
+from .memory_plan import registry_plan
 from .model_load import Loaded, estimate_bytes, free_engine, kv_ram_bytes, load_engine
 from .ssd_share import RegistrySSD, engine_store
 from .step_turns import StepTurns, share_turns
@@ -108,7 +111,17 @@ class ModelRegistry:
         self.slots = [ModelSlot(e) for e in entries]
         self._ids = {name: slot for slot in self.slots for name in (slot.entry.name, *slot.entry.aliases)}
         self._loader, self._unloader, self._clock, self._wait_s = loader, unloader, clock, wait_s
-        self.budget_bytes = config.server.model_memory_bytes or array_memory_bytes() // 2
+        # One memory plan for all (engine/memory_plan.py): ConfigError when the explicit budgets do not fit.
+        server = config.server
+        self.plan = registry_plan(device_facts(), server.model_memory_bytes, server.kv_batch_bytes, len(entries))
+        self.budget_bytes = self.plan.models_bytes
+        if not single:
+            log.info("%s", self.plan.line())
+        # What each model's engine plans within: the models' budget, and its batch share (engine/model_load.py).
+        planned = dataclasses.replace(
+            server, model_memory_bytes=self.budget_bytes, kv_batch_bytes=self.plan.batch_bytes
+        )
+        self._model_config = dataclasses.replace(config, server=planned)
         self._cond = threading.Condition()  # guards every slot's fields and _closing
         self._closing = False
         self._reaper: threading.Thread | None = None
@@ -188,11 +201,11 @@ class ModelRegistry:
 
     def _load(self, slot: ModelSlot) -> Lease:
         started = time.monotonic()
-        config, lent = self.config, self.ssd is not None and slot.entry.process
+        config, lent = self._model_config, self.ssd is not None and slot.entry.process
         if self.ssd is not None:
             self.ssd.hold(slot.entry.name)  # no trim of its folder while its engine takes the lock
             if lent:  # a process of its own budgets its folder alone, within the share lent it
-                config = self.ssd.lend(slot.entry.name, self.config, len(self.slots))
+                config = self.ssd.lend(slot.entry.name, config, len(self.slots))
         try:
             loaded = self._loader(slot.entry, config)
         except Exception as exc:
@@ -340,7 +353,10 @@ class ModelRegistry:
         share_turns(engine, self.turns)
 
     def start(self) -> None:
-        """Load the models marked `preload` (or pinned) and start the keep-alive reaper."""
+        """Set Metal's wired limit to the plan's (put back by stop()), load the models marked `preload`
+        (or pinned) and start the keep-alive reaper."""
+        if not self.single:  # a model's own process: its parent's plan
+            device_memory.wire(self.plan.wired_limit_bytes)
         for slot in self.slots:
             if (slot.entry.preload or slot.entry.pinned) and slot.state == UNLOADED:
                 self.acquire(slot.entry.name).release()
@@ -377,6 +393,8 @@ class ModelRegistry:
             slot.engine.stop(timeout)
             with self._cond:
                 slot.engine, slot.state = None, UNLOADED
+        if not self.single:
+            device_memory.unwire()
 
     def loaded_engines(self) -> list[tuple[str, Any]]:
         with self._cond:
@@ -420,6 +438,7 @@ class ModelRegistry:
         rows = [self.describe_slot(slot) for slot in self.slots]
         used = sum(r["memory_bytes"] for r in rows)
         out = {"memory_budget_bytes": self.budget_bytes, "memory_used_bytes": used, "models": rows}
+        out["memory_plan"] = self.plan.describe()
         return out | (self.ssd.budget.describe() if self.ssd is not None else {})
 
 
