@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -300,6 +301,22 @@ def test_a_launch_runs_the_client_with_its_profile(server, tmp_path):
         "folder": str(tmp_path / "home" / "launch" / "llm"),
         "files": ["default_model.txt", "extra-openai-models.yaml", "keys.json"],
     }
+
+
+def test_a_sigterm_goes_to_the_client_and_the_started_server_is_stopped_after_it():
+    """A closed terminal or a `kill` ends launch's client, and the server it started is not left running."""
+
+    class Started:
+        stopped = False
+
+        def stop(self):
+            self.stopped = True
+
+    started = Started()
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    client = Profile("x", ["x", "-c", "import time; time.sleep(30)"])
+    assert command._run_then_stop(sys.executable, client, started) == 128 + signal.SIGTERM
+    assert started.stopped and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
 def test_a_started_server_is_stopped_when_the_client_exits(tmp_path):

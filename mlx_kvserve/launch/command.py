@@ -135,13 +135,22 @@ def _installed(spec: Client) -> str:
 
 def _run_then_stop(program: str, profile: Profile, started: StartedServer) -> int:
     """Run the client in the foreground, then stop the server this launch started; the client's exit
-    code. Ctrl-C belongs to the client meanwhile (the server runs in its own session)."""
-    # A handler, not SIG_IGN: an ignored signal would stay ignored in the client across exec.
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: None)
+    code. Ctrl-C belongs to the client meanwhile (the server runs in its own session); a SIGTERM or
+    SIGHUP (a closed terminal) is passed on to the client, and the server is stopped after it too."""
+    running: list[subprocess.Popen] = []
+
+    def pass_on(signum: int, frame: object) -> None:
+        if running and signum != signal.SIGINT:  # the terminal sends Ctrl-C to the client itself
+            running[0].send_signal(signum)
+
+    # Handlers, not SIG_IGN (which would stay set in the client across exec), in place before it starts.
+    previous = {sig: signal.signal(sig, pass_on) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
-        env = profile.environment(dict(os.environ))
-        return subprocess.call([program, *profile.argv[1:]], env=env)
+        running.append(subprocess.Popen([program, *profile.argv[1:]], env=profile.environment(dict(os.environ))))
+        code = running[0].wait()
+        return 128 - code if code < 0 else code  # killed by a signal: the shell's 128 + its number
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         click.echo("stopping the server this launch started", err=True)
         started.stop()
