@@ -33,6 +33,7 @@ from .model_select import ModelSelect
 from .models_admin import RegistryCollector, models_routes
 from .openai.routes import openai_routes
 from .responses.routes import responses_routes
+from .root_page import dashboard_url, root_response
 from .router_routes import router_routes
 from .ui_routes import mount_ui
 
@@ -52,8 +53,7 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, registry: ModelRegis
         return JSONResponse(body, status_code=status)
 
     async def root(request: Request) -> Response:
-        # Claude Code sends `HEAD /` to its base URL before each run: a connectivity check, answered.
-        return JSONResponse({"object": "server", "name": "mlx-kvserve", "model": engine.model_name})
+        return root_response(request, engine.model_name)  # links to /ui and the API (root_page.py)
 
     async def metrics_text(request: Request) -> Response:
         text = await run_in_threadpool(metrics.render)  # reads the cache stats under their locks
@@ -86,6 +86,7 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, registry: ModelRegis
         if engine.config.cache.pin_on_start:
             await run_in_threadpool(engine.pin_files, engine.config.cache.pin_on_start)
         log.info("serving %s (context %d tokens)", engine.model_name, engine.context_length)
+        log.info("dashboard: %s", dashboard_url(engine.config.server.host, engine.config.server.port))
         try:
             yield
         finally:
