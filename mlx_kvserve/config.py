@@ -8,39 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
 from .api_keys import ApiKeys, is_key_text, key_overrides, load_api_keys  # noqa: F401 (their old home)
+from .config_values import check as _check
+from .config_values import coerce as _coerce
+from .config_values import parse_bytes, tomllib  # noqa: F401 (parse_bytes: its old home)
 from .errors import ConfigError
-
-try:
-    import tomllib
-except ImportError:  # Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_SIZE_UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
-
-
-def parse_bytes(value: int | str, key: str = "size") -> int:
-    """Parse a byte size: an integer, or a string like "512MiB", "2GiB", "1.5GB", "4096"."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{key}: expected a byte size, got {value!r}", param=key)
-    if isinstance(value, int):
-        if value < 0:
-            raise ConfigError(f"{key}: must be >= 0, got {value}", param=key)
-        return value
-    if not isinstance(value, str) or not (m := _SIZE_RE.match(value)):
-        raise ConfigError(f"{key}: expected a byte size like 2GiB, got {value!r}", param=key)
-    number, unit = float(m.group(1)), (m.group(2) or "").upper()
-    binary = "I" in unit
-    base = unit[:1] if unit not in ("", "B") else unit
-    scale = 1024 ** "BKMGT".index(base) if binary else _SIZE_UNITS[base]
-    return int(number * scale)
 
 
 def default_home() -> Path:
@@ -256,25 +233,6 @@ class Config:
 _SECTIONS = {f.name: f.type for f in fields(Config)}
 
 
-def _coerce(section: str, key: str, value: Any, expected: type) -> Any:
-    name = f"{section}.{key}"
-    if key.endswith("_bytes"):  # every *_bytes key is a byte size ("2GiB" or an integer)
-        return parse_bytes(value, name)
-    if getattr(expected, "__origin__", None) is list:
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ConfigError(f"{name}: expected a list of strings, got {value!r}", param=name)
-        return list(value)
-    if expected is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if expected is bool and not isinstance(value, bool):
-        raise ConfigError(f"{name}: expected true or false, got {value!r}", param=name)
-    if expected is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ConfigError(f"{name}: expected an integer, got {value!r}", param=name)
-    if not isinstance(value, expected):
-        raise ConfigError(f"{name}: expected {expected.__name__}, got {value!r}", param=name)
-    return value
-
-
 def _build_section(section: str, cls: type, values: dict[str, Any]) -> Any:
     hints = get_type_hints(cls)
     unknown = sorted(set(values) - set(hints))
@@ -282,11 +240,6 @@ def _build_section(section: str, cls: type, values: dict[str, Any]) -> Any:
         raise ConfigError(f"{section}.{unknown[0]}: unknown key", param=f"{section}.{unknown[0]}")
     kwargs = {k: _coerce(section, k, v, hints[k]) for k, v in values.items()}
     return cls(**kwargs)
-
-
-def _check(ok: bool, key: str, message: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}: {message}", param=key)
 
 
 def _validate_limits(s: ServerConfig) -> None:

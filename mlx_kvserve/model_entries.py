@@ -7,7 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from .config import _check, _coerce, parse_bytes, tomllib
+from .config_values import check as _check
+from .config_values import coerce as _coerce
+from .config_values import parse_bytes, tomllib
 from .errors import ConfigError
 
 

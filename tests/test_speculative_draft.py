@@ -252,8 +252,8 @@ def test_load_draft_from_the_config(smollm, smollm_dir, tiny_model_dir, tmp_path
 
     monkeypatch.setenv("MLX_KVSERVE_HOME", str(tmp_path))
     _, tokenizer = smollm
-    assert load_draft(load_config(), tokenizer) is None
-    draft = load_draft(load_config(overrides={"speculative": {"draft_model": str(smollm_dir)}}), tokenizer)
+    assert load_draft(load_config(), tokenizer, 512) is None
+    draft = load_draft(load_config(overrides={"speculative": {"draft_model": str(smollm_dir)}}), tokenizer, 512)
     assert draft.name == smollm_dir.name and draft.prefix_cache is not None
 
 
@@ -276,6 +276,6 @@ def test_a_draft_that_does_not_fit_is_skipped_under_auto_and_refused_under_draft
             }
         )
 
-    assert load_draft(config("auto"), tokenizer) is None
+    assert load_draft(config("auto"), tokenizer, 512) is None
     with pytest.raises(ConfigError, match="must share the served model's tokenizer"):
-        load_draft(config("draft"), tokenizer)
+        load_draft(config("draft"), tokenizer, 512)

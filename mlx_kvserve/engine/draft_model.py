@@ -166,9 +166,10 @@ def draft_block_cache(model: Any, fingerprint: str, block_size: int, ram_bytes: 
     return PrefixCache(model, manager, layout=layout)
 
 
-def load_draft(config: Config, tokenizer: Any) -> DraftModel | None:
+def load_draft(config: Config, tokenizer: Any, prefill_step: int) -> DraftModel | None:
     """The [speculative] draft_model (None when unset), checked against the served model's
-    `tokenizer`. Raises ConfigError (another tokenizer, a layout that cannot be rewound) or
+    `tokenizer`, prefilling `prefill_step` tokens a pass as the served model does (passed in: build.py
+    is above this module). Raises ConfigError (another tokenizer, a layout that cannot be rewound) or
     ModelLoadError (it cannot be found or read)."""
     spec = config.speculative.draft_model
     if not spec:
@@ -177,7 +178,6 @@ def load_draft(config: Config, tokenizer: Any) -> DraftModel | None:
 
     from ..errors import ModelLoadError
     from ..models.loader import resolve_model_path
-    from .build import prefill_step
     from .device_memory import array_memory_bytes
 
     name, path = resolve_model_path(spec, config.models_path(), config.model.dtype)
@@ -199,4 +199,4 @@ def load_draft(config: Config, tokenizer: Any) -> DraftModel | None:
         fingerprint = model_fingerprint(path, default_home() / "fingerprints.json")
         cache = draft_block_cache(model, fingerprint, config.cache.block_size, budget)
     log.info("draft model %s loaded from %s (its prompt KV cached in RAM: %s)", name, path, cache is not None)
-    return DraftModel(model, name, cache, prefill_step(config))
+    return DraftModel(model, name, cache, prefill_step)

@@ -93,7 +93,7 @@ class Engine:
                 self.prefix_cache.layout,
                 config.speculative.mode,
                 config.speculative.max_draft_tokens,
-                load_draft(config, loaded.tokenizer),
+                load_draft(config, loaded.tokenizer, prefill_step(config)),
             )
             if world is None and self.vision is None
             else None

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import httpx
 
 from harness import OURS, VLLM
 
-if TYPE_CHECKING:
-    from harness.servers import Server
+
+class Server(Protocol):
+    """What a client needs of a server (harness.servers.Server, which imports this module, is one)."""
+
+    name: str
+    url: str
+
 
 # The servers that need the request's model named ("default"; vllm-mlx rejects a body without one);
 # mlx_lm.server would load a model by that name, so it gets none.
