@@ -20,6 +20,16 @@ With `share_step` (the default; `generation.prefill_step_shared`), the prompts p
 one step's `prefill_step_size` tokens (each its part, at least MIN_SHARE), as vLLM's per-step token budget
 does: in mlx-lm's step each prompt prefills a whole chunk, so n cold prompts make a step n chunks long
 (8 on the CPU: ~40 s), and every running request's next token and every later turn waits for all of it.
+
+mlx-lm's private members the engine relies on (why pyproject.toml pins mlx-lm to its tested minor, 0.32;
+check each of these when moving to a new mlx-lm):
+- `mlx_lm.generate` here: `BatchGenerator._next` (overridden), `._prompt_batch`, `._generation_batch`,
+  `._currently_processing`, `._unprocessed_sequences`, `._make_batch`, `._find_uids`, `._uid_count`,
+  `._counters`; `GenerationBatch._next_tokens`, `._next_logprobs`, `._token_context`, `._num_tokens`,
+  `._matchers`; the function `_merge_caches`.
+- `mlx_lm.models.cache.RotatingKVCache._idx` and `._temporal_order` (kv/blocks.py).
+- `mlx_lm.tokenizer_utils.TokenizerWrapper._tokenizer`, the Hugging Face tokenizer inside (engine/constrain.py,
+  engine/tool_grammar.py, engine/turns.py; read with getattr and a fallback).
 """
 
 from __future__ import annotations
