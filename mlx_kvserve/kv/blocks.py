@@ -171,9 +171,8 @@ class CacheLayout:
     def slice_blocks(
         self, prompt_cache: list[Any], start: int, end: int, block_size: int, captures: Sequence[Capture] = ()
     ) -> list[tuple[Payload, int]]:
-        """Copy blocks start..end-1 (block indices) out of the cache: [(payload, nbytes)]. Full-attention
-        layers are copied once for all of them, a run each block's entries are views of (kv/runs.py);
-        window layers take what the cache or a capture still holds of each block."""
+        """Copy blocks start..end-1 (block indices) out of the cache: [(payload, nbytes)]: full-attention layers
+        once (a run each block's entries are views of, kv/runs.py), window layers what the cache or a capture holds."""
         runs.compact_pending(block_size)
         first, last = start * block_size, end * block_size
         run = runs.Run(
@@ -183,6 +182,7 @@ class CacheLayout:
             ],
             end - start,
         )
+        parts = {i: runs.split(entry, end - start) for i, entry in enumerate(run.layers) if entry is not None}
         windows = {
             i: self._window_sources(prompt_cache, captures, i) for i, s in enumerate(self.specs) if s.kind == WINDOW
         }
@@ -192,13 +192,13 @@ class CacheLayout:
             payload: Payload = []
             for i, spec in enumerate(self.specs):
                 if spec.kind == KV:
-                    payload.append(runs.view(run.layers[i], lo - first, hi - first))
+                    payload.append(parts[i][b - start])
                 elif spec.kind == WINDOW:
                     payload.append(self._window_part(windows[i], lo, hi))
                 else:  # recurrent (kept with tails only) or not run here
                     payload.append(None)
             out.append(runs.RunPayload(payload, run, lo - first))
-        mx.eval(arrays_of(out))
+        mx.eval([a for p in out for i in windows if p[i] is not None for a in p[i]])  # split() evaluated its views
         return [(p, payload_nbytes(p)) for p in out]
 
     def slice_tail(
