@@ -26,7 +26,7 @@ from ..formats.output import ChatOutput
 from ..formats.tool_calls import check_support
 from ..vision.runtime import VisionPrompt
 from . import context_window as cw
-from . import prompts, sse
+from . import prompt_bound, prompts, sse
 from .deadlines import Deadlines, EventTracker
 from .gate import PRINCIPAL_KEY, RECORD_KEY
 from .messages import IMAGE_MARK
@@ -93,6 +93,7 @@ class CompletionHandler:
         messages dropped is noted for the response header and logged)."""
         server = self.engine.config.server
         win = cw.window(self.engine.context_length, server.max_prompt_tokens)
+        await self.check_size(req)
         prompt, vision = await self.prompt(req)
         if len(prompt) <= win.max_prompt:
             return req, (prompt, vision)
@@ -112,6 +113,14 @@ class CompletionHandler:
             fitted.num_dropped, len(req.messages or []), len(prompt), len(fitted.tokens), win.told,
         )  # fmt: skip
         return dataclasses.replace(req, messages=fitted.messages), (fitted.tokens, None)
+
+    async def check_size(self, req: oa.CompletionRequest) -> None:
+        """ContextLengthError for a prompt whose text alone is past the window, before the tokenizer
+        runs on it (prompt_bound.py); nothing for one that might fit."""
+        server = self.engine.config.server
+        win = cw.window(self.engine.context_length, server.max_prompt_tokens)
+        truncate = server.context_overflow == "truncate" and req.kind == "chat" and not req.images
+        await run_in_threadpool(prompt_bound.check_size, req, self.engine.tokenizer, win, truncate)
 
     async def vision_prompt(self, req: oa.CompletionRequest) -> VisionPrompt:
         vision = self.engine.vision

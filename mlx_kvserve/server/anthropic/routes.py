@@ -53,6 +53,8 @@ def anthropic_routes(handler: CompletionHandler) -> list[Route]:
     async def parse(request: Request, count_only: bool = False) -> tuple[dict[str, Any], oa.CompletionRequest]:
         body = await read_json(request, engine.config.server.max_body_bytes)
         req = oa.parse_request(to_openai(body, count_only), "chat", handler.defaults)
+        if not count_only:  # before the tokenizer renders any of it (context_management, cache_control cuts)
+            await handler.check_size(req)
         if measures_prompt(body.get("context_management")):  # tool-use clearing: thresholds on the prompt's size
             size = PromptSize(len(await handler.tokens(req)), count_text)
             cleared = await run_in_threadpool(to_openai, body, count_only, size)
