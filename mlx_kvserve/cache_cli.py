@@ -49,29 +49,60 @@ def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     return "\n".join([line(columns), line(["-" * w for w in widths]), *(line(r) for r in cells)])
 
 
-@click.group("cache")
-@click.option("--url", default=lambda: os.environ.get("MLX_KVSERVE_URL", DEFAULT_URL), show_default=DEFAULT_URL)
-@click.option("--api-key", envvar="MLX_KVSERVE_API_KEY", default=None, help="Bearer key, if the server wants one.")
-@click.pass_context
-def cache_group(ctx: click.Context, url: str, api_key: str | None) -> None:
-    """See and manage the KV cache."""
-    ctx.obj = {"url": url.rstrip("/"), "api_key": api_key}
+def _remember(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    """--url / --api-key given after the subcommand: over what the group got (its default)."""
+    if value is not None:
+        ctx.ensure_object(dict)[param.name] = value.rstrip("/") if param.name == "url" else value
+
+
+def server_options(fn):
+    """--url and --api-key on a subcommand too, so `cache stats --url X` works as `cache --url X stats`."""
+    fn = click.option("--api-key", callback=_remember, expose_value=False, help="Bearer key, if the server wants one.")(
+        fn
+    )
+    return click.option(
+        "--url", callback=_remember, expose_value=False, help=f"The server (default $MLX_KVSERVE_URL or {DEFAULT_URL})."
+    )(fn)
+
+
+def server_group(name: str, help_text: str) -> click.Group:
+    """A click group whose commands reach a running server: --url and --api-key before the command
+    (here) or after it (server_options on each command)."""
+
+    @click.group(name, help=help_text)
+    @click.option("--url", default=lambda: os.environ.get("MLX_KVSERVE_URL", DEFAULT_URL), show_default=DEFAULT_URL)
+    @click.option("--api-key", envvar="MLX_KVSERVE_API_KEY", default=None, help="Bearer key, if the server wants one.")
+    @click.pass_context
+    def group(ctx: click.Context, url: str, api_key: str | None) -> None:
+        ctx.obj = {"url": url.rstrip("/"), "api_key": api_key}
+
+    return group
+
+
+cache_group = server_group("cache", "See and manage the KV cache.")
 
 
 @cache_group.command()
-@click.option("--json", "as_json", is_flag=True, help="Print the raw JSON.")
+@click.option("--json", "as_json", is_flag=True, help="Print the raw counters as JSON.")
+@server_options
 @click.pass_context
 def stats(ctx: click.Context, as_json: bool) -> None:
-    """Cache statistics of the running server."""
+    """The cache of the running server: hit share, RAM and SSD used, blocks, pins, writer."""
+    from .cache_summary import summary
+
     data = _call(ctx, "GET", "/v1/cache/stats")
     if as_json:
         click.echo(json.dumps(data, indent=2))
         return
-    rows = [{"stat": k, "value": v} for k, v in data.items() if not isinstance(v, dict)]
-    click.echo(table(rows, ["stat", "value"]))
+    try:  # its prefill counter gives the hit share of all prompt tokens; the summary does without
+        health = _call(ctx, "GET", "/health")
+    except click.ClickException:
+        health = None
+    click.echo(summary(data, health))
 
 
 @cache_group.command()
+@server_options
 @click.pass_context
 def pins(ctx: click.Context) -> None:
     """Pinned blocks: hash, pin count, where they are."""
@@ -101,24 +132,34 @@ def _pin_options(fn):
 
 @cache_group.command()
 @_pin_options
+@server_options
 @click.pass_context
 def pin(ctx: click.Context, file: Path | None, prompt: str | None, hashes: tuple[str, ...]) -> None:
     """Pin a system prompt file, a prompt, or block hashes (warming them first if needed)."""
     data = _call(ctx, "POST", "/v1/cache/pin", _pin_body(file, prompt, hashes))
-    click.echo(f"pinned {data['pinned_count']} ({data['tokens']} tokens)")
+    click.echo(pin_message(data, _call(ctx, "GET", "/v1/cache/stats").get("block_size")))
+
+
+def pin_message(data: dict[str, Any], block_size: int | None) -> str:
+    """What a pin did, in blocks: the server counts pins (one per chain), each chain many blocks."""
+    tokens, chains = data["tokens"], data["pinned_count"]
+    kept = f"{tokens // block_size} blocks ({tokens} tokens)" if block_size else f"{tokens} tokens"
+    return f"pinned {kept} as {chains} chain{'s' if chains != 1 else ''}"
 
 
 @cache_group.command()
 @_pin_options
+@server_options
 @click.pass_context
 def unpin(ctx: click.Context, file: Path | None, prompt: str | None, hashes: tuple[str, ...]) -> None:
     """Remove one pin from a system prompt file, a prompt, or block hashes."""
-    data = _call(ctx, "POST", "/v1/cache/unpin", _pin_body(file, prompt, hashes))
-    click.echo(f"unpinned {data['unpinned_count']}")
+    count = _call(ctx, "POST", "/v1/cache/unpin", _pin_body(file, prompt, hashes))["unpinned_count"]
+    click.echo(f"removed {count} pin{'s' if count != 1 else ''}" if count else "no such pin: nothing removed")
 
 
 @cache_group.command()
 @click.option("--ssd", is_flag=True, help="Also delete unpinned blocks from the SSD.")
+@server_options
 @click.pass_context
 def flush(ctx: click.Context, ssd: bool) -> None:
     """Drop unpinned blocks from RAM (and the SSD with --ssd); pinned blocks stay."""
@@ -127,6 +168,7 @@ def flush(ctx: click.Context, ssd: bool) -> None:
 
 
 @cache_group.command()
+@server_options
 @click.pass_context
 def prune(ctx: click.Context) -> None:
     """Delete SSD blocks unused for longer than [ssd] ttl_days (pinned ones never)."""
@@ -143,6 +185,7 @@ def verify(config_path: str | None, cache_dir: Path | None) -> None:
     temp leftovers removed; exits 1 when anything was wrong, 2 (checking and changing nothing)
     while a server holds the cache folder's lock."""
     from .kv.ssd import folder_namespace
+    from .kv.ssd.folder_label import read_label
 
     root = cache_dir or load_config(config_path).ssd_path()
     _lock_store_folders(root)  # exits 2, changing nothing, while a server uses the cache
@@ -152,14 +195,14 @@ def verify(config_path: str | None, cache_dir: Path | None) -> None:
         if namespace is None:  # not a store folder, or one with no readable block file
             continue
         row, damaged = _verify_folder(folder, namespace)
-        rows.append(row)
+        rows.append({"model": read_label(folder) or "-"} | row)
         if row["unchecked"]:
             notes.append(f"{folder.name}: {row['unchecked']}")
         bad += row["missing"] + row["invalid"] + row["temp"] + row["bad_tails"] + row["damaged"]
         for d in damaged:
             moved = f"set aside as {d.moved_to.name}" if d.moved_to else "could not be set aside"
             notes.append(f"{folder.name}/{d.path.name}: {d.reason}; {moved}")
-    columns = ["namespace", "blocks", "adopted", "missing", "invalid", "temp", "tails", "bad_tails", "damaged"]
+    columns = ["model", "namespace", "blocks", "adopted", "missing", "invalid", "temp", "tails", "bad_tails", "damaged"]
     click.echo(table(rows, columns) if rows else f"no cache in {root}")
     for note in notes:
         click.echo(note)

@@ -10,6 +10,8 @@ from starlette.testclient import TestClient
 from test_api_anthropic import _loaded
 from test_hardening_wire import make_engine
 
+from mlx_kvserve.cache_cli import pin_message
+from mlx_kvserve.cache_summary import summary
 from mlx_kvserve.config import ApiKeys
 from mlx_kvserve.server.app import create_app
 from mlx_kvserve.server.root_page import dashboard_url
@@ -42,3 +44,31 @@ def test_the_root_points_to_the_dashboard_and_the_api(engine, caplog):
 )
 def test_the_dashboard_address_is_one_to_open(host, url):
     assert dashboard_url(host, 8000) == url
+
+
+def test_cache_stats_summary_counts_tail_hits_and_reads_in_gib():
+    stats = {
+        "enabled": True,
+        "kv_hit_tokens": 0,
+        "kv_tail_hit_tokens": 900,  # every hit a tail: kv_hits alone would read 0
+        "kv_ram_bytes": 2**29,
+        "kv_ram_max_bytes": 4 * 2**30,
+        "kv_ram_blocks": 13,
+        "kv_pinned_blocks": 13,
+        "kv_pinned_ram_bytes": 2**20,
+        "ssd_bytes": 3 * 2**30,
+        "ssd_max_bytes": 0,
+        "ssd_blocks": 40,
+        "writer_written": 40,
+    }
+    text = summary(stats, {"batch": {"prefill_tokens": 100}})
+    assert "cache hits: 90% of prompt tokens (900 of 1,000: 0 in blocks, 900 in tails)" in text
+    assert "RAM: 0.50 GiB of 4.00 GiB, 13 blocks" in text and "SSD: 3.00 GiB (no budget), 40 blocks" in text
+    assert "pins: 13 blocks pinned" in text and "writer: 40 written" in text
+    several = summary({"models": {"a": stats, "b": {"enabled": False, "reason": "embedding"}}}, None)
+    assert several.splitlines()[0] == "[a]" and "[b]\n  cache: off (embedding)" in several
+    assert "900 prompt tokens served from the cache" in several  # no prefill count: no share claimed
+
+
+def test_pin_reports_blocks_not_chains():
+    assert pin_message({"pinned_count": 1, "tokens": 13 * 64}, 64) == "pinned 13 blocks (832 tokens) as 1 chain"

@@ -26,6 +26,7 @@ from ..kv.pins import PINS_FILE, PinRegistry
 from ..kv.ram import RAMStore
 from ..kv.ssd import FolderBusyError, FolderLock, SSDStore, SSDTier, SSDWriterThread, store_dir
 from ..kv.ssd.budget import BUDGET_ROLE
+from ..kv.ssd.folder_label import write_label
 from ..kv.ssd.table_check import TableExpectation, save_rules
 from ..kv.table_rules import table_expectation
 from ..kv.tails import TailStore
@@ -113,6 +114,14 @@ def _acquire_server(folder: Path, wait_s: float = 10.0) -> FolderLock:
             if exc.holder is None or exc.holder.role != BUDGET_ROLE or time.monotonic() > deadline:
                 raise
         time.sleep(0.02)
+
+
+def _label_folder(folder: Path, loaded: LoadedModel) -> None:
+    """Name the model in its cache folder, for `cache verify` (kv/ssd/folder_label.py)."""
+    try:
+        write_label(folder, loaded.name, str(loaded.path))
+    except OSError as exc:
+        log.warning("cannot write the model label in %s: %s", folder, exc)
 
 
 def build_ssd_tier(
@@ -232,6 +241,8 @@ def build_prefix_cache(
         ssd_tier = (
             build_ssd_tier(config, store_namespace, pins, layout, folder_lock, table_rules) if folder_lock else None
         )
+        if ssd_tier is not None and owns:
+            _label_folder(folder_lock.folder, loaded)
     except BaseException:
         if folder_lock is not None:
             folder_lock.release()
