@@ -13,7 +13,10 @@ from test_hardening_wire import make_engine
 from mlx_kvserve.cache_cli import pin_message
 from mlx_kvserve.cache_summary import summary
 from mlx_kvserve.config import ApiKeys
+from mlx_kvserve.engine.build import ssd_summary
+from mlx_kvserve.kv.ssd.upkeep import ValidationReport
 from mlx_kvserve.server.app import create_app
+from mlx_kvserve.server.gate import QUIET_ENDPOINTS
 from mlx_kvserve.server.root_page import dashboard_url
 
 
@@ -72,3 +75,22 @@ def test_cache_stats_summary_counts_tail_hits_and_reads_in_gib():
 
 def test_pin_reports_blocks_not_chains():
     assert pin_message({"pinned_count": 1, "tokens": 13 * 64}, 64) == "pinned 13 blocks (832 tokens) as 1 chain"
+
+
+def test_the_ssd_startup_line_reads_as_a_sentence(tmp_path):
+    report = ValidationReport(
+        kept=12, dropped_missing=0, adopted=2, deleted_invalid=0, deleted_temp=1, evicted=0, elapsed_s=0.0123
+    )
+    stats = {"ssd_bytes": 2**30, "ssd_max_bytes": 8 * 2**30, "ssd_blocks": 14}
+    line = ssd_summary(tmp_path, stats, "write_through", True, report, 0)
+    assert line == (
+        f"SSD tier: 14 blocks (1.00 of 8.00 GiB) in {tmp_path}, write_through; "
+        "checked in 0.01 s: 2 adopted, 1 temp files deleted"
+    )
+    clean = report._replace(adopted=0, deleted_temp=0)
+    line = ssd_summary(tmp_path, stats | {"ssd_max_bytes": 0}, "write_back", False, clean, 0)
+    assert "(1.00 GiB, no budget)" in line and line.endswith("write_back, as a guest; checked in 0.01 s: all sound")
+
+
+def test_ui_polls_are_logged_at_debug():
+    assert {"/v1/cache/requests", "/v1/cache/pins", "/health", "/metrics"} <= QUIET_ENDPOINTS

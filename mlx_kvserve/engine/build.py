@@ -116,6 +116,28 @@ def _acquire_server(folder: Path, wait_s: float = 10.0) -> FolderLock:
         time.sleep(0.02)
 
 
+def ssd_summary(folder: Path, stats: dict, policy: str, is_owner: bool, report, pruned: int) -> str:
+    """The SSD tier's one startup line: what it holds of its budget, and what the startup check changed."""
+    used, budget = stats.get("ssd_bytes", 0) / 2**30, stats.get("ssd_max_bytes", 0) / 2**30
+    held = f"{used:.2f} of {budget:.2f} GiB" if budget else f"{used:.2f} GiB, no budget"
+    fixes = [
+        f"{n} {what}"
+        for n, what in (
+            (report.adopted, "adopted"),
+            (report.dropped_missing, "missing dropped"),
+            (report.deleted_invalid, "invalid deleted"),
+            (report.deleted_temp, "temp files deleted"),
+            (pruned, "past their TTL pruned"),
+        )
+        if n
+    ]
+    checked = ", ".join(fixes) if fixes else "all sound"
+    return (
+        f"SSD tier: {stats.get('ssd_blocks', report.kept + report.adopted)} blocks ({held}) in {folder}, "
+        f"{policy}{'' if is_owner else ', as a guest'}; checked in {report.elapsed_s:.2f} s: {checked}"
+    )
+
+
 def _label_folder(folder: Path, loaded: LoadedModel) -> None:
     """Name the model in its cache folder, for `cache verify` (kv/ssd/folder_label.py)."""
     try:
@@ -161,18 +183,7 @@ def build_ssd_tier(
             log.warning("cannot write the SSD table rules in %s: %s", store.cache_dir, exc)
     report = store.validate_index(others_write=folder_lock is not None and folder_lock.has_guests())
     pruned = store.prune_expired()
-    log.info(
-        "SSD tier at %s: %d blocks kept, %d adopted, %d missing dropped, %d invalid deleted, %d temp deleted, "
-        "%d pruned (%.2fs)",
-        store.cache_dir,
-        report.kept,
-        report.adopted,
-        report.dropped_missing,
-        report.deleted_invalid,
-        report.deleted_temp,
-        pruned,
-        report.elapsed_s,
-    )
+    log.info("%s", ssd_summary(store.cache_dir, store.stats(), ssd.policy, is_owner, report, pruned))
     holder: list[SSDTier] = []
     writer = SSDWriterThread(
         save_batch=lambda jobs: holder[0].save_jobs(jobs),
@@ -252,9 +263,10 @@ def build_prefix_cache(
     rules = layout if layout.needs_checkpoints else None
     manager = KVManager(hasher, ram, tails, ssd_tier, pins, config.cache.pinned_ram_share, rules)
     log.info(
-        "block cache on: %d-token blocks, RAM budget %.2f GiB, SSD %s, model %s",
+        "RAM tier: %.2f GiB for blocks of %d tokens + %.2f GiB for tails; SSD tier %s; model fingerprint %s",
+        ram.max_bytes / 2**30,
         config.cache.block_size,
-        budget / 2**30,
+        tails.max_bytes / 2**30,
         "on" if ssd_tier else "off",
         fingerprint[:12],
     )

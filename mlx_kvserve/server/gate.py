@@ -53,7 +53,8 @@ LIMITED_PATHS = frozenset(
     }
 )
 ADMIN_PREFIX = "/v1/cache"
-QUIET_ENDPOINTS = frozenset({"/health", "/metrics"})  # polled often: their lines are logged at debug level
+# Polled often (by probes, and by /ui every second or five): their lines are logged at debug level.
+QUIET_ENDPOINTS = frozenset({"/health", "/metrics", "/v1/cache/requests", "/v1/cache/pins"})
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})  # requests whose body the gate reads before the app runs
 CLIENT_CLOSED = 499  # nginx's "client closed request": recorded, never sent (nobody is left to read it)
 request_log = logging.getLogger("mlx_kvserve.requests")

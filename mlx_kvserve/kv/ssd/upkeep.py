@@ -60,7 +60,7 @@ class StoreUpkeep:
             evicted = self._evict_to_fit(0, partial=True) or 0
             self._dirty = True  # sizes, adoptions and order may have changed; one write at startup
         report = ValidationReport(**counts, evicted=evicted, elapsed_s=round(time.perf_counter() - start, 4))
-        log.info("SSD index validated: %s", report._asdict())
+        log.debug("SSD index validated: %s", report._asdict())  # the server logs its own readable line
         return report
 
     def prune_expired(self, now: float | None = None) -> int:
