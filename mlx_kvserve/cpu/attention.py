@@ -12,14 +12,15 @@ scores stay within `NUMPY_MAX_SCORES`. Outputs match MLX's to float rounding.
 
 Where it wins, per call, by shape (scripts/bench_cpu_attention_shapes.py, docs/benchmarks.md): with at
 least `NUMPY_MIN_SCORES` scores (query heads x query rows x keys) and blocks within `NUMPY_MAX_SCORES`,
-0.16-0.5x of MLX's time over 1-128 heads x 16-128 dims, 1-512 query rows, 512-32k keys; below (a decode
-step over a short context) MLX's op is as fast and needs no evaluation stop; above, MLX's op runs whole.
-Blocks with MLX's own softmax did not win (0.6-1.6x) and are not offered.
+everywhere measured: 0.13-0.96x of MLX's time, median 0.43x, over 1-32 heads x 16-128 dims, decode steps,
+cached turns and cold chunks over 512-32k keys; below (a decode step over a short context) MLX's op is as
+fast and needs no evaluation stop; above, MLX's op runs whole. Blocks with MLX's own softmax did not win
+(0.6-1.6x, median 1.0x) and are not offered.
 
 Where it loses, by model: the NumPy softmax needs the scores evaluated in the middle of the forward pass,
 so it computes attentions MLX would never compute: a prefill chunk evaluates only the cache, and the last
 layer's attention feeds nothing but the chunk's unread logits. That is 1/layers of the work; at 0.2-0.5x
-per call it wins from 2 layers, and loses 5x on a one-layer model's cold prompt. `install` takes the
+per call it wins from 2 layers, and made a one-layer model's cold prompt 3-9x slower. `install` takes the
 model's layer count for that reason. (Keeping it for a one-layer model's calls shorter than a prefill chunk,
 which are mostly read, lost too: the prefill also stops at message starts, whose short chunks are unread.)
 
@@ -77,7 +78,8 @@ def uninstall() -> None:
 
 def attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: Any = None, **kwargs: Any) -> mx.array:
     """`mx.fast.scaled_dot_product_attention` as installed: the NumPy softmax where it wins, else MLX's op."""
-    mask = _as_causal(mask, q.shape[-2], k.shape[-2])
+    if q.shape[-2] > 1:  # a decode step's mask hides nothing the NumPy path could skip: no check, no sync
+        mask = _as_causal(mask, q.shape[-2], k.shape[-2])
     return block_attention(q, k, v, scale=scale, mask=mask, rows=_rows, **kwargs)
 
 
