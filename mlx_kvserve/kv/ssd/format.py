@@ -179,9 +179,13 @@ def block_checksum(namespace: bytes, header: BlockHeader, arrays: Mapping[str, m
     return _checksum(key, namespace, header, encode_table(slots), _payload_chunks(slots, arrays))
 
 
-def payload_checksum(namespace: bytes, header: BlockHeader, payload: mx.array | np.ndarray, *, key: bytes) -> str:
-    """The checksum of a read block: identity, the table as the file holds it, the payload."""
-    return _checksum(key, namespace, header, header.table, [memoryview(payload).cast("B")] if payload.size else [])
+def payload_checksum(
+    namespace: bytes, header: BlockHeader, payload: mx.array | np.ndarray | memoryview, *, key: bytes
+) -> str:
+    """The checksum of a read block: identity, the table as the file holds it, the payload. Given a
+    memoryview of the payload, it touches no mlx object (a thread other than mlx's may run it)."""
+    data = memoryview(payload).cast("B")
+    return _checksum(key, namespace, header, header.table, [data] if data.nbytes else [])
 
 
 def _checksum(

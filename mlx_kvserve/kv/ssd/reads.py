@@ -6,7 +6,8 @@ keyed checksum and token ids check out; a damaged or forged file is a miss and i
 tokens under the hash are a collision (the hash is isolated).
 
 Two ways to read, the same checks: through mlx (`mx.load` of the payload, evaluated together so mlx
-reads the files in parallel, then hashed where it lies), or through host memory on a thread pool
+reads the files in parallel, then hashed where it lies on the pool's threads while mlx reads the
+next window, the kernel reading the chain's later files ahead: readahead.py), or through host memory on a thread pool
 (each file read and hashed in a numpy buffer, then one copy into an mlx array). The second is for a
 CUDA device, where hashing an mlx array reads it back from the GPU: on an H200 the checksum took
 3.1 ms per 8 MiB block that way against 0.8 ms on the host (docs/benchmarks.md "GPU").
@@ -25,13 +26,15 @@ import mlx.core as mx
 
 from .format import (
     BlockHeader,
+    FormatError,
     open_block_file,
     payload_arrays,
+    payload_checksum,
     read_block_host,
     read_header,
-    verified_arrays,
 )
 from .index import BlockIndex, IndexEntry, tokens_digest
+from .readahead import Readahead
 from .table_check import TableExpectation, table_checker
 
 log = logging.getLogger(__name__)
@@ -136,14 +139,25 @@ class StoreReads:
     def load_blocks(self, wanted: Sequence[tuple[bytes, Sequence[int]]]) -> list[LoadedBlock]:
         """The blocks of `wanted` (hash, expected tokens), in order, up to the first that misses:
         `load_block` for each, but the files of up to LOAD_WINDOW blocks are read together (mlx
-        issues their reads in parallel; one Python thread still owns mlx)."""
+        issues their reads in parallel; one Python thread still owns mlx). The kernel reads the
+        chain's files ahead (readahead.py) and the next window's reads start before this one is
+        checked, so the disk streams while the checksums run."""
+        windows = [wanted[start : start + LOAD_WINDOW] for start in range(0, len(wanted), LOAD_WINDOW)]
+        ahead = Readahead([self._path(block_hash) for block_hash, _ in wanted])
         out: list[LoadedBlock] = []
-        for start in range(0, len(wanted), LOAD_WINDOW):
-            window = wanted[start : start + LOAD_WINDOW]
-            got = self.end_load(self.begin_load(window))
-            out += got
-            if len(got) < len(window):
-                break
+        try:
+            pending = self.begin_load(windows[0]) if windows else None
+            for i, window in enumerate(windows):
+                whole = len(pending.opened) == len(window)
+                following = self.begin_load(windows[i + 1]) if whole and i + 1 < len(windows) else None
+                got = self.end_load(pending)
+                out += got
+                ahead.consumed(len(out))
+                if len(got) < len(window) or following is None:
+                    break
+                pending = following
+        finally:
+            ahead.close()
         return out
 
     def begin_load(self, wanted: Sequence[tuple[bytes, Sequence[int]]]) -> PendingLoad:
@@ -166,12 +180,28 @@ class StoreReads:
             except Exception:  # one damaged file fails the whole read: read them one by one
                 opened = self._read_one_by_one(opened)
         out: list[LoadedBlock] = []
-        for (block_hash, entry, header, payload), expected in zip(opened, pending.expected, strict=False):
+        sums = self._checksums(opened)
+        for (block_hash, entry, header, payload), expected, checksum in zip(
+            opened, pending.expected, sums, strict=False
+        ):
+            if checksum != header.checksum:
+                self._drop_unreadable(block_hash, entry, FormatError("checksum mismatch"))
+                break
             loaded = self._accept(block_hash, entry, header, payload, expected)
             if loaded is None:
                 break
             out.append(loaded)
         return out
+
+    def _checksums(self, opened: list[tuple]) -> list[str]:
+        """The keyed checksums of read payloads, hashed at once on the pool's threads (blake3 lets go of
+        the GIL): the CPU's cores share the window's hashing while mlx reads the next one."""
+        views = [memoryview(payload) for _, _, _, payload in opened]  # made here, on mlx's thread
+        futures = [
+            _pool().submit(payload_checksum, self.namespace, header, view, key=self.key)
+            for (_, _, header, _), view in zip(opened, views, strict=True)
+        ]
+        return [future.result() for future in futures]
 
     def _end_host_load(self, pending: PendingLoad) -> list[LoadedBlock]:
         out: list[LoadedBlock] = []
@@ -181,7 +211,7 @@ class StoreReads:
             except Exception as exc:  # FormatError (checksum included) or OSError
                 self._drop_unreadable(block_hash, entry, exc)
                 break
-            loaded = self._accept(block_hash, entry, header, mx.array(host_payload), expected, checked=True)
+            loaded = self._accept(block_hash, entry, header, mx.array(host_payload), expected)
             if loaded is None:
                 break
             out.append(loaded)
@@ -225,21 +255,12 @@ class StoreReads:
         return opened
 
     def _accept(
-        self,
-        block_hash: bytes,
-        entry: IndexEntry,
-        header: BlockHeader,
-        payload: mx.array,
-        expected: tuple[int, ...],
-        checked: bool = False,
+        self, block_hash: bytes, entry: IndexEntry, header: BlockHeader, payload: mx.array, expected: tuple[int, ...]
     ) -> LoadedBlock | None:
-        """A read block if its checksum (unless `checked` already), table and token ids hold, else
-        None (and the file is dealt with)."""
+        """A read block whose checksum held if its table and token ids hold, else None (and the file
+        is dealt with)."""
         try:
-            if checked:
-                arrays = payload_arrays(header, payload)
-            else:
-                arrays = verified_arrays(self.namespace, header, payload, key=self.key)
+            arrays = payload_arrays(header, payload)
         except Exception as exc:  # FormatError; anything else a file makes happen is damage too
             self._drop_unreadable(block_hash, entry, exc)
             return None
