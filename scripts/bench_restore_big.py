@@ -8,14 +8,15 @@ are made once and written to a cache folder on the disk (`--dir`), then, `--reps
 - restore: a new engine on the folder (RAM empty), the files dropped from the page cache, the prompt
   sent (every stored block read: [ssd] compute_while_loading = false); its time to the first token,
   and the part spent in the SSD tier's reads (read, checksum, arrays);
-- RAM hit: the same prompt again on that engine (every block in RAM).
+- RAM hit: the same prompt again on that engine (every block in RAM);
+- with --before, a restore with the reads as they were before kv/ssd/readahead.py, alternated.
 floor = raw read + RAM hit; the target is restore <= 1.3x floor, the reads >= 80% of the raw speed.
 A cold prefill at this length takes this CPU minutes to hours, so the blocks are made with attention
 skipped (the output of that pass is not used); `--cold` times one real cold prefill for scale.
 Engines run in-process: no HTTP. The folder is deleted at the end.
 
 Usage: .venv/bin/python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_restore_big.py
-       [--tokens 4352,16384] [--reps 3] [--cold] [--dir /tmp] [--out results/restore_big]
+       [--tokens 4352,16384] [--reps 3] [--before] [--cold] [--dir /tmp] [--out results/restore_big]
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import argparse
 import shutil
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import mlx.core as mx
@@ -73,7 +74,7 @@ def prompt_of(length: int, nonce: int) -> list[int]:
     return [3 + (i * 7919 + nonce * 104729) % 250 for i in range(length)]
 
 
-def run_length(loaded, tokens: int, reps: int, folder: Path, cold: bool, warm: list[int]) -> dict:
+def run_length(loaded, tokens: int, reps: int, folder: Path, cold: bool, before: bool, warm: list[int]) -> dict:
     prompt = prompt_of(tokens, tokens)
     engine = make_engine(loaded, folder)
     with attention_skipped():
@@ -85,24 +86,28 @@ def run_length(loaded, tokens: int, reps: int, folder: Path, cold: bool, warm: l
     kv_bytes = sum(p.stat().st_size for p in files)
     times: dict[str, list[float]] = {}
     cached = 0
-    for _ in range(reps):
+    variants = ["", "before_"] if before else [""]
+    for rep in range(reps):
         times.setdefault("raw_read_cold", []).append(raw_read_s(files, cold=CAN_DROP))
-        engine = make_engine(loaded, folder)
-        ttft(engine, warm)
-        reads = timed_reads(engine)
-        drop_files(files) if CAN_DROP else None
-        elapsed, cached = ttft(engine, prompt)
-        if cached < tokens - 64:
-            raise RuntimeError(f"{cached} of {tokens} tokens restored: a restore cannot be timed")
-        times.setdefault("restore", []).append(elapsed)
-        times.setdefault("tier_reads", []).append(sum(reads))
-        times.setdefault("ram_hit", []).append(ttft(engine, prompt)[0])
-        engine.stop()
+        for variant in variants if rep % 2 == 0 else variants[::-1]:
+            engine = make_engine(loaded, folder)
+            ttft(engine, warm)
+            reads = timed_reads(engine)
+            drop_files(files) if CAN_DROP else None
+            with previous_reads() if variant else nullcontext():
+                elapsed, cached = ttft(engine, prompt)
+            if cached < tokens - 64:
+                raise RuntimeError(f"{cached} of {tokens} tokens restored: a restore cannot be timed")
+            times.setdefault(f"{variant}restore", []).append(elapsed)
+            times.setdefault(f"{variant}tier_reads", []).append(sum(reads))
+            times.setdefault("ram_hit", []).append(ttft(engine, prompt)[0])
+            engine.stop()
     out = {"tokens": tokens, "kv_bytes": kv_bytes, "files": len(files), "cached_tokens": cached, "reps": reps}
     out.update({name: median(ts) for name, ts in times.items()})
     out["floor"] = out["raw_read_cold"] + out["ram_hit"]
     out["raw_gib_s"] = kv_bytes / GIB / out["raw_read_cold"]
     out["reads_gib_s"] = kv_bytes / GIB / out["tier_reads"]
+    print(report_lines([out])[-1], flush=True)
     if cold:
         engine = make_engine(loaded, folder.with_name("cold-kv"))
         ttft(engine, warm)
@@ -110,6 +115,30 @@ def run_length(loaded, tokens: int, reps: int, folder: Path, cold: bool, warm: l
         engine.stop()
         shutil.rmtree(folder.with_name("cold-kv"), ignore_errors=True)
     return out
+
+
+@contextmanager
+def previous_reads():
+    """The store's chain reads as they were before readahead.py: each window of files read, then
+    checked, then the next, with no readahead (the checksums still on the pool's threads)."""
+    from mlx_kvserve.kv.ssd import reads
+
+    def load_blocks(store, wanted):
+        out = []
+        for start in range(0, len(wanted), reads.LOAD_WINDOW):
+            window = wanted[start : start + reads.LOAD_WINDOW]
+            got = store.end_load(store.begin_load(window))
+            out += got
+            if len(got) < len(window):
+                break
+        return out
+
+    current = reads.StoreReads.load_blocks
+    reads.StoreReads.load_blocks = load_blocks
+    try:
+        yield
+    finally:
+        reads.StoreReads.load_blocks = current
 
 
 def timed_reads(engine) -> list[float]:
@@ -151,16 +180,17 @@ def report_lines(results: list[dict]) -> list[str]:
         f"# A restore after a restart, {SHAPE} (128 KiB of KV per token), files cold, median of {results[0]['reps']}",
         "",
         "| tokens | KV GiB | files | raw read cold s (GiB/s) | RAM hit s | floor s | restore s | restore / floor | "
-        "tier reads s (GiB/s, / raw) | cold prefill s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "tier reads s (GiB/s, / raw) | before: restore s, / floor | cold prefill s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         cold = f"{r['cold_prefill']:.1f}" if "cold_prefill" in r else "-"
+        before = f"{r['before_restore']:.3f}, {r['before_restore'] / r['floor']:.2f}x" if "before_restore" in r else "-"
         lines.append(
             f"| {r['tokens']} | {r['kv_bytes'] / GIB:.2f} | {r['files']} | {r['raw_read_cold']:.3f} "
             f"({r['raw_gib_s']:.2f}) | {r['ram_hit']:.3f} | {r['floor']:.3f} | {r['restore']:.3f} | "
             f"{r['restore'] / r['floor']:.2f}x | {r['tier_reads']:.3f} ({r['reads_gib_s']:.2f}, "
-            f"{r['reads_gib_s'] / r['raw_gib_s']:.0%}) | {cold} |"
+            f"{r['reads_gib_s'] / r['raw_gib_s']:.0%}) | {before} | {cold} |"
         )
     return lines
 
@@ -170,6 +200,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--tokens", default="4352,16384", help="prompt lengths, comma-separated")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--cold", action="store_true", help="also time a real cold prefill (slow on a CPU)")
+    parser.add_argument("--before", action="store_true", help="also the reads before readahead, alternated")
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()), help="disk for the cache folder")
     parser.add_argument("--out", type=Path, default=Path("results/restore_big"))
     args = parser.parse_args(argv)
@@ -180,7 +211,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         warm = prompt_of(40, 0)
         for tokens in lengths:
             folder = Path(tmp) / f"kv-{tokens}"
-            results.append(run_length(loaded, tokens, args.reps, folder, args.cold, warm))
+            results.append(run_length(loaded, tokens, args.reps, folder, args.cold, args.before, warm))
             shutil.rmtree(folder)  # the disk and the page cache back before the next length
     write_report({"results": results}, args.out, report_lines(results))
     return results
