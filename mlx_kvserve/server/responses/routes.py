@@ -30,7 +30,7 @@ from .. import cache_control, sse
 from ..bodies import read_json
 from ..completion import CompletionHandler
 from ..deadlines import EventTracker
-from ..gate import error_response, note_error
+from ..gate import PRINCIPAL_KEY, error_response, note_error
 from ..openai import parse as oa
 from . import parse as rs
 from .reply import OutputItems, Sequencer, finish_status, new_id, response_body, usage_body
@@ -43,6 +43,10 @@ def responses_routes(handler: CompletionHandler, store: ResponseStore | None = N
     """/v1/responses and /v1/responses/{id}, served by `handler` (the OpenAI chat path)."""
     engine = handler.engine
     store = store if store is not None else ResponseStore()
+
+    def owner(request: Request) -> str:
+        """Whose stored responses this request may read: its key's principal under per_key isolation."""
+        return request.scope.get(PRINCIPAL_KEY, "")
 
     def failed(request: Request, exc: KVServeError) -> Response:
         exc = rs.renamed(exc)
@@ -58,18 +62,25 @@ def responses_routes(handler: CompletionHandler, store: ResponseStore | None = N
         while the cache is off)."""
         if not engine.cache_enabled or not tokens:
             return 0
-        known = gen_req.block_hashes or ()
-        return await run_in_threadpool(engine.cache_admin().lease, list(tokens), LEASE_TTL_S, known)
+
+        def grant() -> int:
+            # A prompt shorter than a block has no chain to go on from: the principal's starts at its
+            # root (per_key isolation), never in the plain namespace.
+            known = gen_req.block_hashes or engine.block_hashes(list(tokens), gen_req.principal)
+            return engine.cache_admin().lease(list(tokens), LEASE_TTL_S, known)
+
+        return await run_in_threadpool(grant)
 
     async def finished_body(
         rid: str, parsed: rs.ResponsesRequest, items: OutputItems, gen_req: GenerationRequest, ev: Finished
     ) -> dict:
-        """The finished Response object; stored (its conversation's tokens leased) when asked."""
+        """The finished Response object; stored (its conversation's tokens leased) when asked, as its
+        principal's (gen_req.principal: per_key isolation)."""
         status = finish_status(ev.finish_reason)
         usage_json = usage_body(ev.usage, reasoning_tokens(items))
         body = response_body(rid, engine.model_name, parsed.echo, status, items.items, usage_json)
         if parsed.store:
-            store.put(body, parsed.items)
+            store.put(body, parsed.items, gen_req.principal)
             # The prompt and what was generated: a follow-up's prompt starts with them, as far as the
             # template renders the reply as generated (the prompt's blocks at least).
             await lease([*gen_req.prompt_tokens, *ev.token_ids], gen_req)
@@ -120,7 +131,7 @@ def responses_routes(handler: CompletionHandler, store: ResponseStore | None = N
         try:
             body = await read_json(request, engine.config.server.max_body_bytes)
             prev = rs.previous_id(body)
-            parsed = rs.parse(body, store.history(prev) if prev else [])
+            parsed = rs.parse(body, store.history(prev, owner(request)) if prev else [])
             req = oa.parse_request(parsed.chat, "chat", handler.defaults)
 
             async def lease_prompt(gen_req: GenerationRequest) -> None:
@@ -142,14 +153,14 @@ def responses_routes(handler: CompletionHandler, store: ResponseStore | None = N
 
     async def retrieve(request: Request) -> Response:
         try:
-            return JSONResponse(store.get(request.path_params["response_id"]).body)
+            return JSONResponse(store.get(request.path_params["response_id"], owner=owner(request)).body)
         except KVServeError as exc:
             return failed(request, exc)
 
     async def delete(request: Request) -> Response:
         rid = request.path_params["response_id"]
         try:
-            store.delete(rid)
+            store.delete(rid, owner(request))
         except KVServeError as exc:
             return failed(request, exc)
         return JSONResponse({"id": rid, "object": "response.deleted", "deleted": True})
