@@ -3,10 +3,13 @@ after the process has had its chance to re-execute with a fast BLAS."""
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import json
 import logging
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -18,6 +21,7 @@ from .clean_exit import serve_then_exit
 from .config import ROUTER_POLICIES, Config, as_dict, key_overrides, load_api_keys, load_config
 from .errors import KVServeError
 from .launch.command import launch
+from .model_entries import load_model_entries
 from .models_cli import models_group
 from .service.commands import service_group
 
@@ -107,6 +111,8 @@ def run(config_path, model, dtype, host, port, api_key, api_key_file, distribute
     if distributed and keys.isolated(config.cache.isolation):  # ranks would hash apart (server/app.py)
         raise click.ClickException('cache.isolation: "per_key" does not work with --distributed yet; set "shared"')
     _log_access(config, keys.inference, keys.admin)
+    if not distributed:  # ranks on one machine would race for the test bind; rank 0 binds the port anyway
+        _check_port(config.server.host, config.server.port)  # in seconds, not after the model has loaded
     import uvicorn
 
     from .engine.engine import Engine
@@ -174,6 +180,24 @@ def run(config_path, model, dtype, host, port, api_key, api_key_file, distribute
         # the worker thread may be stuck in a collective: bound the exit
         before_exit=(lambda: rank_exit.deadline("shut down")) if rank_exit is not None else None,
     )
+
+
+def _check_port(host: str, port: int) -> None:
+    """Refuse now (ClickException) when `host:port` cannot be bound, as uvicorn would only after the
+    model has loaded. SO_REUSEADDR as uvicorn sets it, so a port in TIME_WAIT is not taken for in use."""
+    if port == 0:
+        return
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError as exc:
+        reason = "in use (another server?)" if exc.errno == errno.EADDRINUSE else f"not usable ({exc.strerror or exc})"
+        raise click.ClickException(
+            f"cannot listen on {host}:{port}: {reason}; stop what holds it or choose another port (--port or "
+            "server.port)"
+        ) from None
 
 
 def _install_cpu_attention(config: Config, num_layers: int | None = None) -> None:
@@ -294,7 +318,12 @@ def config_group() -> None:
 def config_show(config_path, model, dtype, host, port, api_key, api_key_file) -> None:
     """Print the effective configuration (file + variables + flags + defaults) as JSON, keys redacted."""
     config = _load(config_path, _overrides(model, dtype, host, port, api_key, api_key_file))
-    click.echo(json.dumps(as_dict(config, redact=True), indent=2))
+    shown = as_dict(config, redact=True)
+    try:  # [[models]] live beside the sections (model_entries.py): shown with them, as they are served
+        shown["models"] = [dataclasses.asdict(entry) for entry in load_model_entries(config_path)]
+    except KVServeError as exc:
+        raise click.ClickException(exc.message) from None
+    click.echo(json.dumps(shown, indent=2))
 
 
 ROUTER_API_KEY_ENV = "MLX_KVSERVE_ROUTER_API_KEY"

@@ -174,7 +174,20 @@ def test_config_show_prints_merged_json(tmp_path):
     assert shown["server"]["max_body_bytes"] == 1024 * 1024
     assert shown["generation"]["max_tokens"] == 32
     assert shown["model"]["path"] == "default"
-    assert shown == as_dict(load_config(path, {"server": {"port": 9001}}))
+    assert shown == as_dict(load_config(path, {"server": {"port": 9001}})) | {"models": []}  # no [[models]]
+
+
+def test_config_show_includes_the_models_tables(tmp_path):
+    text = '[[models]]\nname = "small"\nsource = "default"\naliases = ["gpt-4o-mini"]\n'
+    path = write(tmp_path, text + '[[models]]\nname = "coder"\nsource = "org/coder-4bit"\nkeep_alive_s = 600\n')
+    result = CliRunner().invoke(cli, ["config", "show", "--config", str(path)])
+    assert result.exit_code == 0, result.output
+    models = json.loads(result.output)["models"]
+    assert [(m["name"], m["source"], m["aliases"]) for m in models] == [
+        ("small", "default", ["gpt-4o-mini"]),
+        ("coder", "org/coder-4bit", []),
+    ]
+    assert models[1]["keep_alive_s"] == 600
 
 
 def test_config_show_reports_bad_values_without_a_traceback(tmp_path):

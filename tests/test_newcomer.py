@@ -4,6 +4,11 @@ startup log, /ui's polls kept out of the INFO log."""
 from __future__ import annotations
 
 import logging
+import os
+import socket
+import subprocess
+import sys
+import time
 
 import pytest
 from starlette.testclient import TestClient
@@ -94,3 +99,17 @@ def test_the_ssd_startup_line_reads_as_a_sentence(tmp_path):
 
 def test_ui_polls_are_logged_at_debug():
     assert {"/v1/cache/requests", "/v1/cache/pins", "/health", "/metrics"} <= QUIET_ENDPOINTS
+
+
+def test_a_port_in_use_is_reported_before_the_model_loads(tmp_path):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        env = os.environ | {"MLX_KVSERVE_HOME": str(tmp_path / "home")}
+        args = [sys.executable, "-m", "mlx_kvserve", "run", "--model", str(tmp_path / "no-such-model"), "--port"]
+        started = time.monotonic()
+        done = subprocess.run([*args, str(port)], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert f"cannot listen on 127.0.0.1:{port}: in use" in done.stderr  # not the missing model: never loaded
+    assert "no-such-model" not in done.stderr and time.monotonic() - started < 60

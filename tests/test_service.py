@@ -20,7 +20,16 @@ from click.testing import CliRunner
 
 from mlx_kvserve.cli import cli
 from mlx_kvserve.config import load_config
-from mlx_kvserve.service import build_spec, commands, health_url, launchd, stop_timeout_s, systemd, writer_drain_s
+from mlx_kvserve.service import (
+    build_spec,
+    commands,
+    health_url,
+    key_folder,
+    launchd,
+    stop_timeout_s,
+    systemd,
+    writer_drain_s,
+)
 
 SHUTDOWN_S = 45.0
 DRAIN_S = 12.5
@@ -331,3 +340,27 @@ def test_logs_tail_and_follow(home, calls, platform):
     assert calls == []
     result = _invoke("logs", "--platform", platform, "-n", "5", "--follow")
     assert result.exit_code == 0 and calls == [["tail", "-n", "5", "-F", str(log)]]
+
+
+NO_BUS = subprocess.CompletedProcess([], 1, "", "Failed to connect to bus: No medium found\n")
+
+
+def test_without_a_user_service_manager_install_fails_clearly_and_leaves_nothing(home, calls, monkeypatch):
+    """A container or a root shell without a login session has no user systemd: say so, write nothing."""
+    monkeypatch.setenv("MLX_KVSERVE_API_KEY", "sk-service-test")  # install writes a key file first
+    unit = home / ".config" / "systemd" / "user" / "mlx-kvserve.service"
+    calls.answers["systemctl --user daemon-reload"] = NO_BUS
+    result = CliRunner().invoke(cli, ["service", "install", "--platform", "linux"])
+    assert result.exit_code == 1
+    assert "no user service manager" in result.output and "Failed to connect to bus" in result.output
+    assert not unit.exists() and not any(key_folder(home).glob("*")), "install left files behind"
+    calls.answers["systemctl --user status"] = NO_BUS
+    unit.parent.mkdir(parents=True, exist_ok=True)
+    unit.write_text("[Service]\n")  # as an older install left it
+    result = CliRunner().invoke(cli, ["service", "status", "--platform", "linux"])
+    assert result.exit_code == 1 and "no user service manager" in result.output
+    assert "loading" not in result.output
+    calls.answers["systemctl --user disable"] = NO_BUS
+    result = CliRunner().invoke(cli, ["service", "uninstall", "--platform", "linux"])
+    assert result.exit_code == 0, result.output
+    assert not unit.exists() and f"removed {unit}" in result.output

@@ -65,12 +65,31 @@ def _show(step: Step) -> str:
     return shlex.join(step.args) + note
 
 
+# What systemctl --user says where no user systemd runs (a container, a root shell without a login
+# session, WSL without systemd): no service can be installed there, whatever the unit says.
+_NO_MANAGER = re.compile(
+    r"Failed to connect to (the )?bus|DBUS_SESSION_BUS_ADDRESS|XDG_RUNTIME_DIR|not been booted with systemd"
+    r"|command not found"
+)
+
+
+class NoServiceManager(click.ClickException):
+    """The user service manager cannot be reached: nothing can be installed, started or stopped."""
+
+
 def _run_steps(steps: list[Step]) -> None:
-    """Run each step in order; stop at the first unexpected failure with its command and output."""
+    """Run each step in order; stop at the first unexpected failure with its command and output
+    (NoServiceManager when the failure says there is no user service manager to talk to)."""
     for step in steps:
         result = run_command(step.args)
+        output = (result.stderr or result.stdout or "").strip()
+        if result.returncode != 0 and _NO_MANAGER.search(output):
+            raise NoServiceManager(
+                f"no user service manager: `{shlex.join(step.args)}` says {output.splitlines()[0]!r}. "
+                "Start the server with `mlx-kvserve run` instead (under tmux, nohup or your own supervisor), "
+                "or install from a login session where `systemctl --user status` works."
+            )
         if result.returncode != 0 and not step.may_fail:
-            output = (result.stderr or result.stdout or "").strip()
             raise click.ClickException(f"`{shlex.join(step.args)}` failed (exit {result.returncode}): {output}")
 
 
@@ -135,7 +154,13 @@ def install(
         except OSError as exc:
             raise click.ClickException(f"cannot write the key file {key_file.path}: {exc}") from None
     path.write_bytes(content)
-    _run_steps(steps)
+    try:
+        _run_steps(steps)
+    except click.ClickException:  # leave nothing behind: a unit that was never loaded only misleads `status`
+        path.unlink(missing_ok=True)
+        for key_file in spec.key_files:
+            key_file.path.unlink(missing_ok=True)
+        raise
     click.echo(f"installed {path}\nlogs: {spec.log_path}\ncheck: mlx-kvserve service status --label {label}")
     if backend is systemd:
         click.echo(_LINGER_NOTE)
@@ -162,10 +187,17 @@ def uninstall(label: str | None, platform: str | None) -> None:
     label = _label(backend, label)
     path = backend.service_path(label, Path.home())
     before, after = backend.uninstall_steps(label, os.getuid())
-    _run_steps(before)
+    try:
+        _run_steps(before)
+    except NoServiceManager as exc:  # nothing runs under it then: removing the file is all there is to do
+        click.echo(exc.message)
+        after = []
     existed = path.exists()
     path.unlink(missing_ok=True)
-    _run_steps(after)
+    try:
+        _run_steps(after)
+    except NoServiceManager as exc:
+        click.echo(exc.message)
     click.echo(f"removed {path}" if existed else f"nothing installed at {path}")
     for variable in SECRET_ENV:  # the key files install wrote for this label
         key = key_path(key_folder(Path.home()), label, variable)
@@ -187,6 +219,10 @@ def status(ctx: click.Context, label: str | None, platform: str | None) -> None:
         click.echo(f"not installed: no {path}")
         ctx.exit(1)
     result = run_command(backend.status_command(label, os.getuid()))
+    said = (result.stderr or result.stdout or "").strip()
+    if result.returncode != 0 and _NO_MANAGER.search(said):
+        click.echo(f"no user service manager: {said.splitlines()[0]}; the service cannot be running")
+        ctx.exit(1)
     click.echo(backend.summarise_status(result.stdout or result.stderr or ""))
     try:
         url = health_url(backend.installed_args(path))
