@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 fast-blas:
 	@bash scripts/install-openblas.sh || true
 
-# Debian/Ubuntu: headless Chromium for the /ui browser tests (best effort; they skip without it).
+# Debian/Ubuntu: headless Chromium for the /ui browser tests (best effort; they skip without it, fail where CI=true).
 browser:
 	@bash scripts/install-chromium.sh || true
 
