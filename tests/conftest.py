@@ -32,6 +32,19 @@ def _testclient_host():
 
 
 @pytest.fixture(autouse=True)
+def _mlx_attention_put_back():
+    """cpu/attention.py replaces MLX's attention process-wide: a test that installs it must put MLX's back,
+    or the tests after it would run another attention than they do alone. Restored, and the test fails."""
+    import mlx.core as mx
+
+    mlx_attention = mx.fast.scaled_dot_product_attention
+    yield
+    if mx.fast.scaled_dot_product_attention is not mlx_attention:
+        mx.fast.scaled_dot_product_attention = mlx_attention
+        pytest.fail("left mx.fast.scaled_dot_product_attention replaced (cpu/attention.py: uninstall())")
+
+
+@pytest.fixture(autouse=True)
 def _close_ssd_tiers():
     """SSD writer threads are non-daemon (by design): a failing test must not leave one running,
     or the test process would never exit."""
