@@ -8,11 +8,14 @@ A pure function of three sets of facts, so it is tested with any Mac's figures i
 
 The working set holds the weights, a reserve (a tenth of it, at least 512 MiB: activations, MLX's
 buffer cache, the system's own use), the block cache's RAM budget (the KV kept for reuse) and the
-batch's working set (the KV of the requests running together, engine/kv_room.py). By default the
-cache gets half of what the weights and reserve leave (never more than a quarter of the memory, the
-old default) and the batch the rest, no more than `max_batch` requests at the full context need. The
-largest context is what the batch holds for one request. An explicit setting that does not fit is a
-ConfigError naming the sum; so is a model whose weights leave no room for 256 tokens of KV.
+batch's working set: the KV of the requests running together (engine/kv_room.py) twice over, because
+mlx-lm grows a cache (each prefill step, every 256 decoded tokens) and moves a prompt's cache into the
+batch by copying it, old and new held at once (measured: a 128k-token prefill of 4 layers peaked at 2.1x
+its KV, a 64k one of 32 layers at 1.24x: docs/benchmarks.md "Long contexts"). By default the cache gets
+a third of what the weights and reserve leave (never more than a quarter of the memory, the old default)
+and the batch the rest, no more than `max_batch` requests at the full context need. The largest context
+is what the batch holds for one request. An explicit setting that does not fit is a ConfigError naming
+the sum; so is a model whose weights leave no room for 256 tokens of KV.
 Several models ([[models]]) share one plan (`registry_plan`): the reserve, the registry's budget for
 their weights and KV caches, and one batch budget per model sum within the working set; each model
 plans within the budget and its batch share (`DeviceFacts.share`).
@@ -30,6 +33,7 @@ from .kv_room import STEP
 GIB = 1024**3
 MIN_RESERVE_BYTES = 512 * 1024**2
 RESERVE_SHARE = 10  # a tenth of the working set stays out of the plan (activations, buffer cache, system)
+GROWTH_COPIES = 2  # the batch's KV at its peak: a cache grown (or merged) by a copy, old and new at once
 SOURCES = {
     "metal": "Metal's recommended working set",
     "cuda": "the GPU's memory",
@@ -86,14 +90,18 @@ class MemoryPlan:
     weights_bytes: int
     reserve_bytes: int
     kv_ram_bytes: int  # the block cache's RAM budget
-    kv_batch_bytes: int  # the running requests' KV together; 0 = not bounded (KV size unknown)
+    kv_batch_bytes: int  # the running requests' KV together (held GROWTH_COPIES times at its peak); 0 = no bound
     kv_bytes_per_token: int
     max_context: int  # the longest prompt + completion one request may hold
 
     @property
+    def batch_peak_bytes(self) -> int:
+        return GROWTH_COPIES * self.kv_batch_bytes
+
+    @property
     def wired_limit_bytes(self) -> int:
         """What Metal should keep resident: the weights and the KV budgets, capped at the working set."""
-        used = self.weights_bytes + self.kv_ram_bytes + self.kv_batch_bytes
+        used = self.weights_bytes + self.kv_ram_bytes + self.batch_peak_bytes
         return min(self.device.working_set_bytes, used)
 
     def line(self) -> str:
@@ -101,8 +109,8 @@ class MemoryPlan:
         return (
             f"memory plan ({self.device.kind}): {gib(self.device.working_set_bytes)} working set "
             f"({self.device.source}) = weights {gib(self.weights_bytes)} + KV cache {gib(self.kv_ram_bytes)} "
-            f"+ batch KV {gib(self.kv_batch_bytes)} + reserve {gib(self.reserve_bytes)}"
-            f"{' + unplanned ' + gib(self.unplanned_bytes) if self.unplanned_bytes > 0 else ''}; "
+            f"+ batch KV {GROWTH_COPIES} x {gib(self.kv_batch_bytes)} + reserve {gib(self.reserve_bytes)}"
+            f"{' + unplanned ' + gib(self.unplanned_bytes) if self.unplanned_bytes >= GIB // 100 else ''}; "
             f"{self.kv_bytes_per_token / 1024:.0f} KiB of KV per token; largest context {self.max_context} tokens"
         )
 
@@ -113,7 +121,7 @@ class MemoryPlan:
             - self.weights_bytes
             - self.reserve_bytes
             - self.kv_ram_bytes
-            - self.kv_batch_bytes
+            - self.batch_peak_bytes
         )
 
     def describe(self) -> dict[str, Any]:
@@ -144,20 +152,24 @@ def plan(device: DeviceFacts, model: ModelFacts, settings: Settings) -> MemoryPl
     per_token, reserve = model.kv_bytes_per_token, device.reserve_bytes
     free = device.working_set_bytes - model.weights_bytes - reserve
     least_batch = STEP * per_token  # one step of one request: less serves nothing
-    # The cache's default: half of what is free, or all the explicit batch leaves; a quarter of the memory at most.
-    rest = free - settings.kv_batch_bytes if settings.kv_batch_bytes else min(free // 2, free - least_batch)
+    # The cache's default: a third of what is free, or all the explicit batch leaves; a quarter of the memory at most.
+    explicit_peak = GROWTH_COPIES * settings.kv_batch_bytes
+    rest = free - explicit_peak if explicit_peak else min(free // 3, free - GROWTH_COPIES * least_batch)
     ram = settings.ram_max_bytes or max(0, min(device.memory_bytes // 4, rest))
     if not settings.cache_enabled:
         ram = 0
     batch = settings.kv_batch_bytes
     if not batch and per_token:
         full = settings.max_batch * -(-model.context_length // STEP) * STEP * per_token
-        batch = max(0, min(free - ram, full))
+        batch = max(0, min((free - ram) // GROWTH_COPIES, full))
     parts = [
         ("the weights", model.weights_bytes),
         ("a reserve", reserve),
         ("cache.ram_max_bytes" if settings.ram_max_bytes else "the KV cache", ram),
-        ("server.kv_batch_bytes" if settings.kv_batch_bytes else f"{STEP} tokens of KV", max(batch, least_batch)),
+        (
+            f"{GROWTH_COPIES} x " + ("server.kv_batch_bytes" if settings.kv_batch_bytes else f"{STEP} tokens of KV"),
+            GROWTH_COPIES * max(batch, least_batch),
+        ),
     ]
     if sum(n for _, n in parts) > device.working_set_bytes:
         raise ConfigError(_refusal(device, parts, settings), param=_param(settings))
@@ -194,18 +206,23 @@ class RegistryPlan(NamedTuple):
 
     device: DeviceFacts
     models_bytes: int
-    batch_bytes: int  # each model's [server] kv_batch_bytes
+    batch_bytes: int  # each model's [server] kv_batch_bytes (held GROWTH_COPIES times at its peak)
     num_models: int
 
     @property
+    def batches_peak_bytes(self) -> int:
+        return self.num_models * GROWTH_COPIES * self.batch_bytes
+
+    @property
     def wired_limit_bytes(self) -> int:
-        return min(self.device.working_set_bytes, self.models_bytes + self.num_models * self.batch_bytes)
+        return min(self.device.working_set_bytes, self.models_bytes + self.batches_peak_bytes)
 
     def line(self) -> str:
         d = self.device
         return (
             f"memory plan ({d.kind}): {gib(d.working_set_bytes)} working set ({d.source}) = models "
-            f"{gib(self.models_bytes)} (weights and KV caches) + {self.num_models} x batch KV {gib(self.batch_bytes)} "
+            f"{gib(self.models_bytes)} (weights and KV caches) + {self.num_models} x batch KV {GROWTH_COPIES} x "
+            f"{gib(self.batch_bytes)} "
             f"+ reserve {gib(d.reserve_bytes)}"
         )
 
@@ -225,21 +242,22 @@ class RegistryPlan(NamedTuple):
 
 def registry_plan(device: DeviceFacts, model_memory_bytes: int, kv_batch_bytes: int, num_models: int) -> RegistryPlan:
     """The plan of `num_models` models: [server] model_memory_bytes as set, else half of the memory
-    (the old default) within what the reserve leaves; each model's batch its own kv_batch_bytes, else
-    an equal share of the rest. ConfigError naming the sum when the explicit values do not fit."""
+    (the old default), at most two thirds of what the reserve leaves; each model's batch its own
+    kv_batch_bytes, else an equal share of the rest (held twice at its peak, GROWTH_COPIES). ConfigError
+    naming the sum when the explicit values do not fit."""
     room = device.working_set_bytes - device.reserve_bytes
-    models = model_memory_bytes or min(device.memory_bytes // 2, room * 3 // 4)
-    batches = kv_batch_bytes * num_models if kv_batch_bytes else room - models
+    models = model_memory_bytes or min(device.memory_bytes // 2, room * 2 // 3)
+    batches = GROWTH_COPIES * kv_batch_bytes * num_models if kv_batch_bytes else room - models
     if models + batches > room or batches <= 0:
         terms = f"server.model_memory_bytes {gib(models)} + a reserve {gib(device.reserve_bytes)}"
         if kv_batch_bytes:
-            terms += f" + {num_models} x server.kv_batch_bytes {gib(kv_batch_bytes)}"
+            terms += f" + {num_models} x {GROWTH_COPIES} x server.kv_batch_bytes {gib(kv_batch_bytes)}"
         raise ConfigError(
             f"memory plan: {terms} > the working set {gib(device.working_set_bytes)} ({device.source}); "
             f"the models' budget and their batches need to fit in {gib(room)}",
             param="server.model_memory_bytes" if model_memory_bytes else "server.kv_batch_bytes",
         )
-    return RegistryPlan(device, models, kv_batch_bytes or batches // num_models, num_models)
+    return RegistryPlan(device, models, kv_batch_bytes or batches // num_models // GROWTH_COPIES, num_models)
 
 
 def planned_config(memory_plan: MemoryPlan, config: Any) -> Any:

@@ -47,6 +47,7 @@ def load_engine(entry: ModelEntry, config: Config) -> Loaded:
 
     from ..models.loader import load_model
     from .engine import Engine
+    from .memory_plan import GROWTH_COPIES
 
     cfg = entry_config(config, entry)
     loaded = load_model(cfg.model.path, cfg.models_path(), cfg.model.dtype, entry.name, None, cfg.model.chat_template)
@@ -58,7 +59,8 @@ def load_engine(entry: ModelEntry, config: Config) -> Loaded:
 
         engine: Any = EmbeddingEngine(loaded, cfg, entry.pooling, entry.normalize, entry.min_dimensions)
     else:  # planned within the models' budget and its batch share (the registry's plan)
-        engine = Engine(loaded, cfg, share_bytes=cfg.server.model_memory_bytes + cfg.server.kv_batch_bytes)
+        share = cfg.server.model_memory_bytes + GROWTH_COPIES * cfg.server.kv_batch_bytes
+        engine = Engine(loaded, cfg, share_bytes=share)
     engine.start()
     return Loaded(engine, weights)
 
