@@ -238,7 +238,9 @@ def _verify_folder(folder: Path, namespace: bytes) -> tuple[dict[str, Any], list
     from .checked_json import remove_leftover_temps
     from .kv.pins import PINS_FILE, PinRegistry
     from .kv.ssd import SHUTDOWN_FILE, SSDStore, SSDTailStore, read_shutdown_record
+    from .kv.ssd.folder_label import read_label
     from .kv.ssd.table_check import RULES_FILE, read_rules
+    from .progress import progress_bar
 
     temps = remove_leftover_temps(folder / PINS_FILE) + remove_leftover_temps(folder / SHUTDOWN_FILE)
     try:  # what the model's blocks may hold, as its server wrote it; without it, only the tables' structure
@@ -247,7 +249,8 @@ def _verify_folder(folder: Path, namespace: bytes) -> tuple[dict[str, Any], list
         rules = None
     store = SSDStore(folder, namespace, table_rules=rules)
     report = store.validate_index(check_headers=True)
-    corrupt = store.verify_all()
+    with progress_bar(report.kept + report.adopted, f"checking {read_label(folder) or folder.name}", "block") as bar:
+        corrupt = store.verify_all(on_block=lambda: bar.update(1))
     store.flush()
     tails = SSDTailStore(folder / "tails", namespace, key=store.key, table_rules=rules).verify_all()
     damaged = store.damaged_files + PinRegistry(folder / PINS_FILE).damaged_files

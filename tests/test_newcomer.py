@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -17,9 +18,12 @@ from test_hardening_wire import make_engine
 
 from mlx_kvserve.cache_cli import pin_message
 from mlx_kvserve.cache_summary import summary
-from mlx_kvserve.config import ApiKeys
+from mlx_kvserve.config import ApiKeys, load_config
 from mlx_kvserve.engine.build import ssd_summary
+from mlx_kvserve.engine.engine import Engine
 from mlx_kvserve.kv.ssd.upkeep import ValidationReport
+from mlx_kvserve.models.gguf import convert_weights
+from mlx_kvserve.progress import progress_bar
 from mlx_kvserve.server.app import create_app
 from mlx_kvserve.server.gate import QUIET_ENDPOINTS
 from mlx_kvserve.server.root_page import dashboard_url
@@ -113,3 +117,40 @@ def test_a_port_in_use_is_reported_before_the_model_loads(tmp_path):
     assert done.returncode == 1, done.stderr
     assert f"cannot listen on 127.0.0.1:{port}: in use" in done.stderr  # not the missing model: never loaded
     assert "no-such-model" not in done.stderr and time.monotonic() - started < 60
+
+
+def test_conversion_reports_each_tensor_and_converts_the_same():
+    import mlx.core as mx
+
+    weights = {"token_embd.weight": mx.ones((4, 8)), "output_norm.weight": mx.full((8,), 2.0)}
+    calls = []
+    counted, _ = convert_weights(weights, "float16", on_tensor=lambda: calls.append(1))
+    plain, _ = convert_weights(weights, "float16")
+    assert len(calls) == len(weights) and counted.keys() == plain.keys() and len(plain) == 2
+    assert all(mx.array_equal(counted[k], plain[k]).item() and plain[k].dtype == mx.float16 for k in plain)
+
+
+def test_progress_bars_stay_off_without_a_terminal(capsys):
+    with progress_bar(3, "checking", "block") as bar:  # pytest's stderr is no terminal
+        bar.update(3)
+    assert bar.disable and capsys.readouterr().err == ""
+
+
+def test_health_shows_a_long_prefill_in_progress(tiny_model_dir, tmp_path, monkeypatch):
+    """A prompt prefilled in 16-token steps: /health's batch lists it (tokens done of total) while it runs."""
+    monkeypatch.setenv("MLX_KVSERVE_HOME", str(tmp_path / "home"))
+    overrides = {"generation": {"prefill_step_size": 16}, "ssd": {"enabled": False}}
+    engine = Engine(_loaded(tiny_model_dir, "tiny"), load_config(overrides=overrides))
+    prompt = [(i * 37 + 11) % 250 + 3 for i in range(1500)]
+    seen: list[dict] = []
+    with TestClient(create_app(engine, ApiKeys("", ""))) as client:
+        body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
+        reply = threading.Thread(target=client.post, args=("/v1/completions",), kwargs={"json": body})
+        reply.start()
+        while reply.is_alive():
+            seen += client.get("/health").json()["batch"]["prefilling"]
+        reply.join()
+        assert client.get("/health").json()["batch"]["prefilling"] == []  # done: nothing in progress
+    assert seen, "never saw the prefill in progress"
+    assert all(p["total"] >= 1400 and 0 < p["done"] < p["total"] for p in seen), seen[:3]
+    assert [p["done"] for p in seen] == sorted(p["done"] for p in seen)  # it only moves forward

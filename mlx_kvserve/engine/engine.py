@@ -56,6 +56,8 @@ class Engine:
         # The memory plan (engine/memory_plan.py): the KV budgets beside the weights; ConfigError when
         # an explicit one does not fit. Everything below is built from the planned config.
         self.memory_plan = plan_for(loaded, config, share_bytes)
+        if world is not None:  # ranks admit alike only on one plan: rank 0's
+            self.memory_plan = world.share(self.memory_plan)
         log.info("%s%s", f"{loaded.name}: " if share_bytes else "", self.memory_plan.line())
         self._wires = not share_bytes  # Metal's wired limit set by start(); a registry wires the models' budget
         self.loaded, self.world = loaded, world
@@ -420,6 +422,9 @@ class Engine:
             "max_wait_s": round(s.max_wait_s, 3),
             "overdue_starts": s.overdue_starts,
             "speculative": self.speculation.describe() if self.speculation is not None else {"mode": "off"},
+            "prefilling": [  # long prompts being prefilled now: uncached tokens done of those to do
+                {"done": int(done), "total": int(total)} for done, total in scheduler.prefill_progress()
+            ],
         }
 
     def health(self) -> dict[str, Any]:

@@ -123,6 +123,9 @@ class Scheduler:
     def num_prefilling(self) -> int:
         return sum(1 for r in self._running.values() if not r.prefill_done)
 
+    def prefill_progress(self) -> list[tuple[int, int]]:  # (done, total) per prompt prefilling; any thread
+        return list(self._batch.prefill_progress) if self._batch is not None else []
+
     def is_running(self, req: GenerationRequest) -> bool:
         """Whether `req` is admitted and not finished (pending, waiting or in the batch)."""
         return (

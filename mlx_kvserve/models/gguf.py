@@ -17,6 +17,7 @@ import shutil
 import tempfile
 from collections import Counter
 from collections.abc import Callable
+from itertools import islice
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,6 +25,7 @@ import mlx.core as mx
 
 from ..checked_json import Int, Obj, Str, read_json
 from ..errors import ModelLoadError
+from ..progress import progress_bar
 from .gguf_tokenizer import eos_token_ids, write_tokenizer_files
 
 log = logging.getLogger(__name__)
@@ -121,12 +123,18 @@ def tensor_bits(weight: mx.array, scales: mx.array) -> int:
     return bits
 
 
-def convert_weights(weights: dict[str, mx.array], dtype: Dtype) -> tuple[dict[str, mx.array], dict[str, Any] | None]:
+def convert_weights(
+    weights: dict[str, mx.array], dtype: Dtype, on_tensor: Callable[[], None] | None = None
+) -> tuple[dict[str, mx.array], dict[str, Any] | None]:
     """Rename GGUF tensors to mlx-lm names and either dequantize them to `dtype` or keep them
-    quantized. Returns (weights, quantization config or None)."""
+    quantized. Returns (weights, quantization config or None). `on_tensor`: called after each GGUF
+    tensor, its results computed then (MLX is lazy: else all the work lands in the final save)."""
     out: dict[str, mx.array] = {}
     layer_bits: dict[str, int] = {}
     for name, array in weights.items():
+        if on_tensor is not None:
+            mx.eval(list(islice(reversed(out.values()), 3)))  # the previous tensor's weight, scales, biases
+            on_tensor()
         target = mlx_name(name)
         if target is None or name.endswith((".scales", ".biases")):
             continue
@@ -194,7 +202,8 @@ def convert_gguf(src: Path, dst: Path, dtype: Dtype = "float32", progress: Calla
         raise ModelLoadError(f"cannot read GGUF file {src}: {exc}") from exc
     progress(f"converting {src.name}: {len(weights)} tensors -> {dtype}")
     config = model_config(meta, weights)
-    converted, quantization = convert_weights(weights, dtype)
+    with progress_bar(len(weights), f"converting {src.name}", "tensor") as bar:
+        converted, quantization = convert_weights(weights, dtype, on_tensor=lambda: bar.update(1))
     if quantization:
         config["quantization"] = quantization
     dst.parent.mkdir(parents=True, exist_ok=True)

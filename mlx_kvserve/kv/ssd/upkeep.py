@@ -80,13 +80,16 @@ class StoreUpkeep:
             log.info("SSD pruned %d blocks unused for %.0f s", len(expired), self.ttl_s)
         return len(expired)
 
-    def verify_all(self) -> int:
+    def verify_all(self, on_block: Callable[[], None] | None = None) -> int:
         """Read and verify every block file (table and keyed checksum included); delete the damaged ones.
-        Returns how many were deleted. Slow: for `mlx-kvserve cache verify`, not the hot path."""
+        Returns how many were deleted. Slow: for `mlx-kvserve cache verify`, not the hot path.
+        `on_block` is called after each block (its progress bar)."""
         with self._lock:
             entries = list(self._index.items())
         damaged = 0
         for block_hash, entry in entries:
+            if on_block is not None:
+                on_block()
             try:
                 path = self._path(block_hash)
                 read_block_file(path, self.namespace, block_hash, key=self.key, check=table_checker(self.table_rules))
