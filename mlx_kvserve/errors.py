@@ -80,6 +80,14 @@ class AuthenticationError(KVServeError):
     error_type = "invalid_request_error"  # what OpenAI answers for a bad key, with code "invalid_api_key"
 
 
+class PermissionDeniedError(KVServeError):
+    """The request's key is right but may not do this: e.g. a cache admin action that reaches every
+    key's cache, asked with an inference key while several keys cache apart (403)."""
+
+    status_code = 403
+    error_type = "permission_error"
+
+
 class RequestTimeoutError(KVServeError):
     """The request ran past server.first_token_timeout_s or server.request_timeout_s (504); the
     generation was cancelled."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from starlette.testclient import TestClient
 from test_api_tools import _loaded
-from test_cache_isolation import KEY_A, KEY_B, KEY_FILE
+from test_cache_isolation import ADMIN, KEY_A, KEY_B, KEY_FILE
 
 from mlx_kvserve.api_keys import ApiKeys, parse_key_file
 from mlx_kvserve.config import load_config
@@ -102,3 +102,68 @@ def test_a_lease_on_a_prompt_shorter_than_a_block_is_in_the_keys_chain(engine, k
     assert own and not set(own) & set(plain)
     assert engine.cache_admin().block_hashes(tokens, known) == own  # what was leased: alice's chain
     assert own[-1].hex() in {lease["block_hash"] for lease in engine.cache_admin().leases()}
+
+
+# --- /v1/cache/ with several keys caching apart and no admin key ------------------------------------------------
+
+SYSTEM = "You are the office's assistant. Answer briefly and kindly, in English, in one sentence. " * 2
+
+
+def chat(client, key: str) -> str:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    reply = client.post("/v1/chat/completions", json=body, headers=auth(key))
+    assert reply.status_code == 200, reply.text
+    return reply.json()["id"]
+
+
+def test_a_key_lists_only_its_own_requests(keyed):
+    mine, theirs = chat(keyed, KEY_A), chat(keyed, KEY_B)
+    ids_a = [r["id"] for r in keyed.get("/v1/cache/requests", headers=auth(KEY_A)).json()["requests"]]
+    ids_b = [r["id"] for r in keyed.get("/v1/cache/requests", headers=auth(KEY_B)).json()["requests"]]
+    assert mine in ids_a and theirs not in ids_a
+    assert theirs in ids_b and mine not in ids_b
+    assert keyed.get("/v1/cache/stats", headers=auth(KEY_B)).status_code == 200  # counts only, as /metrics
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("POST", "/v1/cache/flush", {}),
+        ("POST", "/v1/cache/prune", {}),
+        ("GET", "/v1/cache/pins", None),  # every key's block hashes, which unpin by hash would take
+        ("GET", "/v1/cache/events", None),
+        ("POST", "/v1/cache/pin", {"prompt": SYSTEM, "shared": True}),
+        ("POST", "/v1/cache/pin", {"block_hashes": ["00" * 32]}),
+        ("POST", "/v1/cache/unpin", {"block_hashes": ["00" * 32]}),
+    ],
+)
+def test_what_reaches_every_keys_cache_needs_an_admin_key(keyed, method, path, body):
+    reply = keyed.request(method, path, json=body, headers=auth(KEY_A))
+    assert reply.status_code == 403, reply.text
+    error = reply.json()["error"]
+    assert error["code"] == "admin_key_required" and "server.admin_api_key" in error["message"]
+
+
+def test_a_key_pins_its_own_prompt_but_not_a_shared_one(engine, keyed):
+    own = keyed.post("/v1/cache/pin", json={"prompt": SYSTEM}, headers=auth(KEY_B))
+    assert own.status_code == 200, own.text
+    assert keyed.post("/v1/cache/unpin", json={"prompt": SYSTEM}, headers=auth(KEY_B)).json()["unpinned_count"] == 1
+    admin = beside(engine, ApiKeys(KEY_A, ADMIN, PRINCIPALS))
+    assert admin.post("/v1/cache/pin", json={"prompt": SYSTEM, "shared": True}, headers=auth(ADMIN)).status_code == 200
+    try:  # the prompt is all shared blocks: unpinning it would unpin every key's
+        refused = keyed.post("/v1/cache/unpin", json={"prompt": SYSTEM}, headers=auth(KEY_B))
+        assert refused.status_code == 403 and refused.json()["error"]["code"] == "admin_key_required"
+    finally:
+        admin.post("/v1/cache/unpin", json={"prompt": SYSTEM, "shared": True}, headers=auth(ADMIN))
+    assert not engine.cache_admin().pins()
+
+
+def test_an_admin_key_or_a_single_key_reaches_the_whole_cache(engine, keyed):
+    admin = beside(engine, ApiKeys(KEY_A, ADMIN, PRINCIPALS))
+    assert admin.post("/v1/cache/flush", json={}, headers=auth(ADMIN)).status_code == 200
+    assert admin.get("/v1/cache/pins", headers=auth(KEY_A)).status_code == 401  # the admin key's alone
+    chat(admin, KEY_A), chat(admin, KEY_B)
+    assert len(admin.get("/v1/cache/requests", headers=auth(ADMIN)).json()["requests"]) == 2
+    single = beside(engine, ApiKeys(KEY_A, ""))
+    assert single.post("/v1/cache/flush", json={}, headers=auth(KEY_A)).status_code == 200
+    assert single.get("/v1/cache/pins", headers=auth(KEY_A)).status_code == 200

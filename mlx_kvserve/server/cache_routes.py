@@ -11,12 +11,14 @@ from starlette.routing import Route
 
 from ..engine.cache_admin import CacheAdmin, parse_hashes
 from ..engine.engine import Engine
-from ..errors import InvalidRequestError, ValidationError
+from ..errors import InvalidRequestError, PermissionDeniedError, ValidationError
 from . import prompts
 from .bodies import read_json
 from .context_window import check_prompt, window
-from .gate import PRINCIPAL_KEY
+from .gate import OWN_KEY, PRINCIPAL_KEY
 from .messages import check_text, parse_messages
+
+ADMIN_NEEDED = "which with several API keys caching apart needs the admin key: set server.admin_api_key"
 
 
 def _principal(request: Request, body: dict[str, Any]) -> str:
@@ -25,18 +27,31 @@ def _principal(request: Request, body: dict[str, Any]) -> str:
     shared = body.get("shared", False)
     if not isinstance(shared, bool):
         raise ValidationError("'shared' must be a boolean", param="shared")
+    if shared and request.scope.get(OWN_KEY):
+        raise PermissionDeniedError(
+            f"'shared': true pins for every key, {ADMIN_NEEDED}", param="shared", code="admin_key_required"
+        )
     return "" if shared else request.scope.get(PRINCIPAL_KEY, "")
 
 
 async def _target_hashes(
-    engine: Engine, admin: CacheAdmin, body: dict[str, Any], warm: bool, principal: str = ""
+    engine: Engine, admin: CacheAdmin, body: dict[str, Any], warm: bool, principal: str = "", own: bool = False
 ) -> tuple[list[bytes], bool]:
     """(hashes named by the body, whether they are a prompt's chain). `warm`: prefill a prompt
-    whose blocks are not cached yet. `principal`: whose chain a prompt is hashed and warmed in."""
+    whose blocks are not cached yet. `principal`: whose chain a prompt is hashed and warmed in.
+    `own`: the key may reach only its own blocks (gate.OWN_KEY): PermissionDeniedError (403) for
+    hashes, which may be anyone's, and for a prompt whose chain ends in a shared pin's blocks."""
     forms = [k for k in ("block_hashes", "messages", "prompt") if k in body]
     if len(forms) != 1:
         raise ValidationError("give exactly one of 'block_hashes', 'messages' or 'prompt'")
     if forms[0] == "block_hashes":
+        if own:
+            raise PermissionDeniedError(
+                f"'block_hashes' may name any key's blocks, {ADMIN_NEEDED}; name your prompt ('messages' or "
+                "'prompt') instead",
+                param="block_hashes",
+                code="admin_key_required",
+            )
         return parse_hashes(body["block_hashes"]), False
     if forms[0] == "messages":
         add_prompt = body.get("add_generation_prompt", True)
@@ -55,6 +70,10 @@ async def _target_hashes(
             f"the prompt has {len(tokens)} tokens, less than one {admin.manager.block_size}-token block"
         )
     check_prompt(len(tokens), window(engine.context_length), "chat" if "messages" in body else "text")
+    if own and hashes[-1] == engine.block_hashes(tokens)[-1]:  # the whole prompt walks a shared pin
+        raise PermissionDeniedError(
+            f"this prompt's blocks are a shared pin (every key's), {ADMIN_NEEDED}", code="admin_key_required"
+        )
     if warm and admin.missing(hashes):
         await run_in_threadpool(engine.prefill, tokens, None, principal)
     return hashes, True
@@ -71,7 +90,8 @@ def cache_routes(engine: Engine) -> list[Route]:
 
     async def pin(request: Request) -> Response:
         body = await body_of(request)
-        hashes, is_chain = await _target_hashes(engine, admin, body, True, _principal(request, body))
+        own = bool(request.scope.get(OWN_KEY))
+        hashes, is_chain = await _target_hashes(engine, admin, body, True, _principal(request, body), own)
         result = await run_in_threadpool(admin.pin, hashes, is_chain)
         if is_chain:
             result["block_hashes"] = [h.hex() for h in hashes]
@@ -79,7 +99,8 @@ def cache_routes(engine: Engine) -> list[Route]:
 
     async def unpin(request: Request) -> Response:
         body = await body_of(request)
-        hashes, is_chain = await _target_hashes(engine, admin, body, False, _principal(request, body))
+        own = bool(request.scope.get(OWN_KEY))
+        hashes, is_chain = await _target_hashes(engine, admin, body, False, _principal(request, body), own)
         return JSONResponse(await run_in_threadpool(admin.unpin, hashes, is_chain))
 
     async def pins(request: Request) -> Response:

@@ -25,7 +25,14 @@ from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..api_keys import ApiKeys, Principal
-from ..errors import AuthenticationError, BodyTimeoutError, KVServeError, OverloadedError, PayloadTooLargeError
+from ..errors import (
+    AuthenticationError,
+    BodyTimeoutError,
+    KVServeError,
+    OverloadedError,
+    PayloadTooLargeError,
+    PermissionDeniedError,
+)
 from .metrics import RequestRecord, ServerMetrics
 from .openai import reply as oar
 
@@ -53,6 +60,21 @@ LIMITED_PATHS = frozenset(
     }
 )
 ADMIN_PREFIX = "/v1/cache"
+# With several inference keys caching apart and no admin key, /v1/cache/ opens with every key but
+# reaches only the caller's own: these routes serve a key its own part (the scope's OWN_KEY names it:
+# the requests list filtered, pins by its own prompts only); every other /v1/cache/ route reaches all
+# keys' caches (flush, prune, the pin list's hashes, the router's events, loading models) and is 403.
+OWN_KEY = "mlx_kvserve.own_cache"
+OWN_CACHE_ROUTES = frozenset(
+    {
+        ("GET", "/v1/cache/stats"),  # counts only, as /metrics
+        ("GET", "/v1/cache/requests"),
+        ("GET", "/v1/cache/layout"),  # the namespace and block size: the same for every key
+        ("GET", "/v1/cache/models"),
+        ("POST", "/v1/cache/pin"),
+        ("POST", "/v1/cache/unpin"),
+    }
+)
 # Polled often (by probes, and by /ui every second or five): their lines are logged at debug level.
 QUIET_ENDPOINTS = frozenset({"/health", "/metrics", "/v1/cache/requests", "/v1/cache/pins"})
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})  # requests whose body the gate reads before the app runs
@@ -159,6 +181,8 @@ class RequestGate:
         admin = keys.admin_principal()
         self.admin = [(keys.admin.encode(), admin)] if admin is not None else []
         self.isolate = isolate
+        # Keys apart, several of them, none an admin's: /v1/cache/ reaches only each key's own.
+        self.own_cache_only = isolate and len(self.principals) > 1 and not keys.admin
         self.trust_principal_header = trust_principal_header  # a model's process: the parent names principals
         self.in_flight_limit = in_flight_limit
         self.max_body_bytes = max_body_bytes
@@ -193,12 +217,26 @@ class RequestGate:
             if self.isolate:
                 named = _header(scope, PRINCIPAL_HEADER) if self.trust_principal_header else b""
                 scope[PRINCIPAL_KEY] = named.decode("ascii", "replace") or principal.identity
+            if self.own_cache_only and is_admin_path(scope["path"]):
+                self.check_own_cache(scope, principal)
             return
         what = "admin API key" if is_admin_path(scope["path"]) and self.keys.admin else "API key"
         detail = "a wrong" if token else "no"
         raise AuthenticationError(
             f"this endpoint needs the server's {what} as 'Authorization: Bearer <key>'; the request has {detail} key",
             code="invalid_api_key",
+        )
+
+    def check_own_cache(self, scope: Scope, principal: Principal) -> None:
+        """Mark a /v1/cache/ request as reaching `principal`'s own only (OWN_KEY), or raise
+        PermissionDeniedError (403) for a route that reaches every key's cache."""
+        if (scope["method"], scope["path"]) in OWN_CACHE_ROUTES:
+            scope[OWN_KEY] = principal.name
+            return
+        raise PermissionDeniedError(
+            f"{scope['method']} {scope['path']} reaches every key's cache, which with several API keys "
+            "caching apart needs the admin key: set server.admin_api_key (or admin_api_key_file)",
+            code="admin_key_required",
         )
 
     def admit(self, scope: Scope) -> bool:

@@ -14,7 +14,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .gate import LIMITED_PATHS, RECORD_KEY
+from .gate import LIMITED_PATHS, OWN_KEY, RECORD_KEY
 from .ui import SECURITY_HEADERS, RecentRequests, asset
 
 UI_PATH = "/ui"
@@ -69,7 +69,8 @@ def mount_ui(app: Starlette, capacity: int = 200) -> RecentRequests:
     recent = RecentRequests(capacity)
 
     async def requests_log(request: Request) -> Response:
-        return JSONResponse({"requests": recent.items(), "capacity": capacity})
+        own = request.scope.get(OWN_KEY)  # several keys caching apart: a key sees its own requests only
+        return JSONResponse({"requests": recent.items(own), "capacity": capacity})
 
     app.router.routes.append(Route(REQUESTS_PATH, requests_log, methods=["GET"]))
     app.add_middleware(UiMiddleware, recent=recent)

@@ -59,26 +59,29 @@ class RecentRequests:
     reads), so it needs no lock."""
 
     def __init__(self, capacity: int = 200, clock=time.time):
-        self._items: deque[dict[str, Any]] = deque(maxlen=capacity)
+        self._items: deque[tuple[str, dict[str, Any]]] = deque(maxlen=capacity)  # (key name, item)
         self._clock = clock
 
     def add(self, record: RequestRecord) -> None:
         self._items.append(
-            {
-                "id": record.request_id,
-                "endpoint": record.endpoint,
-                "status": record.status,
-                "stream": record.stream,
-                "prompt_tokens": record.prompt_tokens,
-                "cached_tokens": record.cached_tokens,
-                "completion_tokens": record.completion_tokens,
-                "ttft_s": None if record.first_token_s is None else round(record.first_token_s, 4),
-                "duration_s": round(record.duration_s, 4),
-                "error": record.error or None,
-                "finished_at": round(self._clock(), 3),
-            }
+            (
+                record.key_name,
+                {
+                    "id": record.request_id,
+                    "endpoint": record.endpoint,
+                    "status": record.status,
+                    "stream": record.stream,
+                    "prompt_tokens": record.prompt_tokens,
+                    "cached_tokens": record.cached_tokens,
+                    "completion_tokens": record.completion_tokens,
+                    "ttft_s": None if record.first_token_s is None else round(record.first_token_s, 4),
+                    "duration_s": round(record.duration_s, 4),
+                    "error": record.error or None,
+                    "finished_at": round(self._clock(), 3),
+                },
+            )
         )
 
-    def items(self) -> list[dict[str, Any]]:
-        """Oldest first."""
-        return list(self._items)
+    def items(self, key_name: str | None = None) -> list[dict[str, Any]]:
+        """Oldest first; with `key_name`, only the requests that key's principal made."""
+        return [item for name, item in self._items if key_name is None or name == key_name]
