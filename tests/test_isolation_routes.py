@@ -16,6 +16,7 @@ from mlx_kvserve.config import load_config
 from mlx_kvserve.engine.cache_admin import CacheAdmin
 from mlx_kvserve.engine.engine import Engine
 from mlx_kvserve.server.app import create_app
+from mlx_kvserve.server.gate import PRINCIPAL_HEADER_ENV
 
 PRINCIPALS = parse_key_file(KEY_FILE, "keys")  # alice (KEY_A), key-2 (KEY_B), carol
 ALICE = PRINCIPALS[0].identity
@@ -167,3 +168,16 @@ def test_an_admin_key_or_a_single_key_reaches_the_whole_cache(engine, keyed):
     single = beside(engine, ApiKeys(KEY_A, ""))
     assert single.post("/v1/cache/flush", json={}, headers=auth(KEY_A)).status_code == 200
     assert single.get("/v1/cache/pins", headers=auth(KEY_A)).status_code == 200
+
+
+def test_a_models_process_holds_a_key_to_its_own_when_its_parent_says_so(engine, keyed, monkeypatch):
+    """A model in a process of its own gets /v1/cache/ requests from its parent, which names in
+    x-kvserve-own-cache the key they come from: the child's routes hold it to its own blocks."""
+    body, header = {"block_hashes": ["00" * 32]}, {"x-kvserve-own-cache": "alice"}
+    plain = beside(engine, ApiKeys(KEY_A, ""))  # a server no parent started: the header means nothing
+    assert plain.post("/v1/cache/pin", json=body, headers=auth(KEY_A) | header).status_code == 200
+    monkeypatch.setenv(PRINCIPAL_HEADER_ENV, "1")
+    child = beside(engine, ApiKeys(KEY_A, ""))
+    refused = child.post("/v1/cache/pin", json=body, headers=auth(KEY_A) | header)
+    assert refused.status_code == 403 and refused.json()["error"]["param"] == "block_hashes"
+    assert child.post("/v1/cache/pin", json=body, headers=auth(KEY_A)).status_code == 200

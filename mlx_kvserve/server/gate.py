@@ -46,6 +46,8 @@ PRINCIPAL_KEY = "mlx_kvserve.principal"
 # the parent set PRINCIPAL_HEADER_ENV in its environment (and every other server ignores).
 PRINCIPAL_HEADER = b"x-kvserve-principal"
 PRINCIPAL_HEADER_ENV = "MLX_KVSERVE_PRINCIPAL_HEADER"
+# ... and says, in this one, that a /v1/cache/ request may reach only its principal's own (OWN_KEY below).
+OWN_HEADER = b"x-kvserve-own-cache"
 OPEN_PATHS = frozenset({"/health"})  # answered without a key: service managers and probes hold none
 # Paths that hold an in-flight slot: the completion routes, count_tokens, whose chat template
 # rendering of a body of up to max_body_bytes costs as much CPU as a completion's, and embeddings.
@@ -219,6 +221,8 @@ class RequestGate:
                 scope[PRINCIPAL_KEY] = named.decode("ascii", "replace") or principal.identity
             if self.own_cache_only and is_admin_path(scope["path"]):
                 self.check_own_cache(scope, principal)
+            elif self.trust_principal_header and _header(scope, OWN_HEADER):  # the parent checked the path
+                scope[OWN_KEY] = _header(scope, OWN_HEADER).decode("ascii", "replace")
             return
         what = "admin API key" if is_admin_path(scope["path"]) and self.keys.admin else "API key"
         detail = "a wrong" if token else "no"

@@ -17,7 +17,7 @@ from starlette.types import Receive, Scope, Send
 
 from ..errors import KVServeError
 from .anthropic.reply import error_response as anthropic_error
-from .gate import PRINCIPAL_HEADER, PRINCIPAL_KEY, RECORD_KEY, error_response, note_error
+from .gate import OWN_HEADER, OWN_KEY, PRINCIPAL_HEADER, PRINCIPAL_KEY, RECORD_KEY, error_response, note_error
 from .local_guard import BROWSER_HEADERS
 from .model_process import ModelProcess
 from .reply_usage import USAGE_HEADER, ReplyUsage
@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 DROPPED_HEADERS = frozenset({b"host", b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"te"})
 DROPPED_HEADERS |= {name.encode() for name in BROWSER_HEADERS}  # checked here; the child sees another host
-DROPPED_HEADERS |= {b"upgrade", b"trailer", b"authorization", b"x-api-key", PRINCIPAL_HEADER}
+DROPPED_HEADERS |= {b"upgrade", b"trailer", b"authorization", b"x-api-key", PRINCIPAL_HEADER, OWN_HEADER}
 REPLY_DROPPED = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"date", b"server"})
 TIMEOUT = httpx.Timeout(10.0, read=None)  # a long prefill sends nothing for minutes on a non-streamed reply
 
@@ -49,6 +49,8 @@ async def forward(child: ModelProcess, scope: Scope, receive: Receive, send: Sen
     headers.append((b"authorization", f"Bearer {child.key}".encode()))
     if scope.get(PRINCIPAL_KEY):  # per_key isolation: the child caches for the principal this gate named
         headers.append((PRINCIPAL_HEADER, scope[PRINCIPAL_KEY].encode()))
+    if scope.get(OWN_KEY):  # several keys apart, no admin key: the child's cache routes hold the key to its own
+        headers.append((OWN_HEADER, scope[OWN_KEY].encode()))
     headers.append((USAGE_HEADER, b"1"))  # a stream's closing usage comment (reply_usage.py)
     query = scope.get("query_string", b"").decode("latin-1")
     started = False

@@ -34,14 +34,15 @@ from .load_stream import StreamedLoad, is_stream
 from .model_process import ModelProcess
 from .model_proxy import forward
 from .response_lookup import is_lookup, lookup
+from .ui_routes import REQUESTS_PATH
 
 MODELS_ADMIN_PREFIX = ADMIN_PREFIX + "/models"
 
 
 def _is_selected(scope: Scope) -> bool:
     path = scope["path"]
-    if path == MODELS_ADMIN_PREFIX or path.startswith(MODELS_ADMIN_PREFIX + "/"):
-        return False
+    if path == MODELS_ADMIN_PREFIX or path.startswith(MODELS_ADMIN_PREFIX + "/") or path == REQUESTS_PATH:
+        return False  # the registry's own; the requests log is this process's (it sees every model's requests)
     return (path in LIMITED_PATHS and scope["method"] == "POST") or path.startswith(ADMIN_PREFIX + "/")
 
 
