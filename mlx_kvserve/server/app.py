@@ -19,6 +19,7 @@ from ..config import ApiKeys, load_api_keys
 from ..engine.engine import Engine
 from ..engine.registry import ModelRegistry
 from ..errors import ConfigError, InvalidRequestError, KVServeError, NotFoundError
+from . import prompt_bound
 from .anthropic.routes import anthropic_routes
 from .cache_routes import cache_routes
 from .completion import CompletionHandler
@@ -83,6 +84,8 @@ def create_app(engine: Engine, keys: ApiKeys | None = None, registry: ModelRegis
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         engine.start()
+        if registry is None:  # the prompt size bound of its tokenizer, before the first request needs it
+            await run_in_threadpool(prompt_bound.max_token_bytes, getattr(engine, "tokenizer", None))
         if engine.config.cache.pin_on_start:
             await run_in_threadpool(engine.pin_files, engine.config.cache.pin_on_start)
         log.info("serving %s (context %d tokens)", engine.model_name, engine.context_length)
