@@ -15,6 +15,15 @@ product's own Engine (worker thread, block cache, SSD tier and its writer). For 
   sequential reads, measured right after) plus the RAM-hit time (issue 14's target: within 1.5x);
 - plain mlx-lm: `stream_generate` on the cold prompt, the reference the cold run should match.
 
+Issue 44's figures, in the same run: the exact repeat (the same prompt again); the restore after a
+restart with the block files dropped from the page cache (the product's defaults), next to its floor:
+the prefix's bytes at the raw read speed of the same files from a cold page cache, plus the RAM hit;
+the arrays a hit joins per layer (kv/concat.join_pair's inputs: a few at any length is the goal, one
+per block is what a restore's blocks read back one by one cost); and mlx-lm's own one-cache path, as
+`mlx_lm.server` serves one conversation in process (one prompt cache kept, trimmed to the prefix the
+next prompt shares, the rest prefilled): its cold prompt (plain mlx-lm's cold prefill), exact repeat
+and new question. Our side and theirs alternate their order from rep to rep.
+
 TTFT is the engine's first-token time (lookup, SSD reads, assembly, prefill, first sample) and
 excludes HTTP. The model stays loaded across the restart, as model loading is not part of any
 TTFT; the SSD files may still be in the OS page cache, as after a server restart (not a reboot).
@@ -22,6 +31,7 @@ Each length is warmed up once with a throwaway prefix first (MLX compiles kernel
 
 Usage:
   GPU:  python3 scripts/bench_gpu.py --out results/gpu
+  issue 44 (8k / 16k / 32k): python3 scripts/bench_gpu.py --lengths 8192,16384,32768 --out results/gpu
   CPU smoke run (any machine): python scripts/bench_gpu.py --shape tiny --lengths 256,512 --out /tmp/gpu
 """
 
@@ -37,14 +47,29 @@ import shutil
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
+from harness.diskio import CAN_DROP, block_files, drop_files, raw_read_s
 from harness.reports import median, write_report
 from harness.restart import served_ttft
 from harness.synthetic import kv_bytes_per_token
 
 QUESTION_TOKENS = 32
+MEDIANS = ("cold_s", "ram_hit_s", "ssd_hit_s", "ssd_split_s", "floor_s", "raw_read_gib_s", "mlx_lm_cold_s")
+ISSUE44_MEDIANS = (
+    "repeat_s",
+    "restore_s",
+    "restore_floor_s",
+    "raw_cold_read_gib_s",
+    "mlx_lm_repeat_s",
+    "mlx_lm_new_question_s",
+    "repeat_over_mlx_lm",
+    "new_question_over_mlx_lm",
+    "restore_over_floor",
+    "restore_over_mlx_lm_cold",
+)
 KV_DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 
@@ -67,7 +92,9 @@ class Bench:
     def __init__(self, loaded, work: Path, block_size: int, kv_dtype_bytes: int):
         from mlx_kvserve.config import load_config
 
-        cache = {"ram_max_bytes": "64GiB" if loaded.config["hidden_size"] >= 1024 else "1GiB"}
+        # A real shape's RAM tier is the memory plan's (engine/memory_plan.py): an explicit 64 GiB left an
+        # 80 GB GPU room for a 12k-token context only, refusing the 16k and 32k prompts.
+        cache = {} if loaded.config["hidden_size"] >= 1024 else {"ram_max_bytes": "1GiB"}
         if block_size:
             cache["block_size"] = block_size
         self.config = load_config(overrides={"cache": cache, "ssd": {"cache_dir": str(work / "kv")}})
@@ -82,6 +109,12 @@ class Bench:
         ssd = dataclasses.replace(self.config.ssd, compute_while_loading=split)
         self.engine = Engine(self.loaded, dataclasses.replace(self.config, ssd=ssd))
         self.engine.start()
+        planned = self.engine.memory_plan.max_context
+        if planned < self.loaded.context_length:
+            raise SystemExit(
+                f"the memory plan allows {planned} tokens of context, not the model's "
+                f"{self.loaded.context_length}: {self.engine.memory_plan.line()}"
+            )
 
     def restart(self, split: bool = True) -> None:
         import mlx.core as mx
@@ -106,12 +139,65 @@ class Bench:
 
 def reference_ttft(loaded, tokens: list[int]) -> float:
     """Plain mlx-lm: seconds to the first token of stream_generate on a fresh cache."""
-    from mlx_lm.generate import stream_generate
+    return OneCache(loaded).ttft(tokens)[0]
 
-    start = time.perf_counter()
-    for _ in stream_generate(loaded.model, loaded.tokenizer, tokens, max_tokens=1):
-        break
-    return time.perf_counter() - start
+
+class OneCache:
+    """mlx-lm's own one-cache path, as `mlx_lm.server` serves one conversation: one prompt cache kept
+    across requests, trimmed to the prefix the next prompt shares with the last (all but the last
+    token of an exact repeat: one token must be computed), then the rest prefilled by stream_generate."""
+
+    def __init__(self, loaded):
+        self.loaded = loaded
+        self.cache: list | None = None
+        self.tokens: list[int] = []
+
+    def ttft(self, tokens: list[int]) -> tuple[float, int]:
+        """(seconds to the first token, tokens reused from the cache)."""
+        from mlx_lm.generate import stream_generate
+        from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+        start = time.perf_counter()
+        common = shared_prefix(self.tokens, tokens, len(tokens) - 1)
+        if self.cache is None or not common:
+            self.cache = make_prompt_cache(self.loaded.model)
+        else:  # the cache also holds the previous reply's token(s): cut back to the shared prefix
+            trim_prompt_cache(self.cache, self.cache[0].offset - common)
+        rest = tokens[common:]
+        for _ in stream_generate(self.loaded.model, self.loaded.tokenizer, rest, max_tokens=1, prompt_cache=self.cache):
+            break
+        elapsed = time.perf_counter() - start
+        self.tokens = list(tokens)
+        return elapsed, common
+
+
+def shared_prefix(a: list[int], b: list[int], limit: int) -> int:
+    n = min(len(a), len(b), limit)
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differ[0]) if differ.size else n
+
+
+class JoinCounter:
+    """The arrays each join of a hit takes (kv/blocks.py calls kv/concat.join_pair once per layer):
+    the largest, per request, is the hit's array operations per layer."""
+
+    def __init__(self):
+        from mlx_kvserve.kv import blocks
+
+        self.counts: list[int] = []
+        real = blocks.join_pair
+
+        def spy(keys, values):
+            self.counts.append(len(keys))
+            return real(keys, values)
+
+        blocks.join_pair = spy
+
+    def per_layer(self, run) -> tuple[object, int]:
+        """(run()'s result, the most arrays one join took while it ran; 0: nothing joined)."""
+        self.counts.clear()
+        result = run()
+        return result, max(self.counts, default=0)
 
 
 def build_model(args: argparse.Namespace, folder: Path):
@@ -151,7 +237,60 @@ def raw_read_bps(folder: Path) -> float:
     return total / elapsed if elapsed > 0 and total else 0.0
 
 
-def measure_length(bench: Bench, loaded, length: int, reps: int, rng: np.random.Generator) -> dict:
+def ours(bench: Bench, joins: JoinCounter, prefix: list[int], questions: list[list[int]], prefix_bytes: int) -> dict:
+    """The engine's side of one rep: cold, exact repeat, new question (RAM), the SSD hits after restarts
+    (page cache warm: read, split), the restore from a cold page cache and its floor."""
+    first = prefix + questions[0]
+    cold, cold_cached = bench.ttft(first)
+    (repeat, repeat_cached), repeat_joins = joins.per_layer(lambda: bench.ttft(first))
+    ram, ram_cached = bench.ttft(prefix + questions[1])
+    bench.restart(split=False)
+    ssd, ssd_cached = bench.ttft(prefix + questions[2])
+    bench.restart(split=True)
+    split, split_cached = bench.ttft(prefix + questions[3])
+    computed = bench.split_blocks()
+    raw = raw_read_bps(bench.kv_dir)
+    bench.restart()  # the product's defaults; the files dropped from the page cache as after a reboot
+    files = block_files(bench.kv_dir)  # read while the engine is idle: the restore writes tails of its own
+    raw_cold = sum(p.stat().st_size for p in files) / raw_read_s(files, cold=CAN_DROP)
+    if CAN_DROP:
+        drop_files(files)
+    (restore, restore_cached), restore_joins = joins.per_layer(lambda: bench.ttft(prefix + questions[4]))
+    return {
+        "cold_s": cold,
+        "repeat_s": repeat,
+        "ram_hit_s": ram,
+        "ssd_hit_s": ssd,
+        "ssd_split_s": split,
+        "split_computed_blocks": computed,
+        "floor_s": prefix_bytes / raw + ram if raw else float("nan"),
+        "raw_read_gib_s": raw / 2**30,
+        "restore_s": restore,
+        "restore_floor_s": prefix_bytes / raw_cold + ram,
+        "raw_cold_read_gib_s": raw_cold / 2**30,
+        "repeat_joined_per_layer": repeat_joins,
+        "restore_joined_per_layer": restore_joins,
+        "cached_tokens": {"cold": cold_cached, "ram": ram_cached, "ssd": ssd_cached, "split": split_cached},
+        "issue44_cached_tokens": {"repeat": repeat_cached, "restore": restore_cached},
+    }
+
+
+def theirs(loaded, prefix: list[int], questions: list[list[int]]) -> dict:
+    """mlx-lm's one-cache path over the same prompts: cold (plain mlx-lm's cold prefill), exact repeat,
+    new question."""
+    one = OneCache(loaded)
+    cold, _ = one.ttft(prefix + questions[0])
+    repeat, repeat_reused = one.ttft(prefix + questions[0])
+    new, new_reused = one.ttft(prefix + questions[1])
+    return {
+        "mlx_lm_cold_s": cold,
+        "mlx_lm_repeat_s": repeat,
+        "mlx_lm_new_question_s": new,
+        "mlx_lm_reused_tokens": {"repeat": repeat_reused, "new": new_reused},
+    }
+
+
+def measure_length(bench: Bench, loaded, length: int, reps: int, rng: np.random.Generator, joins: JoinCounter) -> dict:
     vocab = loaded.config["vocab_size"]
 
     def ids(n: int) -> list[int]:
@@ -162,36 +301,34 @@ def measure_length(bench: Bench, loaded, length: int, reps: int, rng: np.random.
     bench.ttft(warm + ids(QUESTION_TOKENS))
     bench.restart(split=False)
     bench.ttft(warm + ids(QUESTION_TOKENS))  # an SSD hit: the read speed the split needs is measured (and kept)
-    reference_ttft(loaded, ids(length + QUESTION_TOKENS))
+    theirs(loaded, ids(length), [ids(QUESTION_TOKENS) for _ in range(2)])  # its kernels: cold, repeat, new
     prefix_bytes = kv_bytes_per_token(loaded.config, bench.kv_dtype_bytes) * length
     rows = []
     for rep in range(reps):
         prefix = ids(length)
-        cold, cold_cached = bench.ttft(prefix + ids(QUESTION_TOKENS))
-        ram, ram_cached = bench.ttft(prefix + ids(QUESTION_TOKENS))
-        bench.restart(split=False)
-        ssd, ssd_cached = bench.ttft(prefix + ids(QUESTION_TOKENS))
-        bench.restart(split=True)
-        split, split_cached = bench.ttft(prefix + ids(QUESTION_TOKENS))
-        computed = bench.split_blocks()
-        raw = raw_read_bps(bench.kv_dir)
-        ref = reference_ttft(loaded, ids(length + QUESTION_TOKENS))
+        questions = [ids(QUESTION_TOKENS) for _ in range(5)]
+        sides = [
+            partial(ours, bench, joins, prefix, questions, prefix_bytes),
+            partial(theirs, loaded, prefix, questions),
+        ]
+        row: dict = {}
+        for side in sides if rep % 2 == 0 else sides[::-1]:  # alternated: neither side always runs first
+            row.update(side())
+            gc.collect()
         row = {
-            "cold_s": cold,
-            "ram_hit_s": ram,
-            "ssd_hit_s": ssd,
-            "ssd_split_s": split,
-            "split_computed_blocks": computed,
-            "floor_s": prefix_bytes / raw + ram if raw else float("nan"),
-            "raw_read_gib_s": raw / 2**30,
-            "mlx_lm_cold_s": ref,
-            "cached_tokens": {"cold": cold_cached, "ram": ram_cached, "ssd": ssd_cached, "split": split_cached},
+            **row,
+            "repeat_over_mlx_lm": row["repeat_s"] / row["mlx_lm_repeat_s"],
+            "new_question_over_mlx_lm": row["ram_hit_s"] / row["mlx_lm_new_question_s"],
+            "restore_over_floor": row["restore_s"] / row["restore_floor_s"],
+            "restore_over_mlx_lm_cold": row["restore_s"] / row["mlx_lm_cold_s"],
         }
         print(f"{length} tokens, rep {rep + 1}: {row}", flush=True)
         rows.append(row)
     out = {"prompt_tokens": length + QUESTION_TOKENS, "reps": rows}
-    for key in ("cold_s", "ram_hit_s", "ssd_hit_s", "ssd_split_s", "floor_s", "raw_read_gib_s", "mlx_lm_cold_s"):
+    for key in (*MEDIANS, *ISSUE44_MEDIANS):
         out[key] = median([r[key] for r in rows])
+    for key in ("repeat_joined_per_layer", "restore_joined_per_layer"):
+        out[key] = max(r[key] for r in rows)
     out["split_computed_blocks"] = median([r["split_computed_blocks"] for r in rows])
     out["cold_over_ram"] = out["cold_s"] / out["ram_hit_s"]
     out["cold_over_ssd"] = out["cold_s"] / out["ssd_hit_s"]
@@ -266,6 +403,31 @@ def report_lines(results: dict) -> list[str]:
             f"| {row['split_computed_blocks']:g} | {row['floor_s']:.3f} | {row['ssd_hit_s'] / row['floor_s']:.2f}x "
             f"| {row['ssd_split_s'] / row['floor_s']:.2f}x | {row['raw_read_gib_s']:.2f} |"
         )
+    return lines + issue44_lines(results)
+
+
+def issue44_lines(results: dict) -> list[str]:
+    """Issue 44's targets: exact repeat and new question <= 1.0x mlx-lm's one-cache path; the restore
+    <= 1.5x its floor and faster than plain mlx-lm's cold prefill; a few arrays joined per layer."""
+    lines = [
+        "",
+        "Issue 44: our hits against mlx-lm's own one-cache path (as `mlx_lm.server` keeps one conversation, in "
+        "process); the restore after a restart from a cold page cache against its floor (the prefix's bytes at the "
+        "raw cold read speed + the RAM hit) and plain mlx-lm's cold prefill; arrays joined per layer by a hit.",
+        "",
+        "| prompt tokens | exact repeat s: ours / mlx-lm | x | new question s: ours / mlx-lm | x "
+        "| restore s | floor s | x floor | mlx-lm cold s | restore / mlx-lm cold | raw cold GiB/s "
+        "| joined per layer: repeat / restore |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in results["lengths"]:
+        lines.append(
+            f"| {row['prompt_tokens']} | {row['repeat_s']:.3f} / {row['mlx_lm_repeat_s']:.3f} "
+            f"| {row['repeat_over_mlx_lm']:.2f}x | {row['ram_hit_s']:.3f} / {row['mlx_lm_new_question_s']:.3f} "
+            f"| {row['new_question_over_mlx_lm']:.2f}x | {row['restore_s']:.3f} | {row['restore_floor_s']:.3f} "
+            f"| {row['restore_over_floor']:.2f}x | {row['mlx_lm_cold_s']:.3f} | {row['restore_over_mlx_lm_cold']:.2f}x "
+            f"| {row['raw_cold_read_gib_s']:.2f} | {row['repeat_joined_per_layer']} / {row['restore_joined_per_layer']} |"
+        )
     return lines
 
 
@@ -278,10 +440,11 @@ def main(argv: list[str] | None = None) -> dict:
         bench = Bench(loaded, work, args.block_size, KV_DTYPE_BYTES[args.dtype])
         results: dict = {"machine": machine(loaded, args), "lengths": []}
         rng = np.random.default_rng(0)
+        joins = JoinCounter()
         for length in (int(n) for n in args.lengths.split(",")):
             bench.start()
             try:
-                results["lengths"].append(measure_length(bench, loaded, length, args.reps, rng))
+                results["lengths"].append(measure_length(bench, loaded, length, args.reps, rng, joins))
             finally:
                 bench.stop()
             shutil.rmtree(work / "kv", ignore_errors=True)  # each length starts on an empty SSD
