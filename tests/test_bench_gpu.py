@@ -33,6 +33,15 @@ def test_cold_ram_and_ssd_after_restart(tmp_path):
         prefix_bytes = kv_bytes_per_token(llama_config("tiny"), 4) * length
         assert row["raw_read_gib_s"] > 0
         assert row["floor_s"] == pytest.approx(prefix_bytes / (row["raw_read_gib_s"] * 2**30) + row["ram_hit_s"])
+        # Issue 44: an exact repeat reuses all but its last token (the tail too), as mlx-lm's one cache does;
+        # the restore reads the whole prefix; the floor is the raw cold read plus the RAM hit.
+        assert rep["issue44_cached_tokens"] == {"repeat": length + 31, "restore": length}
+        assert rep["mlx_lm_reused_tokens"] == {"repeat": length + 31, "new": length}
+        assert row["repeat_joined_per_layer"] == 3  # one run, the tail, the room: not one array per block
+        assert row["restore_floor_s"] == pytest.approx(
+            prefix_bytes / (row["raw_cold_read_gib_s"] * 2**30) + row["ram_hit_s"]
+        )
+        assert row["repeat_over_mlx_lm"] == pytest.approx(row["repeat_s"] / row["mlx_lm_repeat_s"])
     assert results["machine"]["shape"] == "tiny"
     report = (out / "report.md").read_text()
-    assert "| 160 |" in report and "| 224 |" in report and "split / floor" in report
+    assert "| 160 |" in report and "| 224 |" in report and "split / floor" in report and "Issue 44" in report
