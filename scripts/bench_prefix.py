@@ -32,7 +32,9 @@ def main() -> None:
     parser.add_argument("--scenarios", default="system,restart,conversation,decode,ssd", help="comma-separated subset")
     parser.add_argument("--model", help="model folder (default: the default model)")
     parser.add_argument(
-        "--system-words", type=int, default=880, help="system scenario prompt words (880: ~1.2k tokens)"
+        "--system-words",
+        default="880",
+        help="system scenario prompt words, comma-separated for several sizes on the same servers (880: ~1.2k tokens)",
     )
     parser.add_argument("--reps", type=int, help="repeats of the system and restart scenarios (default 1 quick / 3)")
     args = parser.parse_args()
@@ -43,8 +45,10 @@ def main() -> None:
     servers = start_servers(model_dir)
     try:
         results = {}
-        if "system" in wanted:
-            results["system_prompt"] = scenario_system_prompt(servers, reps, args.system_words)
+        sizes = [int(w) for w in args.system_words.split(",")]
+        for words in sizes if "system" in wanted else []:  # several sizes: servers started once (a GPU run's time)
+            key = "system_prompt" if len(sizes) == 1 else f"system_prompt_{words}w"
+            results[key] = scenario_system_prompt(servers, reps, words)
         if "restart" in wanted:
             results["restart"] = scenario_restart(servers, reps)
         if "conversation" in wanted:
@@ -55,7 +59,11 @@ def main() -> None:
         results["decode"] = decode_speed(model_dir, reps, 64 if args.quick else 128)
     if "ssd" in wanted:
         results["ssd_write_cost"] = ssd_write_cost(model_dir, reps, 64 if args.quick else 128)
-    write_report(results, Path(args.out), report_lines(results))
+    lines = []
+    for key in [k for k in results if k.startswith("system_prompt_")]:
+        lines += [f"System prompt of {key.split('_')[-1][:-1]} words:", ""]
+        lines += [*report_lines({"system_prompt": results[key]}), ""]
+    write_report(results, Path(args.out), lines + report_lines(results))
 
 
 if __name__ == "__main__":

@@ -323,7 +323,8 @@ def synthetic_model(shape: str, bits: int, folder: Path) -> Path:
     the Llama-3-8B shape: no download needed)."""
     overrides = {"quantization": {"group_size": 64, "bits": bits}} if bits else {}
     config = llama_config(shape, **overrides)
-    config["max_position_embeddings"] = max(config["max_position_embeddings"], 32768)  # 8k-16k-token prompts
+    # 8k-32k-token prompts, their chat template and question included (issue 44's 32k over HTTP)
+    config["max_position_embeddings"] = max(config["max_position_embeddings"], 40960)
     return write_model_folder(folder, config, random_llama(config, dtype=mx.float16))
 
 
