@@ -20,7 +20,7 @@ from ..kv import blocks
 from ..kv.salts import CacheSalts, principal_chain
 from ..models.loader import LoadedModel
 from ..vision.runtime import build_runtime
-from . import device_memory, kv_room, tool_grammar
+from . import device_memory, kv_room, token_memo, tool_grammar
 from .build import build_stack, prefill_step
 from .cache_admin import CacheAdmin
 from .constrain import grammars_for
@@ -316,15 +316,23 @@ class Engine:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        principal: str = "",
     ) -> list[int]:
         """Token ids of `messages` under the model's chat template (by default ready for the
         assistant's turn, exactly as a chat request renders them), with `tools` (OpenAI's shape)
-        and `template_kwargs` (e.g. enable_thinking) given to the template."""
+        and `template_kwargs` (e.g. enable_thinking) given to the template. The text is encoded
+        through `principal`'s token memo where the tokenizer allows (token_memo.py: same ids)."""
         tokenizer = self.loaded.tokenizer
         extra = dict(template_kwargs or {})
         if tools:  # only when given: a template that takes no tools renders as before
             extra["tools"] = tools
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra))
+        memo = token_memo.memo_for(tokenizer)
+        if memo is None or token_memo.TEMPLATE_PARAMS & extra.keys():
+            return list(tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra))
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
+        )
+        return memo.encode(text, principal)
 
     def check_schema(self, schema: dict[str, Any]) -> str:
         """Why structured output cannot enforce this JSON schema ("" when it can). Any thread."""

@@ -17,6 +17,7 @@ import hmac
 import logging
 import time
 import uuid
+from contextvars import ContextVar
 
 import anyio
 from starlette.requests import ClientDisconnect
@@ -41,6 +42,8 @@ RECORD_KEY = "mlx_kvserve.record"  # the scope key under which handlers find the
 # caches apart ([cache] isolation = "per_key"); "" (or absent): the plain namespace. Set here only:
 # no client field or header can choose it.
 PRINCIPAL_KEY = "mlx_kvserve.principal"
+# The same principal for code without the scope (the token memo); set per request task, "" when shared.
+PRINCIPAL: ContextVar[str] = ContextVar("mlx_kvserve_principal", default="")
 # A model's own process (server/model_process.py) serves the principals of the parent, whose only
 # client it is: the parent names each request's principal in this header, which the child reads when
 # the parent set PRINCIPAL_HEADER_ENV in its environment (and every other server ignores).
@@ -219,6 +222,7 @@ class RequestGate:
             if self.isolate:
                 named = _header(scope, PRINCIPAL_HEADER) if self.trust_principal_header else b""
                 scope[PRINCIPAL_KEY] = named.decode("ascii", "replace") or principal.identity
+                PRINCIPAL.set(scope[PRINCIPAL_KEY])
             if self.own_cache_only and is_admin_path(scope["path"]):
                 self.check_own_cache(scope, principal)
             elif self.trust_principal_header and _header(scope, OWN_HEADER):  # the parent checked the path

@@ -11,6 +11,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ..engine.engine import Engine
 from ..errors import InvalidRequestError, ValidationError
+from .gate import PRINCIPAL
 from .messages import merge_system_turns
 
 MAX_TOKEN_ID = 2**31  # bound on token ids when the model's config names no vocab_size
@@ -27,7 +28,7 @@ async def chat_tokens(
     messages after the first turn are rendered in place where the template takes them, else merged
     into a user turn (merge_system_turns). InvalidRequestError when the template (or the tokenizer)
     rejects the messages."""
-    args = (add_generation_prompt, tools, template_kwargs)
+    args = (add_generation_prompt, tools, template_kwargs, PRINCIPAL.get())  # the token memo's namespace
     try:
         return await run_in_threadpool(engine.chat_tokens, messages, *args)
     except Exception as exc:  # jinja raises its own types for templates that reject input

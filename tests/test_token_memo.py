@@ -1,0 +1,147 @@
+"""The token memo (engine/token_memo.py) gives exactly a full encode's ids on many prompt pairs, and
+reuses ids where it may; tokenizers whose split cannot be trusted get no memo."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+from mlx_kvserve.engine import token_memo
+from mlx_kvserve.engine.engine import Engine
+
+SPECIALS = ["<|begin_of_text|>", "<|im_start|>", "<|im_end|>", "<|eot_id|>"]
+QWEN_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+CORPUS = "hello world, the user said: ls -la; résumé naïve 日本語 🙂 tool result\n\n  indented code() {x: 1}\n"
+PIECES = [
+    "ls -la\n", "total 48\ndrwxr-xr-x  5 me staff 160 .\n", "résumé naïve 🙂", "日本語のテキスト", "  \n\n",
+    "<|im_end|>", "<|im_start|>assistant", "<|im_", "|>", "<|eot_id|><|eot_id|>", " <|im_end|> ", "\t{x: 1}\n",
+    '{"tool_use_id": "t1", "content": "ok"}', "<|begin_of_text|>", "a" * 40, " ", "\n", "'s 're",
+]  # fmt: skip
+
+
+def byte_level_tokenizer(pre: pre_tokenizers.PreTokenizer | None = None, specials: list | None = None) -> Tokenizer:
+    """A small Qwen / Llama-3 style byte-level BPE with ChatML and Llama-3 special tokens."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre or pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(QWEN_SPLIT), "isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )  # fmt: skip
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok.train_from_iterator([CORPUS] * 20, trainers.BpeTrainer(vocab_size=500, initial_alphabet=alphabet))
+    tok.add_special_tokens(specials or SPECIALS)
+    return tok
+
+
+def chatml(turns: list[tuple[str, str]]) -> str:
+    return "".join(f"<|im_start|>{role}\n{text}<|im_end|>\n" for role, text in turns) + "<|im_start|>assistant\n"
+
+
+def conversations(rng: random.Random, num: int) -> list[str]:
+    """Prompt texts in order: growing conversations, edited middles, tool results, unicode, user text
+    holding special tokens' spellings (or parts of them) and whitespace around the marks."""
+    texts = []
+    for _ in range(num):
+        turns = [("system", "".join(rng.choices(PIECES, k=8)))]
+        for _ in range(rng.randint(2, 6)):
+            turns.append((rng.choice(["user", "assistant", "tool"]), "".join(rng.choices(PIECES, k=rng.randint(0, 6)))))
+            texts.append(chatml(turns))
+        edited = list(turns)
+        i = rng.randrange(len(edited))
+        edited[i] = (edited[i][0], edited[i][1][: rng.randint(0, 9)] + rng.choice(PIECES))
+        texts.append(chatml(edited))
+        texts.append(chatml(turns)[: -rng.randint(1, 30)])  # cut anywhere, even inside a mark
+    return texts
+
+
+def check_same_ids(hf, texts: list[str], monkeypatch) -> token_memo.TokenMemo:
+    monkeypatch.setattr(token_memo, "MIN_REUSE_CHARS", 1)  # reuse even short prefixes: more boundaries tried
+    memo = token_memo.TokenMemo(hf, token_memo.boundary_ids(hf), max_entries=4)
+    for i, text in enumerate(texts):
+        full = hf(text, add_special_tokens=False)["input_ids"]
+        assert memo.encode(text, principal=f"p{i % 2}") == full, text
+    return memo
+
+
+def test_byte_level_bpe_memo_equals_full_encode(monkeypatch):
+    hf = TokenizersBackend(tokenizer_object=byte_level_tokenizer())
+    assert len(token_memo.boundary_ids(hf)) == len(SPECIALS)
+    texts = conversations(random.Random(0), 40)
+    memo = check_same_ids(hf, texts, monkeypatch)
+    assert memo.reused_tokens > sum(len(t) for t in texts) // 20  # the memo did the work, not full encodes
+
+
+def test_smollm_memo_equals_full_encode_and_template(smollm_dir, monkeypatch):
+    from mlx_lm.utils import load_tokenizer
+
+    wrapper = load_tokenizer(smollm_dir)
+    hf = wrapper._tokenizer
+    memo = check_same_ids(hf, conversations(random.Random(1), 30), monkeypatch)
+    assert memo.reused_tokens > 0
+    # Engine.chat_tokens through the memo gives what the template's own tokenization gives, turn after turn
+    fake = SimpleNamespace(loaded=SimpleNamespace(tokenizer=wrapper))
+    messages = [{"role": "system", "content": "You are terse. " * 200}]
+    for text in ["run ls", "it printed <|im_end|> and 🙂", "thanks"]:
+        messages += [{"role": "user", "content": text}]
+        want = list(wrapper.apply_chat_template(messages, add_generation_prompt=True))
+        assert Engine.chat_tokens(fake, messages) == want
+        messages += [{"role": "assistant", "content": "ok " + text}]
+    assert token_memo.memo_for(wrapper).reused_tokens > 0
+
+
+def test_principals_never_share_entries(monkeypatch):
+    hf = TokenizersBackend(tokenizer_object=byte_level_tokenizer())
+    memo = token_memo.TokenMemo(hf, token_memo.boundary_ids(hf))
+    text = chatml([("system", "hello world " * 200), ("user", "ls -la")])
+    memo.encode(text, principal="alice")
+    memo.encode(text + "more", principal="bob")
+    assert memo.reused_tokens == 0
+    memo.encode(text + "more", principal="alice")
+    assert memo.reused_tokens > 200
+
+
+def test_entries_bounded_in_count_and_chars():
+    hf = TokenizersBackend(tokenizer_object=byte_level_tokenizer())
+    memo = token_memo.TokenMemo(hf, token_memo.boundary_ids(hf), max_entries=3, max_chars=5000)
+    for i in range(6):
+        memo.encode(chatml([("user", f"{i} " + "x" * 1500)]))
+    assert len(memo.entries) <= 3 and memo.num_chars <= 5000
+    assert memo.num_chars == sum(len(e.text) for e in memo.entries.values())
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["metaspace_first", "rstrip", "single_word", "nested", "split_special"],
+)
+def test_untrusted_splits_get_no_boundaries(case):
+    """A piece's ids that depend on where it sits (Metaspace "first" prepends only at offset 0), on the
+    next characters (rstrip, single_word) or a longer added token holding the mark: never a boundary."""
+    if case == "metaspace_first":
+        pre = pre_tokenizers.Metaspace(prepend_scheme="first")
+        assert token_memo.boundary_ids(TokenizersBackend(tokenizer_object=byte_level_tokenizer(pre))) == frozenset()
+        return
+    if case == "split_special":
+        hf = TokenizersBackend(tokenizer_object=byte_level_tokenizer())
+        hf.split_special_tokens = True
+        assert token_memo.boundary_ids(hf) == frozenset()
+        return
+    specials = {
+        "rstrip": [AddedToken("<|im_end|>", rstrip=True, special=True, normalized=False)],
+        "single_word": [AddedToken("<|im_end|>", single_word=True, special=True, normalized=False)],
+        "nested": ["<|im_end|>", "<|im_end|>\n"],
+    }[case]
+    hf = TokenizersBackend(tokenizer_object=byte_level_tokenizer(specials=specials))
+    ids = token_memo.boundary_ids(hf)
+    assert hf.convert_tokens_to_ids("<|im_end|>") not in ids
+
+
+def test_custom_tokenizer_gets_no_memo():
+    class Preprocessing(TokenizersBackend):
+        def encode(self, text, **kwargs):
+            return super().encode(text.replace("\n", "<n>"), **kwargs)
+
+    assert token_memo.memo_for(Preprocessing(tokenizer_object=byte_level_tokenizer())) is None
+    assert token_memo.memo_for(SimpleNamespace()) is None
