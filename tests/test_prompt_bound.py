@@ -53,8 +53,8 @@ def test_a_tokens_bytes_bound_every_texts_token_count(served, smollm_dir):
     for tokenizer in (served[0].tokenizer, load_tokenizer(smollm_dir)):
         per_token = max_token_bytes(tokenizer)
         assert per_token is not None and 8 <= per_token <= 200
-        for _ in range(20):
-            text = "".join(rng.choice(pieces) * rng.randint(1, 300) for _ in range(30))
+        for _ in range(10):
+            text = "".join(rng.choice(pieces) * rng.randint(1, 80) for _ in range(30))
             assert len(tokenizer.encode(text)) >= len(text.encode()) // per_token
 
 
