@@ -146,9 +146,25 @@ def test_figures_match_health_without_console_errors(browser, open_server):
     for name in ("kv_ram_blocks", "kv_ram_bytes", "kv_hits", "kv_tails", "ssd_blocks", "ssd_bytes", "writer_written"):
         assert float(field(browser, f"cache.{name}")) == cache[name], name
     screenshot(browser, "cache")
+    # What the cache did: a hit is a prompt at least half cached; the time saved is its cached tokens at
+    # the measured prefill rate (the first request shared nothing: cold).
+    log = httpx.get(f"{server.base_url}/v1/cache/requests", timeout=10).json()["requests"]
+    rate = batch["prefill_tokens_per_s"]
+    saved = sum(r["cached_tokens"] for r in log) / rate
+    assert float(field(browser, "prefill_saved_s")) == pytest.approx(saved, rel=1e-6) and saved > 0
+    legends = [e.get_attribute("textContent") for e in browser.find_elements(By.CSS_SELECTOR, ".u-legend")]
+    assert len(legends) == 4 and all("--" not in legend for legend in legends)  # labels, no empty values
+    assert "cache hit (≥ half cached)" in legends[2]
     open_tab(browser, server.base_url, "requests")
     rows = browser.find_elements(By.CSS_SELECTOR, "#requests-table tbody tr")
     assert len(rows) == 3 and "/v1/chat/completions" in rows[0].text
+    newest = log[-1]
+    cells = rows[0].find_elements(By.TAG_NAME, "td")
+    assert cells[6].text == f"{100 * newest['cached_tokens'] / newest['prompt_tokens']:.1f} %"
+    assert float(rows[0].get_attribute("data-saved-s")) == pytest.approx(newest["cached_tokens"] / rate, rel=1e-6)
+    assert cells[7].text.startswith("≈ ") and cells[7].text.endswith(" ms")
+    hits = [r.get_attribute("class") == "hit" for r in reversed(rows)]  # oldest first, as the log
+    assert hits == [r["cached_tokens"] >= r["prompt_tokens"] / 2 for r in log] and hits[0] is False
     assert console_errors(browser) == []
 
 
@@ -201,6 +217,35 @@ def test_playground_streams_and_shows_cached_tokens(browser, open_server):
     log = httpx.get(f"{server.base_url}/v1/cache/requests", timeout=10).json()["requests"]
     assert log[-1]["stream"] is True and log[-1]["cached_tokens"] == second["cached"]
     screenshot(browser, "playground")
+    assert console_errors(browser) == []
+
+
+def test_playground_can_stop_a_reply_and_sends_nothing_meanwhile(browser, open_server):
+    server = open_server["server"]
+    open_tab(browser, server.base_url, "playground")
+    browser.execute_script("document.getElementById('chat-max').value = '1500'")
+    browser.execute_script("document.getElementById('chat-temp').value = '1'")
+    send_button, stop = browser.find_element(By.ID, "chat-send"), browser.find_element(By.ID, "chat-stop")
+    meta = lambda d: d.find_elements(By.CSS_SELECTOR, ".turn-meta")[-1]  # noqa: E731
+    for _ in range(3):  # a sampled reply may end (EOS) before the click: ask again
+        browser.find_element(By.ID, "chat-input").send_keys("Tell me a very long story.")
+        send_button.click()
+        wait_for(browser, lambda d: meta(d).text.startswith(("streaming… ", "prompt ")))  # shown as it comes
+        stopped = browser.execute_script(
+            "const busy = document.getElementById('chat-send').disabled;"
+            "const stop = document.getElementById('chat-stop');"
+            "if (busy && !stop.hidden) stop.click(); return busy && !stop.hidden;"
+        )
+        wait_for(browser, lambda d: send_button.is_enabled())
+        if stopped:
+            break
+    assert stopped, "every reply ended before Stop could be clicked"
+    wait_for(browser, lambda d: meta(d).get_attribute("data-stopped") == "true")
+    assert meta(browser).text.startswith("stopped after ") and "first token after" in meta(browser).text
+    assert not stop.is_displayed() and browser.find_elements(By.CSS_SELECTOR, ".turn.assistant .content")[-1].text
+    wait_for(browser, lambda d: httpx.get(f"{server.base_url}/health", timeout=10).json()["batch"]["running"] == 0, 30)
+    log = httpx.get(f"{server.base_url}/v1/cache/requests", timeout=10).json()["requests"]
+    assert log[-1]["completion_tokens"] < 1500  # the server stopped generating when the page left
     assert console_errors(browser) == []
 
 

@@ -60,7 +60,7 @@ async function poll() {
     live.update({ health, metrics, requests: log.requests });
     live.showModels(models, health);
     updateCache(health);
-    updateRequests(log.requests);
+    updateRequests(log.requests, health.batch?.prefill_tokens_per_s);
     document.body.dataset.polled = String(Number(document.body.dataset.polled || 0) + 1);
   } catch (err) {
     showError(err);

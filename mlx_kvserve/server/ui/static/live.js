@@ -1,5 +1,7 @@
-// The overview: live figures from /health and /metrics, and four small uPlot charts.
+// The overview: live figures from /health and /metrics, the prompts prefilling now, and four small uPlot
+// charts over the same five-minute window with readable clock labels.
 import { el, figure, ms, num, pct } from "./api.js";
+import { isHit, savedSeconds } from "./requests.js";
 
 const WINDOW = 300; // points kept per time chart (5 minutes at one poll a second)
 const COLORS = ["#2b6cb0", "#c05621", "#2f855a", "#6b46c1"];
@@ -15,9 +17,31 @@ function chart(target, labels, { points = false } = {}) {
     paths: points ? () => null : undefined,
   }));
   const node = document.getElementById(target);
-  const plot = new uPlot({ width: node.clientWidth || 480, height: 180, series, axes: [{}, { size: 50 }] },
-    [[], ...labels.map(() => [])], node);
-  return plot;
+  const clock = (u, splits) => splits.map((v) => new Date(v * 1000).toLocaleTimeString([], { hour: "2-digit", minute: "2-digit" }));
+  const options = {
+    width: node.clientWidth || 480,
+    height: 180,
+    series,
+    legend: { live: false }, // labels only: values at the cursor read "--" until it hovers
+    // Every chart shows the last WINDOW seconds, whatever its points: their times line up.
+    scales: { x: { time: true, range: () => [now() - WINDOW, now()] } },
+    axes: [{ values: clock, space: 70, incrs: [15, 30, 60, 120, 300] }, { size: 50 }],
+  };
+  return new uPlot(options, [[], ...labels.map(() => [])], node);
+}
+
+const now = () => Date.now() / 1000;
+
+function prefillBars(prefilling) {
+  // A long prompt's prefill as it runs (/health batch.prefilling): uncached tokens done of those to do.
+  return prefilling.map((p, i) => {
+    const share = p.done / Math.max(1, p.total);
+    const fill = el("div");
+    fill.style.width = `${(100 * share).toFixed(1)}%`; // CSSOM: the page's CSP refuses style attributes
+    return el("div", { class: "bar-row", "data-field": `batch.prefilling.${i}`, "data-value": p.done },
+      el("span", {}, "prefilling"), el("div", { class: "bar" }, fill),
+      el("span", {}, `${num(p.done)} of ${num(p.total)} uncached tokens (${pct(share)})`));
+  });
 }
 
 const median = (xs) => {
@@ -38,7 +62,7 @@ export class LivePanel {
     this.charts = {
       requests: chart("chart-requests", ["in flight", "running", "waiting", "batch size"]),
       tps: chart("chart-tps", ["prompt", "decode"]),
-      ttft: chart("chart-ttft", ["cold", "cache hit"], { points: true }),
+      ttft: chart("chart-ttft", ["cold", "cache hit (≥ half cached)"], { points: true }),
       share: chart("chart-share", ["cached share"]),
     };
     window.addEventListener("resize", () => this.resize());
@@ -64,8 +88,10 @@ export class LivePanel {
     }
     this.last = { t, prefill: batch.prefill_tokens, decode: batch.decode_tokens };
     const done = (requests || []).filter((r) => r.ttft_s != null);
-    const cold = done.filter((r) => !r.cached_tokens).map((r) => r.ttft_s);
-    const hit = done.filter((r) => r.cached_tokens).map((r) => r.ttft_s);
+    const cold = done.filter((r) => !isHit(r)).map((r) => r.ttft_s);
+    const hit = done.filter(isHit).map((r) => r.ttft_s);
+    const rate = batch.prefill_tokens_per_s;
+    const saved = (requests || []).reduce((sum, r) => sum + (savedSeconds(r, rate) || 0), 0);
 
     document.getElementById("live-figures").replaceChildren(
       figure("requests_in_flight", "in flight", inFlight),
@@ -79,7 +105,9 @@ export class LivePanel {
       figure("cached_share", "cached prompt tokens", share, pct(share)),
       figure("ttft_cold_median", "TTFT cold (median)", median(cold), ms(median(cold))),
       figure("ttft_hit_median", "TTFT hit (median)", median(hit), ms(median(hit))),
+      figure("prefill_saved_s", "prefill time saved (listed requests)", saved, !rate ? "–" : saved < 1 ? ms(saved) : `${num(saved, 1)} s`),
     );
+    document.getElementById("prefilling").replaceChildren(...prefillBars(batch.prefilling || []));
     this.showProblems(health);
     if (!this.charts) return;
     const s = this.series;
@@ -93,8 +121,8 @@ export class LivePanel {
     const sorted = [...done].sort((a, b) => a.finished_at - b.finished_at);
     this.charts.ttft.setData([
       sorted.map((r) => r.finished_at),
-      sorted.map((r) => (r.cached_tokens ? null : r.ttft_s)),
-      sorted.map((r) => (r.cached_tokens ? r.ttft_s : null)),
+      sorted.map((r) => (isHit(r) ? null : r.ttft_s)),
+      sorted.map((r) => (isHit(r) ? r.ttft_s : null)),
     ]);
   }
 
