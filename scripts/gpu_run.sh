@@ -24,7 +24,7 @@ steps=${STEPS:-engine,ssd_io,prefix,hit_blocks,concurrent,model_threads,models} 
 if [ "$steps" = issue44 ]; then  # limits sized for an H100 (docs/benchmarks.md "GPU"); each step alone if short of time
   steps=engine,prefix,hit_blocks
   lengths=${LENGTHS:-8192,16384,32768}
-  words=${WORDS:-1400,2900,5600}  # ~7.7k, ~16k, ~31k tokens (the synthetic tokenizer: ~5.5 tokens per word)
+  words=${WORDS:-1400,2900,6000}  # 7.7k, 15.8k, 32.6k tokens with the chat template (the synthetic tokenizer)
   : "${T_ENGINE:=270}" "${T_PREFIX:=60}" "${T_HIT:=45}"  # at most 8.3 min of steps, ~5.5 expected
 fi
 step() {  # step NAME SECONDS CMD...
