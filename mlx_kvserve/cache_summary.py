@@ -10,6 +10,9 @@ GIB = 2**30
 
 
 def gib(num_bytes: int | float) -> str:
+    """GiB with two decimals; MiB below a hundredth of a GiB, which would read 0.00 GiB."""
+    if 0 < num_bytes < GIB / 100:
+        return f"{num_bytes / 2**20:.1f} MiB"
     return f"{num_bytes / GIB:.2f} GiB"
 
 
@@ -42,7 +45,7 @@ def summary_lines(stats: dict[str, Any], prefill_tokens: int | None = None) -> l
     )
     if "ssd_blocks" in stats:
         lines.append(
-            f"SSD: {_of_budget(stats.get('ssd_bytes', 0), stats.get('ssd_max_bytes', 0))}, "
+            f"SSD: {_of_budget(stats.get('ssd_bytes', 0) + stats.get('ssd_tail_bytes', 0), stats.get('ssd_max_bytes', 0))}, "
             f"{stats['ssd_blocks']:,} blocks, {stats.get('ssd_hits', 0):,} read back "
             f"({stats.get('ssd_policy', '?')}, {stats.get('ssd_role', 'owner')})"
         )

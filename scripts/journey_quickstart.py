@@ -3,7 +3,8 @@ own lines, executed by a shell, in a scratch home folder (MLX_KVSERVE_HOME) that
 default model of the real one, so nothing of the user's cache is touched.
 
 1. README: `mlx-kvserve run` (what `make run` starts) on the default model, then the README's curl
-   and its Python snippet; the same question again must be a cache hit.
+   and its Python snippet; the same question again must be a cache hit; the dashboard it prints
+   (/ui, and GET / pointing to it) and `mlx-kvserve cache stats` (with `--url … --json` after the command).
 2. docs/router.md: two servers on one machine with the default config (`--port 8001 &`,
    `--port 8002 &`), the router, and the docs' curl through it; then the same prompt sent to each
    backend directly: whichever did not compute it serves it from the SSD blocks the other wrote
@@ -148,8 +149,21 @@ def readme_journey(env: dict[str, str], logs: Path) -> None:
         check(cached(again) > 0, f"the repeat is a cache hit ({cached(again)} of {again['usage']['prompt_tokens']})")
         out = shell(f"{sys.executable} -c '{README_PY}'", env)
         check(out.strip().split()[-1].isdigit(), f"the Python snippet prints a reply and its cached tokens: {out!r}")
+        dashboard_journey(env, logs / "readme-server.log")
     finally:
         stop([server])
+
+
+def dashboard_journey(env: dict[str, str], server_log: Path) -> None:
+    """README's "Use it": the dashboard the start prints, GET / pointing to it, and the cache commands."""
+    check("dashboard: http://127.0.0.1:8000/ui" in server_log.read_text(), "the start prints the dashboard's address")
+    page = httpx.get("http://127.0.0.1:8000/ui", timeout=10)
+    check(page.status_code == 200 and "text/html" in page.headers["content-type"], "GET /ui is the dashboard")
+    check(httpx.get("http://127.0.0.1:8000/", timeout=10).json().get("dashboard") == "/ui", "GET / points to /ui")
+    summary = shell("mlx-kvserve cache stats", env)
+    check("cache hits: " in summary and "RAM: " in summary, f"cache stats is a short summary: {summary!r}")
+    raw = json.loads(shell("mlx-kvserve cache stats --url http://127.0.0.1:8000 --json", env))
+    check(raw.get("kv_lookups", 0) >= 3, "cache stats --url … --json: the raw counters, options after the command")
 
 
 def router_journey(env: dict[str, str], logs: Path) -> None:

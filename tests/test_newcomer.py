@@ -76,7 +76,7 @@ def test_cache_stats_summary_counts_tail_hits_and_reads_in_gib():
     text = summary(stats, {"batch": {"prefill_tokens": 100}})
     assert "cache hits: 90% of prompt tokens (900 of 1,000: 0 in blocks, 900 in tails)" in text
     assert "RAM: 0.50 GiB of 4.00 GiB, 13 blocks" in text and "SSD: 3.00 GiB (no budget), 40 blocks" in text
-    assert "pins: 13 blocks pinned" in text and "writer: 40 written" in text
+    assert "pins: 13 blocks pinned (1.0 MiB of them in RAM)" in text and "writer: 40 written" in text
     several = summary({"models": {"a": stats, "b": {"enabled": False, "reason": "embedding"}}}, None)
     assert several.splitlines()[0] == "[a]" and "[b]\n  cache: off (embedding)" in several
     assert "900 prompt tokens served from the cache" in several  # no prefill count: no share claimed
