@@ -47,6 +47,7 @@ step engine "${T_ENGINE:-210}" $py scripts/bench_gpu.py --shape "$shape" --bits 
 step ssd_io "${T_SSD:-40}" $py scripts/bench_ssd_io.py --small --out "$out/ssd_io"
 model=$(mktemp -d)/m
 case ",$steps," in *,prefix,*|*,concurrent,*) ;; *) model=;; esac  # the servers' model folder: written only if used
+trap 'kill $sampler 2>/dev/null; [ -z "$model" ] || rm -rf "$(dirname "$model")"' EXIT
 [ -z "$model" ] || $py - "$shape" "$bits" "$model" <<'PY' > "$out/model.log" 2>&1
 import sys
 from pathlib import Path
