@@ -180,12 +180,14 @@ def report_lines(results: list[dict]) -> list[str]:
         f"# A restore after a restart, {SHAPE} (128 KiB of KV per token), files cold, median of {results[0]['reps']}",
         "",
         "| tokens | KV GiB | files | raw read cold s (GiB/s) | RAM hit s | floor s | restore s | restore / floor | "
-        "tier reads s (GiB/s, / raw) | before: restore s, / floor | cold prefill s |",
+        "tier reads s (GiB/s, / raw) | before: restore s, / floor, tier reads s | cold prefill s |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         cold = f"{r['cold_prefill']:.1f}" if "cold_prefill" in r else "-"
-        before = f"{r['before_restore']:.3f}, {r['before_restore'] / r['floor']:.2f}x" if "before_restore" in r else "-"
+        before = "-"
+        if "before_restore" in r:
+            before = f"{r['before_restore']:.3f}, {r['before_restore'] / r['floor']:.2f}x, {r['before_tier_reads']:.3f}"
         lines.append(
             f"| {r['tokens']} | {r['kv_bytes'] / GIB:.2f} | {r['files']} | {r['raw_read_cold']:.3f} "
             f"({r['raw_gib_s']:.2f}) | {r['ram_hit']:.3f} | {r['floor']:.3f} | {r['restore']:.3f} | "

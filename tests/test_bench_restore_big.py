@@ -27,11 +27,12 @@ def test_the_report_gives_each_restore_against_its_floor():
         "tier_reads": 5.0,
         "reads_gib_s": 0.4,
         "before_restore": 12.0,
+        "before_tier_reads": 9.5,
     }
     row = bench.report_lines([r])[-1]
     assert (
         row
-        == "| 16384 | 2.00 | 257 | 4.000 (0.50) | 2.000 | 6.000 | 7.500 | 1.25x | 5.000 (0.40, 80%) | 12.000, 2.00x | - |"
+        == "| 16384 | 2.00 | 257 | 4.000 (0.50) | 2.000 | 6.000 | 7.500 | 1.25x | 5.000 (0.40, 80%) | 12.000, 2.00x, 9.500 | - |"
     )
 
 
