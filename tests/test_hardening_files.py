@@ -175,7 +175,7 @@ def test_cache_verify_survives_a_damaged_index(tmp_path):
     result = CliRunner().invoke(cli, ["cache", "verify", "--dir", str(root)])
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output  # not a crash
     row = result.output.splitlines()[2].split()
-    assert row[1] == "3" and row[2] == "3" and row[-1] == "1"  # blocks, adopted, damaged
+    assert row[2] == "3" and row[3] == "3" and row[-1] == "1"  # blocks, adopted, damaged (after model, namespace)
     assert f"{INDEX_NAME}: nested too deeply; set aside as {INDEX_NAME}.damaged-" in result.output
     index.unlink()
     os.mkfifo(index)
@@ -313,7 +313,8 @@ def test_cache_verify_checks_tails_and_cleans_leftovers(tmp_path):
     result = CliRunner().invoke(cli, ["cache", "verify", "--dir", str(root)])
     assert result.exit_code == 1, result.output
     header, _, row = result.output.splitlines()[:3]
-    assert dict(zip(header.split(), row.split(), strict=True)) | {"namespace": ""} == {
+    assert dict(zip(header.split(), row.split(), strict=True)) | {"model": "", "namespace": ""} == {
+        "model": "",
         "namespace": "",
         "blocks": "3",
         "adopted": "0",

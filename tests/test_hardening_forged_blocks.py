@@ -347,7 +347,7 @@ def test_a_forged_block_is_recomputed_across_restarts_and_listed_by_verify(tiny,
     result = CliRunner().invoke(cli, ["cache", "verify", "--dir", str(root)])
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
     row = result.output.splitlines()[2].split()
-    assert row[4] == "1", result.output  # the invalid column: the forged file
+    assert row[5] == "1", result.output  # the invalid column (after model and namespace): the forged file
     assert not path.exists() and "not checked" not in result.output
     assert CliRunner().invoke(cli, ["cache", "verify", "--dir", str(root)]).exit_code == 0
 
