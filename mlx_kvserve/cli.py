@@ -248,7 +248,10 @@ def _registry_app(config: Config, config_path: str | None, model: str | None, di
     # A model's own process (its parent set PARENT_PID_ENV) keeps its one folder within the
     # ssd.max_bytes its parent lent it: no budget over the other folders, which the parent counts.
     own_process = _parent_pid() is not None
-    registry = ModelRegistry(config, registry_entries(entries, model), single=own_process, loader=load_entry)
+    try:  # the memory plan refuses budgets that do not fit (engine/memory_plan.py)
+        registry = ModelRegistry(config, registry_entries(entries, model), single=own_process, loader=load_entry)
+    except KVServeError as exc:
+        raise click.ClickException(exc.message) from None
     log.info("models: %s (memory budget %.2f GiB)", ", ".join(registry.names), registry.budget_bytes / 2**30)
     return create_app(RoutedEngine(registry), keys, registry)
 

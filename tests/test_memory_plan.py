@@ -221,3 +221,19 @@ def test_a_registry_plans_its_models_together(monkeypatch):
     assert reg._model_config.server.kv_batch_bytes == expected.batch_bytes
     with pytest.raises(ConfigError, match="server.model_memory_bytes 64.00 GiB"):
         ModelRegistry(load_config(overrides={"server": {"model_memory_bytes": "64GiB"}}), entries)
+
+
+def test_the_server_refuses_to_start_naming_the_numbers(tiny_model_dir, tmp_path):
+    """`mlx-kvserve run` with a KV budget past this machine's memory: exit 1, the sum in the message."""
+    import os
+    import subprocess
+    import sys
+
+    config = tmp_path / "config.toml"
+    config.write_text('[cache]\nram_max_bytes = "1024GiB"\n[ssd]\nenabled = false\n')
+    env = os.environ | {"MLX_KVSERVE_HOME": str(tmp_path / "home")}
+    cmd = [sys.executable, "-m", "mlx_kvserve", "run", "--config", str(config), "--model", str(tiny_model_dir)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "memory plan: the weights" in done.stderr and "cache.ram_max_bytes 1024.00 GiB" in done.stderr
+    assert "> the working set" in done.stderr

@@ -49,6 +49,11 @@ def model_facts(loaded: Any, config: Any) -> ModelFacts:
     from mlx.utils import tree_flatten
 
     weights = sum(a.nbytes for _, a in tree_flatten(loaded.model.parameters()))
+    vlm = getattr(getattr(loaded, "vision", None), "vlm", None)  # a vision-language model's tower and projector
+    for part in ("vision_tower", "multi_modal_projector"):
+        module = getattr(vlm, part, None)
+        if module is not None:
+            weights += sum(a.nbytes for _, a in tree_flatten(module.parameters()))
     per_token = kv_room.model_kv_bytes_per_token(loaded.model, loaded.config, config.cache.kv_bits)
     caps = [c for c in (loaded.context_length, config.model.context_length) if c]
     return ModelFacts(weights, per_token, min(caps, default=0))

@@ -81,7 +81,8 @@ class Settings(NamedTuple):
     @classmethod
     def of(cls, config: Any) -> Settings:
         server, cache = config.server, config.cache
-        return cls(cache.ram_max_bytes, server.kv_batch_bytes, server.batch_limit(), cache.enabled)
+        ram = cache.ram_max_bytes if cache.enabled else 0  # no block cache: its budget is moot
+        return cls(ram, server.kv_batch_bytes, server.batch_limit(), cache.enabled)
 
 
 @dataclass(frozen=True)
@@ -240,11 +241,16 @@ class RegistryPlan(NamedTuple):
         }
 
 
-def registry_plan(device: DeviceFacts, model_memory_bytes: int, kv_batch_bytes: int, num_models: int) -> RegistryPlan:
+def registry_plan(
+    device: DeviceFacts, model_memory_bytes: int, kv_batch_bytes: int, num_models: int, lent: bool = False
+) -> RegistryPlan:
     """The plan of `num_models` models: [server] model_memory_bytes as set, else half of the memory
     (the old default), at most two thirds of what the reserve leaves; each model's batch its own
     kv_batch_bytes, else an equal share of the rest (held twice at its peak, GROWTH_COPIES). ConfigError
-    naming the sum when the explicit values do not fit."""
+    naming the sum when the explicit values do not fit. `lent`: a model's own process, whose parent
+    planned both budgets (server/model_process.py): taken as they are, not checked again here."""
+    if lent and model_memory_bytes and kv_batch_bytes:
+        return RegistryPlan(device, model_memory_bytes, kv_batch_bytes, num_models)
     room = device.working_set_bytes - device.reserve_bytes
     models = model_memory_bytes or min(device.memory_bytes // 2, room * 2 // 3)
     batches = GROWTH_COPIES * kv_batch_bytes * num_models if kv_batch_bytes else room - models

@@ -113,7 +113,8 @@ class ModelRegistry:
         self._loader, self._unloader, self._clock, self._wait_s = loader, unloader, clock, wait_s
         # One memory plan for all (engine/memory_plan.py): ConfigError when the explicit budgets do not fit.
         server = config.server
-        self.plan = registry_plan(device_facts(), server.model_memory_bytes, server.kv_batch_bytes, len(entries))
+        budgets = (server.model_memory_bytes, server.kv_batch_bytes, len(entries))
+        self.plan = registry_plan(device_facts(), *budgets, lent=single)  # single: a model's process, its parent's
         self.budget_bytes = self.plan.models_bytes
         if not single:
             log.info("%s", self.plan.line())
