@@ -121,6 +121,8 @@ class RoutedEngine:
             for key, value in engine.batch_stats().items():
                 if isinstance(value, (int, float)) and not key.endswith("_per_s"):
                     total[key] = total.get(key, 0) + value
+                elif key == "prefilling":  # every model's prompts prefilling now, one list
+                    total.setdefault(key, []).extend(value)
         keys = ("running", "waiting", "batch_size", "max_batch", "prefill_tokens", "prefill_s", "decode_tokens")
         for key in (*keys, "decode_s", "shared_prefix_waits"):
             total.setdefault(key, 0)
