@@ -42,22 +42,12 @@ log = logging.getLogger(__name__)
 # Block files read together by load_blocks: mlx reads them in parallel (cold, 8 at once read ~10%
 # faster than one by one here: scripts/bench_ssd_io.py); 8 Llama-3-8B blocks are 64 MiB.
 LOAD_WINDOW = 8
-_host_pool: ThreadPoolExecutor | None = None
-_host_pool_lock = threading.Lock()
 
 
 def reads_through_host() -> bool:
     """Whether this process reads block files through host memory: on a GPU that is not Apple's
     (CUDA), whose arrays live apart from the CPU. On a Mac and on the CPU, mlx reads them."""
     return mx.default_device() == mx.gpu and not mx.metal.is_available()
-
-
-def _pool() -> ThreadPoolExecutor:
-    global _host_pool
-    with _host_pool_lock:
-        if _host_pool is None:
-            _host_pool = ThreadPoolExecutor(max_workers=LOAD_WINDOW, thread_name_prefix="ssd-read")
-        return _host_pool
 
 
 class PendingLoad(NamedTuple):
@@ -87,8 +77,26 @@ class StoreReads:
     _stats: dict[str, int]
     _dirty: bool
     _clock: Callable[[], float]
+    _pool: ThreadPoolExecutor | None = None  # this store's reading threads (_read_pool)
+    _pool_lock = threading.Lock()  # guards every store's _pool (held only to make or take one)
     _is_pinned: Callable[[bytes], bool]
     host_reads: bool | None = None  # None: reads_through_host(); tests set it to try either way
+
+    def _read_pool(self) -> ThreadPoolExecutor:
+        """This store's reading threads (made on first use; close_reads ends them). One pool a store, not
+        one a process: a model's store closing never stops another model's reads, and a process's
+        last stop (clean_exit.end_process waits for every non-daemon thread) finds none idling."""
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=LOAD_WINDOW, thread_name_prefix="ssd-read")
+            return self._pool
+
+    def close_reads(self) -> None:
+        """End the reading threads (idempotent; a later read makes new ones)."""
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
 
     def is_pinned(self, block_hash: bytes) -> bool:
         return self._is_pinned(block_hash)
@@ -198,7 +206,7 @@ class StoreReads:
         the GIL): the CPU's cores share the window's hashing while mlx reads the next one."""
         views = [memoryview(payload) for _, _, _, payload in opened]  # made here, on mlx's thread
         futures = [
-            _pool().submit(payload_checksum, self.namespace, header, view, key=self.key)
+            self._read_pool().submit(payload_checksum, self.namespace, header, view, key=self.key)
             for (_, _, header, _), view in zip(opened, views, strict=True)
         ]
         return [future.result() for future in futures]
@@ -242,7 +250,9 @@ class StoreReads:
                 break
             if self.host_reads if self.host_reads is not None else reads_through_host():
                 path, check = self._path(block_hash), table_checker(self.table_rules)
-                future = _pool().submit(read_block_host, path, self.namespace, block_hash, key=self.key, check=check)
+                future = self._read_pool().submit(
+                    read_block_host, path, self.namespace, block_hash, key=self.key, check=check
+                )
                 opened.append((block_hash, entry, None, future))
                 continue
             try:

@@ -306,6 +306,7 @@ class SSDTier:
         # Clean means everything acknowledged reached the disk, the index included: flush() reports
         # a failed index write (a full disk, index.json replaced by a folder) as False, never raises.
         flushed = self.store.flush()
+        self.store.close_reads()  # its reading threads end (a process's last stop waits for them)
         if not flushed:
             log.error("SSD index write failed at shutdown: the shutdown is recorded as not clean")
         clean = bool(drained and flushed)
