@@ -149,3 +149,36 @@ def test_custom_tokenizer_gets_no_memo():
 
     assert token_memo.memo_for(Preprocessing(tokenizer_object=byte_level_tokenizer())) is None
     assert token_memo.memo_for(SimpleNamespace()) is None
+
+
+def test_requests_memoize_under_their_own_principal(tiny_model_dir, tmp_path, monkeypatch):
+    """Through the app with per_key isolation: each key's prompts sit under its own principal (the
+    gate's PRINCIPAL), and a follow-up of one key reuses only that key's entry."""
+    from starlette.testclient import TestClient
+    from test_api_tools import _loaded
+    from test_cache_isolation import KEY_A, KEY_B, KEY_FILE
+
+    from mlx_kvserve.api_keys import ApiKeys, parse_key_file
+    from mlx_kvserve.config import load_config
+    from mlx_kvserve.server.app import create_app
+
+    monkeypatch.setenv("MLX_KVSERVE_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(token_memo, "MIN_REUSE_CHARS", 1)
+    engine = Engine(_loaded(tiny_model_dir, "tiny"), load_config(overrides={"ssd": {"enabled": False}}))
+    memo = token_memo.memo_for(engine.tokenizer)
+    assert memo is not None  # the tiny model's byte-level BPE with ChatML marks
+    principals = parse_key_file(KEY_FILE, "keys")
+    turn = [{"role": "user", "content": "Hi there"}]
+    with TestClient(create_app(engine, ApiKeys(KEY_A, "", principals))) as client:
+        for key in (KEY_A, KEY_B):
+            body = {"model": "tiny", "messages": turn, "max_tokens": 1, "temperature": 0}
+            reply = client.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+            assert reply.status_code == 200, reply.text
+        owners = {p for p, _ in memo.entries}
+        assert owners == {principals[0].identity, principals[1].identity}
+        reused = memo.reused_tokens
+        body = {"model": "tiny", "messages": [*turn, {"role": "assistant", "content": "Hello"}, *turn], "max_tokens": 1}
+        reply = client.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY_A}"})
+        assert reply.status_code == 200, reply.text
+        assert memo.reused_tokens > reused
+    engine.stop()
