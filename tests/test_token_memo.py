@@ -182,3 +182,19 @@ def test_requests_memoize_under_their_own_principal(tiny_model_dir, tmp_path, mo
         assert reply.status_code == 200, reply.text
         assert memo.reused_tokens > reused
     engine.stop()
+
+
+@pytest.mark.parametrize(("kind", "tail"), [("rstrip", "  \nhello"), ("single_word", "x")])
+def test_the_excluded_marks_would_give_wrong_ids(kind, tail, monkeypatch):
+    """Why boundary_ids leaves rstrip and single_word marks out: trusted anyway, the memo's ids differ."""
+    monkeypatch.setattr(token_memo, "MIN_REUSE_CHARS", 1)
+    mark = AddedToken("<|im_end|>", special=True, normalized=False, **{kind: True})
+    hf = TokenizersBackend(tokenizer_object=byte_level_tokenizer(specials=[mark]))
+    forced = token_memo.TokenMemo(hf, frozenset([hf.convert_tokens_to_ids("<|im_end|>")]))
+    checked = token_memo.TokenMemo(hf, token_memo.boundary_ids(hf))
+    first, second = "hello world <|im_end|>", "hello world <|im_end|>" + tail
+    want = hf(second, add_special_tokens=False)["input_ids"]
+    for memo in (forced, checked):
+        memo.encode(first)
+    assert forced.encode(second) != want
+    assert checked.encode(second) == want and checked.reused_tokens == 0
