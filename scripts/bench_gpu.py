@@ -33,6 +33,12 @@ Usage:
   GPU:  python3 scripts/bench_gpu.py --out results/gpu
   issue 44 (8k / 16k / 32k): python3 scripts/bench_gpu.py --lengths 8192,16384,32768 --out results/gpu
   CPU smoke run (any machine): python scripts/bench_gpu.py --shape tiny --lengths 256,512 --out /tmp/gpu
+  long contexts on a CPU (issue 44 item 4, docs/benchmarks.md "Long contexts"): a compute-free attention,
+  16 KiB of float32 KV per token (kv-heavy's heads, 4 layers), a RAM tier that holds a 128k prefix:
+    python scripts/bench_gpu.py --shape kv-heavy --layers 4 --bits 0 --dtype float32 --compute-free \
+      --lengths 32768,65536,131072 --reps 1 --warmup-tokens 4096 --prefill-step 4096 --ram-max-bytes 5GiB
+  With --compute-free each rep also times one memory copy of the prefix (a hit's floor) and the process's
+  peak RSS during the exact repeat against its RSS before it (at most one copy of the prefix more).
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ from pathlib import Path
 import numpy as np
 from harness.diskio import CAN_DROP, block_files, drop_files, raw_read_s
 from harness.hits import JoinCounter, OneCache
+from harness.long_context import LONG_MEDIANS, copy_floor, long_lines, make_compute_free, peak_rss_during
 from harness.reports import median, write_report
 from harness.restart import served_ttft
 from harness.synthetic import kv_bytes_per_token
@@ -84,23 +91,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=0, help="0: the product's default")
     p.add_argument("--work-dir", default="", help="model folder and SSD cache (default: a temp folder, removed)")
     p.add_argument("--out", default="results/gpu")
+    p.add_argument("--layers", type=int, default=0, help="0: the shape's")
+    p.add_argument("--compute-free", action="store_true", help="attention without scores (harness/long_context)")
+    p.add_argument(
+        "--ram-max-bytes",
+        default="",
+        help="the RAM tier budget, e.g. 5GiB (default: the plan's; 1GiB on a small shape)",
+    )
+    p.add_argument("--prefill-step", type=int, default=0, help="[generation] prefill_step_size (0: by device)")
+    p.add_argument("--warmup-tokens", type=int, default=0, help="the throwaway warm-up prefix (0: each length)")
     return p.parse_args(argv)
 
 
 class Bench:
     """An Engine over one loaded model, restartable on the same SSD folder."""
 
-    def __init__(self, loaded, work: Path, block_size: int, kv_dtype_bytes: int):
+    def __init__(self, loaded, work: Path, args: argparse.Namespace):
         from mlx_kvserve.config import load_config
 
         # A real shape's RAM tier is the memory plan's (engine/memory_plan.py): an explicit 64 GiB left an
         # 80 GB GPU room for a 12k-token context only, refusing the 16k and 32k prompts.
-        cache = {} if loaded.config["hidden_size"] >= 1024 else {"ram_max_bytes": "1GiB"}
-        if block_size:
-            cache["block_size"] = block_size
-        self.config = load_config(overrides={"cache": cache, "ssd": {"cache_dir": str(work / "kv")}})
+        cache = {} if loaded.config["hidden_size"] >= 1024 else {"ram_max_bytes": args.ram_max_bytes or "1GiB"}
+        if args.block_size:
+            cache["block_size"] = args.block_size
+        overrides = {"cache": cache, "ssd": {"cache_dir": str(work / "kv")}}
+        if args.prefill_step:  # long prompts: mlx-lm's batch cache grows by a copy of itself each step
+            overrides["generation"] = {"prefill_step_size": args.prefill_step}
+        self.config = load_config(overrides=overrides)
         self.kv_dir = work / "kv"
-        self.kv_dtype_bytes = kv_dtype_bytes
+        self.kv_dtype_bytes = KV_DTYPE_BYTES[args.dtype]
+        self.compute_free = args.compute_free
         self.loaded = loaded
         self.engine = None
 
@@ -147,6 +167,10 @@ def build_model(args: argparse.Namespace, folder: Path):
 
     overrides = {"quantization": {"group_size": 64, "bits": args.bits}} if args.bits else {}
     longest = max(int(n) for n in args.lengths.split(","))
+    if args.layers:
+        overrides["num_hidden_layers"] = args.layers
+    if args.compute_free:
+        make_compute_free()
     config = llama_config(args.shape, **overrides)
     config["max_position_embeddings"] = max(config["max_position_embeddings"], longest + 2 * QUESTION_TOKENS)
     start = time.perf_counter()
@@ -180,7 +204,10 @@ def ours(bench: Bench, joins: JoinCounter, prefix: list[int], questions: list[li
     (page cache warm: read, split), the restore from a cold page cache and its floor."""
     first = prefix + questions[0]
     cold, cold_cached = bench.ttft(first)
-    (repeat, repeat_cached), repeat_joins = joins.per_layer(lambda: bench.ttft(first))
+    ((repeat, repeat_cached), repeat_joins), rss_before, rss_peak = peak_rss_during(
+        lambda: joins.per_layer(lambda: bench.ttft(first))
+    )
+    ram_bytes = bench.engine.local_cache_stats().get("kv_ram_bytes", 0)
     ram, ram_cached = bench.ttft(prefix + questions[1])
     bench.restart(split=False)
     ssd, ssd_cached = bench.ttft(prefix + questions[2])
@@ -208,6 +235,9 @@ def ours(bench: Bench, joins: JoinCounter, prefix: list[int], questions: list[li
         "restore_floor_s": prefix_bytes / raw_cold + ram,
         "raw_cold_read_gib_s": raw_cold / 2**30,
         "repeat_joined_per_layer": repeat_joins,
+        "rss_before_repeat_bytes": rss_before,
+        "rss_peak_repeat_bytes": rss_peak,
+        "ram_blocks_bytes": ram_bytes,
         "restore_joined_per_layer": restore_joins,
         "cached_tokens": {"cold": cold_cached, "ram": ram_cached, "ssd": ssd_cached, "split": split_cached},
         "issue44_cached_tokens": {"repeat": repeat_cached, "restore": restore_cached},
@@ -240,13 +270,16 @@ def theirs(loaded, prefix: list[int], questions: list[list[int]]) -> dict:
     }
 
 
-def measure_length(bench: Bench, loaded, length: int, reps: int, rng: np.random.Generator, joins: JoinCounter) -> dict:
+def measure_length(
+    bench: Bench, loaded, length: int, args: argparse.Namespace, rng: np.random.Generator, joins: JoinCounter
+) -> dict:
+    reps, warmup_tokens = args.reps, args.warmup_tokens
     vocab = loaded.config["vocab_size"]
 
     def ids(n: int) -> list[int]:
         return rng.integers(3, vocab, size=n).tolist()
 
-    warm = ids(length)
+    warm = ids(min(length, warmup_tokens) if warmup_tokens else length)
     bench.ttft(warm + ids(QUESTION_TOKENS))  # kernels for these shapes, cold and hit paths
     bench.ttft(warm + ids(QUESTION_TOKENS))
     bench.restart(split=False)
@@ -272,10 +305,12 @@ def measure_length(bench: Bench, loaded, length: int, reps: int, rng: np.random.
             "restore_over_floor": row["restore_s"] / row["restore_floor_s"],
             "restore_over_mlx_lm_cold": row["restore_s"] / row["mlx_lm_cold_s"],
         }
+        if bench.compute_free:
+            row |= copy_floor(row, prefix_bytes)
         print(f"{length} tokens, rep {rep + 1}: {row}", flush=True)
         rows.append(row)
     out = {"prompt_tokens": length + QUESTION_TOKENS, "reps": rows}
-    for key in (*MEDIANS, *ISSUE44_MEDIANS):
+    for key in (*MEDIANS, *ISSUE44_MEDIANS, *(LONG_MEDIANS if bench.compute_free else ())):
         out[key] = median([r[key] for r in rows])
     for key in ("repeat_joined_per_layer", "restore_joined_per_layer"):
         out[key] = max(r[key] for r in rows)
@@ -309,6 +344,8 @@ def machine(loaded, args: argparse.Namespace) -> dict:
         "mlx": getattr(mx, "__version__", None),
         "mlx_lm": version("mlx-lm"),
         "shape": args.shape,
+        "layers": loaded.config["num_hidden_layers"],
+        "compute_free": args.compute_free,
         "bits": args.bits,
         "dtype": args.dtype,
         "block_size": bench_block_size(args),
@@ -353,7 +390,8 @@ def report_lines(results: dict) -> list[str]:
             f"| {row['split_computed_blocks']:g} | {row['floor_s']:.3f} | {row['ssd_hit_s'] / row['floor_s']:.2f}x "
             f"| {row['ssd_split_s'] / row['floor_s']:.2f}x | {row['raw_read_gib_s']:.2f} |"
         )
-    return lines + issue44_lines(results)
+    lines += issue44_lines(results)
+    return lines + long_lines(results, QUESTION_TOKENS) if m["compute_free"] else lines
 
 
 def issue44_lines(results: dict) -> list[str]:
@@ -387,14 +425,14 @@ def main(argv: list[str] | None = None) -> dict:
     os.environ.setdefault("MLX_KVSERVE_HOME", str(work / "home"))
     try:
         loaded = build_model(args, work / "model")
-        bench = Bench(loaded, work, args.block_size, KV_DTYPE_BYTES[args.dtype])
+        bench = Bench(loaded, work, args)
         results: dict = {"machine": machine(loaded, args), "lengths": []}
         rng = np.random.default_rng(0)
         joins = JoinCounter()
         for length in (int(n) for n in args.lengths.split(",")):
             bench.start()
             try:
-                results["lengths"].append(measure_length(bench, loaded, length, args.reps, rng, joins))
+                results["lengths"].append(measure_length(bench, loaded, length, args, rng, joins))
             finally:
                 bench.stop()
             shutil.rmtree(work / "kv", ignore_errors=True)  # each length starts on an empty SSD
