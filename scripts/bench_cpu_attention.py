@@ -1,7 +1,7 @@
 """Where MLX's attention of a new question over a long cached context spends its time on this machine.
 
 Issue 26's big-KV target (a new question on a cached ~4.3k-token prompt in under 0.5 s on the CPU)
-is bound by the attention of the question's tokens over the context (docs/benchmarks.md "The big-KV
+is bound by the attention of the question's tokens over the context (docs/benchmarks-history-2026-12-07.md "The big-KV
 model's new question against the physical floor"). This splits one layer's attention, on the
 `kv-heavy` shape (8 query heads, 4 KV heads, 128 dims, float32) by default, into its parts, each
 timed alone (median of `--reps`), next to the floor of reading the layer's KV once:

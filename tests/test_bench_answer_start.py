@@ -1,5 +1,5 @@
 """scripts/bench_answer_start.py and bench_join.py end to end on the tiny model (full runs on the kv-heavy
-shape: docs/benchmarks.md): every variant answers every rep with its token times in order, the floors
+shape: docs/benchmarks-history-2026-12-07.md): every variant answers every rep with its token times in order, the floors
 are measured, and the reports have their rows."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""scripts/bench_cpu_attention.py on a small shape (the full shape's figures: docs/benchmarks.md): the
+"""scripts/bench_cpu_attention.py on a small shape (the full shape's figures: docs/benchmarks-history-2026-12-07.md): the
 written-out attention and the server's (NumPy softmax, causal blocks) it times match MLX's fast attention,
 and every part is timed; scripts/bench_cpu_prefill.py's prefill with MLX's attention and the server's on the
 tiny model."""

@@ -1,5 +1,5 @@
 """scripts/bench_decode_servers.py end to end on the tiny model, our server and mlx_lm.server (vllm-mlx is
-not installed here; full runs on SmolLM2: docs/benchmarks.md): every case measured for both servers, the
+not installed here; full runs on SmolLM2: docs/benchmarks-history-2026-12-07.md): every case measured for both servers, the
 timeline has each client's two turns in order, and the report has their rows."""
 
 from __future__ import annotations

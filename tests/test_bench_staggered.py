@@ -1,4 +1,4 @@
-"""scripts/bench_staggered_turns.py end to end on a tiny model (full runs on SmolLM2: docs/benchmarks.md):
+"""scripts/bench_staggered_turns.py end to end on a tiny model (full runs on SmolLM2: docs/benchmarks-history-2026-12-07.md):
 both variants run every round and give the same greedy replies; the report has their rows."""
 
 from __future__ import annotations

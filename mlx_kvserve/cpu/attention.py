@@ -10,7 +10,7 @@ mask that hides every key after each query's own position), a chunk's queries go
 each against the keys up to its last query, so the scores the mask hides are not computed and a block's
 scores stay within `NUMPY_MAX_SCORES`. Outputs match MLX's to float rounding.
 
-Where it wins, per call, by shape (scripts/bench_cpu_attention_shapes.py, docs/benchmarks.md): with at
+Where it wins, per call, by shape (scripts/bench_cpu_attention_shapes.py, docs/benchmarks-history-2026-12-07.md): with at
 least `NUMPY_MIN_SCORES` scores (query heads x query rows x keys) and blocks within `NUMPY_MAX_SCORES`,
 everywhere measured: 0.13-0.96x of MLX's time, median 0.43x, over 1-32 heads x 16-128 dims, decode steps,
 cached turns and cold chunks over 512-32k keys; below (a decode step over a short context) MLX's op is as

@@ -46,7 +46,7 @@ CPU_PREFILL_STEP = 512  # on the CPU short chunks cost nothing and keep the othe
 
 def prefill_step(config: Config) -> int:
     """Prompt tokens per forward pass: [generation] prefill_step_size, or by device when 0.
-    Measured on an H200 (docs/benchmarks.md "GPU"): 512-token steps made a cold 8k prompt 1.18x
+    Measured on an H200 (docs/benchmarks-history-2026-12-07.md "GPU"): 512-token steps made a cold 8k prompt 1.18x
     slower than 2048-token ones; on the CPU 512 is as fast and interleaves better."""
     if config.generation.prefill_step_size > 0:
         return config.generation.prefill_step_size

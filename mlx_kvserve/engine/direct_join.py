@@ -6,7 +6,7 @@ moves the request to the decode batch, and the move runs the last token through 
 later turn of a conversation (tens of new tokens on a cached prefix) thus waited for two batch steps
 and three passes: the step that prefilled its rest (after the running requests' decode pass), then
 the step that moved it (the one-token pass of its own). On the CPU with 4 clients that was ~1 s of a
-later turn's ~1.2 s inside the server (docs/benchmarks.md "A later turn's first token from its own
+later turn's ~1.2 s inside the server (docs/benchmarks-history-2026-12-07.md "A later turn's first token from its own
 prefill").
 
 Here a request whose uncached rest is short (at most `short_prefill_tokens`, the last token

@@ -162,7 +162,7 @@ class Scheduler:
         prefill_batch_size prefilling at once and, past that, short ones (an uncached rest of at most
         short_prefill_tokens: a later turn of a conversation), so that a cached turn never waits for
         a round of cold prompts to finish their prefill (at 16 clients it waited 37-43 s behind the
-        second round where mlx_lm.server's took 5 s: docs/benchmarks.md). A cold prompt is not
+        second round where mlx_lm.server's took 5 s: docs/benchmarks-history-2026-12-07.md). A cold prompt is not
         short even when it fits one chunk: joining, it would slow every prompt prefilling with it
         (their chunks run as one batch) and all of them would get their first token at the end."""
         while self._pending and self.num_started < self.max_batch:

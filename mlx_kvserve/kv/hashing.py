@@ -54,7 +54,7 @@ def _file_digest(path: Path) -> str:
 def model_fingerprint(model_dir: Path, memo_file: Path | None = None, damaged: list[DamagedFile] | None = None) -> str:
     """A hash of the model's config and weight files' contents, stable across restarts.
 
-    Hashing weights costs a fraction of a second per GB (docs/benchmarks.md), so per-file
+    Hashing weights costs a fraction of a second per GB (docs/benchmarks-history-2026-12-07.md "Model fingerprint"), so per-file
     digests are memoized in `memo_file` keyed by the file's identity and change stamps: path,
     device, inode, size, mtime and ctime. Any write to a file moves its ctime, which no user call
     can set back (restoring the mtime with `touch -d` or `os.utime` moves it again), and a copy or

@@ -10,7 +10,7 @@ reads the files in parallel, then hashed where it lies on the pool's threads whi
 next window, the kernel reading the chain's later files ahead: readahead.py), or through host memory on a thread pool
 (each file read and hashed in a numpy buffer, then one copy into an mlx array). The second is for a
 CUDA device, where hashing an mlx array reads it back from the GPU: on an H200 the checksum took
-3.1 ms per 8 MiB block that way against 0.8 ms on the host (docs/benchmarks.md "GPU").
+3.1 ms per 8 MiB block that way against 0.8 ms on the host (docs/benchmarks-history-2026-12-07.md "GPU").
 """
 
 from __future__ import annotations
