@@ -45,3 +45,39 @@ def test_cold_ram_and_ssd_after_restart(tmp_path):
     assert results["machine"]["shape"] == "tiny"
     report = (out / "report.md").read_text()
     assert "| 160 |" in report and "| 224 |" in report and "split / floor" in report and "Issue 44" in report
+
+
+def test_compute_free_long_context_rows(tmp_path):
+    # Issue 44 item 4 on a CPU: the hits beside one memory copy of the prefix, the peak RSS of the exact repeat.
+    out = tmp_path / "out"
+    args = ["--shape", "tiny", "--bits", "0", "--dtype", "float32", "--lengths", "256", "--reps", "1"]
+    args += ["--compute-free", "--layers", "3", "--prefill-step", "64", "--warmup-tokens", "64"]
+    args += ["--ram-max-bytes", "64MiB", "--work-dir", str(tmp_path / "work"), "--out", str(out)]
+    proc = subprocess.run([sys.executable, "scripts/bench_gpu.py", *args], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["machine"]["compute_free"] and results["machine"]["layers"] == 3
+    (row,) = results["lengths"]
+    (rep,) = row["reps"]
+    assert rep["issue44_cached_tokens"] == {"repeat": 256 + 31, "restore": 256}
+    prefix_bytes = kv_bytes_per_token(llama_config("tiny", num_hidden_layers=3), 4) * 256
+    assert rep["ram_blocks_bytes"] >= prefix_bytes  # the prefix is held in RAM when the repeat hits
+    assert 0 < rep["rss_before_repeat_bytes"] <= rep["rss_peak_repeat_bytes"]
+    assert row["copy_floor_s"] > 0
+    assert row["repeat_over_copy"] == pytest.approx(row["repeat_s"] / row["copy_floor_s"])
+    growth = rep["rss_peak_repeat_bytes"] - rep["rss_before_repeat_bytes"]
+    assert row["rss_growth_over_prefix"] == pytest.approx(growth / prefix_bytes)
+    assert "Long contexts (compute-free attention)" in (out / "report.md").read_text()
+
+
+def test_peak_rss_during_sees_an_allocation():
+    import numpy as np
+    from harness.long_context import peak_rss_during
+
+    def allocate():
+        a = np.ones(64 << 20, dtype=np.uint8)  # touched: resident
+        return int(a[-1])
+
+    result, before, peak = peak_rss_during(allocate)
+    assert result == 1
+    assert peak - before >= 60 << 20
