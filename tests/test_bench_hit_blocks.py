@@ -24,6 +24,9 @@ def test_the_hit_joins_runs_not_blocks_at_every_block_size(tmp_path):
         assert r["runs_joined_per_layer"] == 3  # the run, the tail, the room
         assert r["per_block_joined_per_layer"] == 299 // r["block_size"] + 2
         assert r["runs_repeat_s"] > 0 and r["per_block_repeat_s"] > 0 and r["copy_floor_s"] > 0
-        # The hit's copy of the prefix (with room: 512 positions for these 300 here), no more than joining per block.
-        assert 1.0 <= r["runs_peak_x_prefix"] <= r["per_block_peak_x_prefix"] * 1.05
+        # One copy of the prefix with room (512 positions for these 300: 1.71x) plus the allocator's rounding of
+        # buffers this small (it moves a tiny run's peak by ~0.2-0.5x between runs, so the two variants are not
+        # compared here); a second copy would be >= 3.4x.
+        for variant in ("runs", "per_block"):
+            assert 1.0 <= r[f"{variant}_peak_x_prefix"] < 3.0, r
     assert "| 16 | 18 | 3 / 20 |" in (out / "report.md").read_text()
