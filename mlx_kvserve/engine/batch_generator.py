@@ -58,7 +58,7 @@ class KVServeBatchGenerator(BatchGenerator):
         self._joining: list[tuple] = []  # requests inserted by insert_decoding, entering at the next step
         # (tokens done, tokens to prefill) of each prompt still prefilling after the last step, for
         # /health and /ui; replaced whole by the worker thread, so a reader never sees it half built.
-        self.prefill_progress: list[tuple[int, int]] = []
+        self.prefill_progress: dict[int, tuple[int, int]] = {}  # by uid
 
     def _next(self) -> tuple[list[Any], list[Any]]:
         joined = self._enter_joining()
@@ -75,7 +75,7 @@ class KVServeBatchGenerator(BatchGenerator):
             prompt_responses, generation_responses = super()._next()
         finally:
             self.prefill_step_size = step
-        self.prefill_progress = [tuple(r.progress) for r in prompt_responses if not r.end_of_prompt]
+        self.prefill_progress = {r.uid: tuple(r.progress) for r in prompt_responses if not r.end_of_prompt}
         return moved + prompt_responses, generation_responses
 
     def insert_decoding(

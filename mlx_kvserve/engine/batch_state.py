@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from .prefix_cache import Prepared
 from .request import GenerationRequest, TextDelta
@@ -96,3 +96,25 @@ class SchedulerStats:
     shared_prefix_waits: int = 0  # requests that waited for another's prompt blocks
     overdue_starts: int = 0  # requests started first because later ones had passed them for the bound
     max_wait_s: float = 0.0  # the longest any request waited to start (arrival to batch)
+
+
+class PrefillProgress(NamedTuple):
+    """One prompt prefilling now: `done` of its `total` uncached tokens (mlx-lm's progress), after
+    `cached` tokens the cache supplied; `started` when it entered the batch (perf_counter)."""
+
+    req: GenerationRequest
+    done: int
+    total: int
+    cached: int
+    started: float
+
+
+def prefill_progress(by_uid: dict[int, tuple[int, int]], running: dict[int, Running]) -> list[PrefillProgress]:
+    """The prompts in `by_uid` (the batch generator's progress) still running; any thread: both maps
+    are only ever replaced or changed one key at a time, and read here through copies."""
+    runs = dict(running)
+    return [
+        PrefillProgress(runs[uid].req, int(done), int(total), runs[uid].prepared.match.num_tokens, runs[uid].started)
+        for uid, (done, total) in dict(by_uid).items()
+        if uid in runs
+    ]

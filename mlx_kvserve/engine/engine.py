@@ -431,9 +431,19 @@ class Engine:
             "overdue_starts": s.overdue_starts,
             "speculative": self.speculation.describe() if self.speculation is not None else {"mode": "off"},
             "prefilling": [  # long prompts being prefilled now: uncached tokens done of those to do
-                {"done": int(done), "total": int(total)} for done, total in scheduler.prefill_progress()
+                {"done": p.done, "total": p.total} for p in scheduler.prefill_progress()
             ],
         }
+
+    def prompt_progress(self, req: GenerationRequest) -> dict[str, int] | None:
+        """llama.cpp's `prompt_progress` for `req` while its prompt prefills (None otherwise): the prompt's
+        tokens, those the cache supplied, those in the KV so far (cached included), ms since it started."""
+        for p in self.generator.scheduler.prefill_progress():
+            if p.req is req:
+                total, elapsed = len(req.prompt_tokens), time.perf_counter() - p.started
+                processed = min(total, p.cached + p.done)
+                return {"total": total, "cache": p.cached, "processed": processed, "time_ms": int(elapsed * 1000)}
+        return None
 
     def health(self) -> dict[str, Any]:
         return {

@@ -21,7 +21,7 @@ from mlx_lm.generate import StopSequences
 from ..kv.blocks import shift_positions
 from . import direct_join
 from .batch_generator import KVServeBatchGenerator
-from .batch_state import Pending, Running, SchedulerStats, Waiting
+from .batch_state import Pending, PrefillProgress, Running, SchedulerStats, Waiting, prefill_progress
 from .constrain import grammars_for
 from .device_memory import release_after_out_of_memory
 from .order import StartOrder
@@ -123,8 +123,8 @@ class Scheduler:
     def num_prefilling(self) -> int:
         return sum(1 for r in self._running.values() if not r.prefill_done)
 
-    def prefill_progress(self) -> list[tuple[int, int]]:  # (done, total) per prompt prefilling; any thread
-        return list(self._batch.prefill_progress) if self._batch is not None else []
+    def prefill_progress(self) -> list[PrefillProgress]:  # each prompt prefilling now; any thread
+        return prefill_progress(self._batch.prefill_progress, self._running) if self._batch is not None else []
 
     def is_running(self, req: GenerationRequest) -> bool:
         """Whether `req` is admitted and not finished (pending, waiting or in the batch)."""

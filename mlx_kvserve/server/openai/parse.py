@@ -50,6 +50,7 @@ class CompletionRequest:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    return_progress: bool = False  # llama.cpp's: prefill progress chunks before the first token
     return_block_hashes: bool = False
     tools: tl.ToolSpec | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs
@@ -197,6 +198,7 @@ _FIELDS = {"model", "max_tokens", "temperature", "top_p", "n", "seed", "stop", "
 _FIELDS |= {"kvserve", "max_completion_tokens", "top_k", "min_p", "logprobs", "response_format", *ACCEPTED}
 _FIELDS |= {"presence_penalty", "frequency_penalty", "logit_bias"}
 _FIELDS |= {"keep_alive"}  # Ollama's: how long the model stays loaded (server/keep_alive.py)
+_FIELDS |= {"return_progress"}  # llama.cpp's: prefill progress chunks in a stream (server/openai/progress.py)
 CHAT_FIELDS = _FIELDS | {"messages", "tools", "tool_choice", "parallel_tool_calls"}
 CHAT_FIELDS |= {"chat_template_kwargs", "top_logprobs", "reasoning_effort"}
 TEXT_FIELDS = _FIELDS | {"prompt"}
@@ -320,6 +322,7 @@ def parse_request(body: Any, kind: str, defaults: Defaults) -> CompletionRequest
         stop=_parse_stop(body),
         stream=_field(body, "stream", (bool,), "a boolean", False),
         include_usage=bool(_field(stream_options, "include_usage", (bool,), "a boolean", False)),
+        return_progress=bool(_field(body, "return_progress", (bool,), "a boolean", False)),
         return_block_hashes=bool(_field(ext, "return_block_hashes", (bool,), "a boolean", False)),
         speculative=_parse_speculative(ext),
         tools=tools.parse_openai_tools(body) if kind == "chat" else None,

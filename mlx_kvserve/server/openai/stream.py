@@ -16,6 +16,7 @@ from ..deadlines import EventTracker
 from . import choices
 from . import parse as oa
 from . import reply as oar
+from .progress import Progress, PromptProgress, progress_reader
 
 
 async def stream_reply(
@@ -62,6 +63,7 @@ async def _choice_stream(
     model = handler.engine.model_name
     out = handler.output(req, gen_req) if req.kind == "chat" else None
     formatter = handler.logprob_formatter(req) if req.logprobs.enabled else None
+    progress = PromptProgress(progress_reader(handler.engine, gen_req)) if req.return_progress else None
 
     def data(chunk: dict) -> str:
         chunk["choices"][0]["index"] = index
@@ -71,13 +73,18 @@ async def _choice_stream(
         yield data(oar.chunk_body(req, rid, model, "" if req.kind == "chat" else None, None, first=True))
         while True:
             try:
-                ev = await sse.next_or_keep_alive(track)
+                if progress is not None and not track.got_first:
+                    ev = await progress.next(track)
+                else:
+                    ev = await sse.next_or_keep_alive(track)
             except RequestTimeoutError as exc:  # the status is sent: end the stream with the error
                 failed.append(exc)
                 yield sse.data(oar.error_body(exc.message, exc.error_type, exc.param, exc.code))
                 return
             if ev is sse.KEEP_ALIVE:  # a long prefill: bytes on the wire so the client waits
                 yield sse.COMMENT_KEEP_ALIVE
+            elif isinstance(ev, Progress):  # return_progress: an empty delta carrying the prefill's progress
+                yield data({**oar.chunk_body(req, rid, model, None, None), "prompt_progress": ev.payload})
             elif isinstance(ev, TextDelta):
                 if ev.text and out is None:
                     chunks = [oar.chunk_body(req, rid, model, ev.text, None)]
