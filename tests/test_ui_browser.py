@@ -153,8 +153,16 @@ def test_figures_match_health_without_console_errors(browser, open_server):
     saved = sum(r["cached_tokens"] for r in log) / rate
     assert float(field(browser, "prefill_saved_s")) == pytest.approx(saved, rel=1e-6) and saved > 0
     legends = [e.get_attribute("textContent") for e in browser.find_elements(By.CSS_SELECTOR, ".u-legend")]
-    assert len(legends) == 4 and all("--" not in legend for legend in legends)  # labels, no empty values
-    assert "cache hit (≥ half cached)" in legends[2]
+    assert len(legends) == 5 and all("--" not in legend for legend in legends)  # labels, no empty values
+    assert "cache hit (≥ half cached)" in legends[2] and "cache hit (≥ half cached)" in legends[4]
+    # TTFT against prompt length: every listed request a point, cold and hits apart, x ascending
+    by_length = browser.find_element(By.ID, "chart-ttft-length")
+    cold = sum(r["cached_tokens"] < r["prompt_tokens"] / 2 for r in log)
+    assert (by_length.get_attribute("data-cold"), by_length.get_attribute("data-hit")) == (str(cold), str(3 - cold))
+    assert cold >= 1 and 3 - cold >= 1
+    lengths = by_length.get_attribute("data-prompt-tokens")
+    assert lengths == ",".join(str(n) for n in sorted(r["prompt_tokens"] for r in log))
+    assert by_length.find_elements(By.TAG_NAME, "canvas")
     open_tab(browser, server.base_url, "requests")
     rows = browser.find_elements(By.CSS_SELECTOR, "#requests-table tbody tr")
     assert len(rows) == 3 and "/v1/chat/completions" in rows[0].text

@@ -1,12 +1,12 @@
-// The overview: live figures from /health and /metrics, the prompts prefilling now, and four small uPlot
-// charts over the same five-minute window with readable clock labels.
+// The overview: live figures from /health and /metrics, the prompts prefilling now, four small uPlot
+// charts over the same five-minute window with readable clock labels, and TTFT against prompt length.
 import { el, figure, ms, num, pct } from "./api.js";
 import { isHit, savedSeconds } from "./requests.js";
 
 const WINDOW = 300; // points kept per time chart (5 minutes at one poll a second)
 const COLORS = ["#2b6cb0", "#c05621", "#2f855a", "#6b46c1"];
 
-function chart(target, labels, { points = false } = {}) {
+function chart(target, labels, { points = false, byTime = true } = {}) {
   const series = [{}];
   labels.forEach((label, i) => series.push({
     label,
@@ -23,9 +23,13 @@ function chart(target, labels, { points = false } = {}) {
     height: 180,
     series,
     legend: { live: false }, // labels only: values at the cursor read "--" until it hovers
-    // Every chart shows the last WINDOW seconds, whatever its points: their times line up.
-    scales: { x: { time: true, range: () => [now() - WINDOW, now()] } },
-    axes: [{ values: clock, space: 70, incrs: [15, 30, 60, 120, 300] }, { size: 50 }],
+    // Every time chart shows the last WINDOW seconds, whatever its points: their times line up. The
+    // others (prompt tokens across) start at 0, so a lone point or equal lengths still have a width.
+    scales: {
+      x: byTime ? { time: true, range: () => [now() - WINDOW, now()] }
+        : { time: false, range: (u, lo, hi) => [0, Math.max(1, 1.05 * hi)] },
+    },
+    axes: [byTime ? { values: clock, space: 70, incrs: [15, 30, 60, 120, 300] } : { space: 60 }, { size: 50 }],
   };
   return new uPlot(options, [[], ...labels.map(() => [])], node);
 }
@@ -64,6 +68,7 @@ export class LivePanel {
       tps: chart("chart-tps", ["prompt", "decode"]),
       ttft: chart("chart-ttft", ["cold", "cache hit (≥ half cached)"], { points: true }),
       share: chart("chart-share", ["cached share"]),
+      ttftLength: chart("chart-ttft-length", ["cold", "cache hit (≥ half cached)"], { points: true, byTime: false }),
     };
     window.addEventListener("resize", () => this.resize());
   }
@@ -124,6 +129,22 @@ export class LivePanel {
       sorted.map((r) => (isHit(r) ? null : r.ttft_s)),
       sorted.map((r) => (isHit(r) ? r.ttft_s : null)),
     ]);
+    this.showTtftByLength(done);
+  }
+
+  showTtftByLength(done) {
+    // What the cache changes: TTFT grows with the prompt's uncached tokens, so cold points climb with
+    // length while hits stay low. uPlot wants x ascending; the counts are there for the page's tests.
+    const byLength = [...done].sort((a, b) => a.prompt_tokens - b.prompt_tokens);
+    this.charts.ttftLength.setData([
+      byLength.map((r) => r.prompt_tokens),
+      byLength.map((r) => (isHit(r) ? null : r.ttft_s)),
+      byLength.map((r) => (isHit(r) ? r.ttft_s : null)),
+    ]);
+    const node = document.getElementById("chart-ttft-length");
+    node.setAttribute("data-cold", byLength.filter((r) => !isHit(r)).length);
+    node.setAttribute("data-hit", byLength.filter(isHit).length);
+    node.setAttribute("data-prompt-tokens", byLength.map((r) => r.prompt_tokens).join(","));
   }
 
   showProblems(health) {
