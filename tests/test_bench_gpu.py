@@ -71,12 +71,20 @@ def test_compute_free_long_context_rows(tmp_path):
 
 
 def test_peak_rss_during_sees_an_allocation():
+    import mmap
+
     import numpy as np
     from harness.long_context import peak_rss_during
 
     def allocate():
-        a = np.ones(64 << 20, dtype=np.uint8)  # touched: resident
-        return int(a[-1])
+        # Fresh pages from the kernel, not malloc's: the suite runs with glibc tunables that keep freed
+        # pages (cpu/warm_memory), so a malloc'd buffer may reuse memory already resident.
+        with mmap.mmap(-1, 64 << 20) as region:
+            a = np.frombuffer(region, dtype=np.uint8)
+            a[:] = 1  # touched: resident
+            value = int(a[-1])
+            del a
+            return value
 
     result, before, peak = peak_rss_during(allocate)
     assert result == 1
