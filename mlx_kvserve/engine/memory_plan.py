@@ -63,6 +63,15 @@ class DeviceFacts(NamedTuple):
     def reserve_bytes(self) -> int:
         return 0 if self.is_share else max(MIN_RESERVE_BYTES, self.working_set_bytes // RESERVE_SHARE)
 
+    def describe(self) -> dict[str, Any]:
+        """The device's part of /health's "memory_plan" object (one model's plan or the registry's)."""
+        return {
+            "device": self.kind,
+            "memory_bytes": self.memory_bytes,
+            "working_set_bytes": self.working_set_bytes,
+            "working_set_source": self.source,
+        }
+
 
 class ModelFacts(NamedTuple):
     weights_bytes: int
@@ -128,10 +137,7 @@ class MemoryPlan:
     def describe(self) -> dict[str, Any]:
         """/health's "memory_plan" object."""
         return {
-            "device": self.device.kind,
-            "memory_bytes": self.device.memory_bytes,
-            "working_set_bytes": self.device.working_set_bytes,
-            "working_set_source": self.device.source,
+            **self.device.describe(),
             "weights_bytes": self.weights_bytes,
             "reserve_bytes": self.reserve_bytes,
             "kv_ram_bytes": self.kv_ram_bytes,
@@ -229,10 +235,7 @@ class RegistryPlan(NamedTuple):
 
     def describe(self) -> dict[str, Any]:
         return {
-            "device": self.device.kind,
-            "memory_bytes": self.device.memory_bytes,
-            "working_set_bytes": self.device.working_set_bytes,
-            "working_set_source": self.device.source,
+            **self.device.describe(),
             "reserve_bytes": self.device.reserve_bytes,
             "models_bytes": self.models_bytes,
             "kv_batch_bytes_per_model": self.batch_bytes,
