@@ -40,7 +40,7 @@ run: setup
 	$(VENV)/bin/mlx-kvserve run --model $(MODEL) --host $(HOST) --port $(PORT)
 
 test: setup
-	$(PY) -m mlx_kvserve.blas_exec $(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m mlx_kvserve.cpu.blas_exec $(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check mlx_kvserve tests scripts

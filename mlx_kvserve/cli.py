@@ -15,10 +15,10 @@ from pathlib import Path
 
 import click
 
-from . import blas, warm_memory
 from .cache_cli import cache_group
 from .clean_exit import serve_then_exit
 from .config import ROUTER_POLICIES, Config, as_dict, key_overrides, load_api_keys, load_config
+from .cpu import blas, warm_memory
 from .errors import KVServeError
 from .launch.command import launch
 from .model_entries import load_model_entries
@@ -121,7 +121,7 @@ def run(config_path, model, dtype, host, port, api_key, api_key_file, distribute
 
     log.info("BLAS in use: %s; malloc tunables: %s", blas.blas_in_use(), warm_memory.in_effect())
     registry_app = _registry_app(config, config_path, model, distributed, keys)
-    if registry_app is not None:  # [[models]]: several models, loaded on demand (engine/registry.py)
+    if registry_app is not None:  # [[models]]: several models, loaded on demand (registry/registry.py)
         _install_cpu_attention(config)  # not known yet which: as for a model of several layers
         signal.signal(signal.SIGTERM, _exit_cleanly)
         server = config.server
@@ -240,15 +240,15 @@ def _registry_app(config: Config, config_path: str | None, model: str | None, di
         return None
     if distributed:
         raise click.UsageError("--distributed serves one model: remove the [[models]] entries")
-    from .engine.model_front import RoutedEngine
-    from .engine.registry import ModelRegistry, registry_entries
+    from .registry.front import RoutedEngine
+    from .registry.registry import ModelRegistry, registry_entries
     from .server.app import create_app
     from .server.model_process import load_entry
 
     # A model's own process (its parent set PARENT_PID_ENV) keeps its one folder within the
     # ssd.max_bytes its parent lent it: no budget over the other folders, which the parent counts.
     own_process = _parent_pid() is not None
-    try:  # the memory plan refuses budgets that do not fit (engine/memory_plan.py)
+    try:  # the memory plan refuses budgets that do not fit (engine/memory/plan.py)
         registry = ModelRegistry(config, registry_entries(entries, model), single=own_process, loader=load_entry)
     except KVServeError as exc:
         raise click.ClickException(exc.message) from None

@@ -40,7 +40,7 @@ class ServerConfig:
     max_queue: int = 16  # requests waiting for the worker; one more gets 429
     max_batch: int = 16  # requests decoding together (continuous batching); at most max_queue
     # Which waiting request starts next: "cached_first" (fewest uncached prompt tokens first; one
-    # that later ones have passed for max_wait_s goes first) or "fifo" (arrival order). engine/order.py.
+    # that later ones have passed for max_wait_s goes first) or "fifo" (arrival order). engine/batch/order.py.
     scheduling: str = "cached_first"
     max_wait_s: float = 5.0
     prefill_batch_size: int = 0  # long prompts prefilled together (short ones join past it); 0 = 1
@@ -68,15 +68,15 @@ class ServerConfig:
     allowed_hosts: list[str] = field(default_factory=list)
     allowed_origins: list[str] = field(default_factory=list)
     allow_no_key: bool = False
-    # Several models ([[models]], engine/registry.py): the weights (and KV in RAM) of loaded models stay
+    # Several models ([[models]], registry/registry.py): the weights (and KV in RAM) of loaded models stay
     # under this; the least recently used idle model is unloaded to make room. 0 = by the memory plan
-    # (engine/memory_plan.py): half of the memory the arrays live in, within the working set.
+    # (engine/memory/plan.py): half of the memory the arrays live in, within the working set.
     model_memory_bytes: int = 0
     model_keep_alive_s: float = 0.0  # an idle model is unloaded after this long; 0 = only for room
-    # MLX keeps freed buffers for reuse up to this many bytes (engine/device_memory.py); 0 = by device:
+    # MLX keeps freed buffers for reuse up to this many bytes (engine/memory/device.py); 0 = by device:
     # a quarter of the GPU's own memory with CUDA (MLX's default there is 80% of it), MLX's own elsewhere.
     mlx_cache_limit_bytes: int = 0
-    kv_batch_bytes: int = 0  # the KV of the requests in the batch together (engine/kv_room.py); 0 = planned
+    kv_batch_bytes: int = 0  # the KV of the requests in the batch together (engine/batch/kv_room.py); 0 = planned
 
     def in_flight_limit(self) -> int:
         """Completion requests that may be in flight before the next gets 429."""
@@ -113,7 +113,7 @@ class GenerationConfig:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    # Speculative decoding for a request decoding alone (engine/speculative.py): "prompt_lookup"
+    # Speculative decoding for a request decoding alone (engine/speculative/speculator.py): "prompt_lookup"
     # drafts from the prompt and output (n-gram lookup), "draft" with draft_model, "auto" with
     # draft_model when one is set, else by prompt lookup; where it pays. "off" never.
     mode: str = "auto"
@@ -125,7 +125,7 @@ class SpeculativeConfig:
 class CacheConfig:
     enabled: bool = True
     block_size: int = 64
-    ram_max_bytes: int = 0  # 0 = by the memory plan (engine/memory_plan.py), at most a quarter of the memory
+    ram_max_bytes: int = 0  # 0 = by the memory plan (engine/memory/plan.py), at most a quarter of the memory
     pinned_ram_share: float = 0.5  # above this share of the RAM budget, pinned blocks are served from the SSD
     pin_on_start: list[str] = field(default_factory=list)  # prompt files warmed and pinned at startup
     # Anthropic cache_control pins (TTL 5 min / 1 h, refreshed on use) hold at most this share of the

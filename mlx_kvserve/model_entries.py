@@ -1,4 +1,4 @@
-"""`[[models]]`: the entries of the model registry (engine/registry.py; docs/models.md), read from the
+"""`[[models]]`: the entries of the model registry (registry/registry.py; docs/models.md), read from the
 config file apart from its sections (an array of tables, not a section of one table)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from .errors import ConfigError
 
 @dataclass(frozen=True)
 class ModelEntry:
-    """One `[[models]]` entry of the registry (engine/registry.py; docs/models.md). Options left at 0 or
+    """One `[[models]]` entry of the registry (registry/registry.py; docs/models.md). Options left at 0 or
     "" take the server-wide value ([model], [cache], [server] model_keep_alive_s)."""
 
     name: str  # the id clients send and /v1/models lists

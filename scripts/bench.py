@@ -17,7 +17,7 @@ Scenarios (--scenarios, comma-separated; default all):
                 system prompt: TTFT mean / p90 per turn, tokens/s             (bench_concurrent.py)
 --quick: one rep and fewer turns/conversations/depths/tokens; under 10 minutes on a 2-core CPU.
 
-Usage: python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench.py [--quick] [--scenarios a,b] [--out DIR]
+Usage: python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/bench.py [--quick] [--scenarios a,b] [--out DIR]
 Charts need matplotlib: pip install -e '.[bench]'.
 """
 
@@ -48,7 +48,7 @@ from harness.scenarios.prefix import (
 from harness.scenarios.prefix import report_lines as prefix_report_lines
 from harness.servers import server_env, start_servers, stop_servers
 
-from mlx_kvserve.blas import blas_in_use, mapped_blas
+from mlx_kvserve.cpu.blas import blas_in_use, mapped_blas
 
 SCENARIOS = ["system", "restart", "conversation", "interleaved", "pins", "decode", "ssd", "concurrent"]
 SERVER_SCENARIOS = {"system", "restart", "conversation", "interleaved", "concurrent"}

@@ -15,7 +15,7 @@ Cold reference of a turn: our cold TTFT at that turn's prompt length, interpolat
 measured cold requests: the conversation's own turn 1, and turn 10's messages under a fresh system
 prompt (measured last). Linear in tokens slightly underestimates the cost of a longer cold prompt.
 
-    python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_agent.py [--quick] [--out DIR]
+    python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/bench_agent.py [--quick] [--out DIR]
 
 Targets: every turn after the first at least 5x faster than cold and at least 2x faster than
 mlx_lm.server, per turn and over the run (sums of TTFT over turns 2-10).

@@ -12,7 +12,7 @@ the speculative path once more to grow it. Variants, alternated rep by rep in on
 - `borrowed without speculation`: the product with the speculative path off (what it costs or saves here).
 Next to them, in the same run: one copy of the prefix's KV bytes (what each extraction moved).
 
-Usage: python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_answer_start.py
+Usage: python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/bench_answer_start.py
            [--synthetic kv-heavy] [--words 800] [--tokens 6] [--reps 4]
 """
 
@@ -44,7 +44,7 @@ def main(argv=None) -> dict:
     from harness.synthetic import load_bench_model
 
     from mlx_kvserve.config import load_config
-    from mlx_kvserve.engine import batch_generator
+    from mlx_kvserve.engine.batch import mlx_batch as batch_generator
     from mlx_kvserve.engine.engine import Engine
 
     loaded = load_bench_model(args.model, args.synthetic, "answer-")

@@ -7,7 +7,7 @@ No model: blocks of a Llama-3-8B-shaped KV (32 layers, 8 KV heads, head dim 128,
 - assemble: `CacheLayout.assemble` (a fresh prompt cache holding the blocks: one concatenation per layer);
 - assemble + batch: that, then mlx-lm's `BatchKVCache.merge` (what `BatchGenerator.insert` does with it).
 
-    python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_assembly.py [--tokens 2048 8192]
+    python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/bench_assembly.py [--tokens 2048 8192]
         [--block-sizes 16 64 256]
 """
 

@@ -2,7 +2,7 @@
 
 For each block size: cold TTFT and the time spent registering blocks after it, repeat TTFT
 (exact same prompt), new-question TTFT (same ~1.2k-token system prompt), and blocks per prompt.
-Usage: python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_block_size.py [--sizes 16,32,64,128]
+Usage: python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/bench_block_size.py [--sizes 16,32,64,128]
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ def run(sizes: list[int], reps: int) -> list[dict]:
     from mlx_lm.utils import load
 
     from mlx_kvserve.chain import BlockHasher
-    from mlx_kvserve.engine.generate import Generator
-    from mlx_kvserve.engine.prefix_cache import PrefixCache
+    from mlx_kvserve.engine.batch.generate import Generator
+    from mlx_kvserve.engine.cache.prefix_cache import PrefixCache
     from mlx_kvserve.engine.request import GenerationRequest, SamplingParams
     from mlx_kvserve.kv.hashing import namespace_hash
     from mlx_kvserve.kv.manager import KVManager

@@ -18,7 +18,7 @@ try_clients.py by default: a cold ~23k-token prefill takes seconds on the CPU), 
 unrelated request first. Per turn: prompt tokens, then per server cached tokens and TTFT (request to
 the first streamed content delta; the end of the stream when none came).
 
-    python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_claude_session.py \\
+    python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/bench_claude_session.py \\
         --vllm-mlx /tmp/bench-venvs/vllm-mlx/bin/vllm-mlx [--model DIR] [--out DIR]
 """
 

@@ -11,7 +11,7 @@ With --rounds R (R > 1), each case runs R rounds, the servers in alternating ord
 each round on new system prompts: a load change on a shared machine then falls on every server, and the
 report gives each round's figures, the ratios per round with their median and range, and the targets
 on the median ratios (harness/scenarios/concurrent_rounds.py).
-Usage: python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_concurrent.py [--quick] [--out DIR]
+Usage: python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/bench_concurrent.py [--quick] [--out DIR]
            [--clients 4,8,16] [--rounds 3] [--variants fifo] [--vllm-mlx /tmp/bench-venvs/vllm-mlx/bin/vllm-mlx]
 """
 

@@ -8,7 +8,7 @@ Variants, alternated `--rounds` times, each on a fresh server:
 Per run: the server's peak RSS during the counts (sampled from /proc every 50 ms), the counts' statuses,
 the small chat's median latency before (idle) and of the chats sent one after another while the counts
 run (`busy`: the first of them waits the longest). Linux only (/proc).
-Usage: python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_count_tokens.py [--counts 12 --body-mb 3]
+Usage: python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/bench_count_tokens.py [--counts 12 --body-mb 3]
 """
 
 from __future__ import annotations

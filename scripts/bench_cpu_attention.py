@@ -19,7 +19,7 @@ timed alone (median of `--reps`), next to the floor of reading the layer's KV on
 The outputs of the written-out and the server's attentions are checked against the fast one. Where the
 server's wins, shape by shape: scripts/bench_cpu_attention_shapes.py.
 
-Usage: python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_cpu_attention.py
+Usage: python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/bench_cpu_attention.py
            [--new-tokens 55] [--context 4636] [--heads 8] [--kv-heads 4] [--head-dim 128] [--layers 32]
 """
 

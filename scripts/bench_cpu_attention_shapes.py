@@ -10,7 +10,7 @@ prompt's 512-token chunk at that depth), `turn` a cached turn's new tokens over 
 one query row. Cases whose work (heads x rows x keys x head size) passes `--max-work` are left out.
 The outputs are checked against MLX's.
 
-Usage: python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_cpu_attention_shapes.py
+Usage: python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/bench_cpu_attention_shapes.py
            [--shapes 1x1x64,2x2x16,9x3x64,8x4x128,32x8x128] [--cases cold:512:4096,...] [--reps 3]
 """
 

@@ -8,7 +8,7 @@ as `mlx-kvserve run` installs it for this model ("as installed": not below MIN_L
 cpu/attention.py; a one-layer model shows why). Reports the best of `--reps` times, the ratios to MLX's, and how far the last logits
 differ from MLX's (and whether their argmax agrees).
 
-Usage: python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_cpu_prefill.py [--tokens 470,1500]
+Usage: python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/bench_cpu_prefill.py [--tokens 470,1500]
            [--step 512] [--rows 128] [--reps 3] [--model DIR]
 """
 

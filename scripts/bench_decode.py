@@ -6,7 +6,7 @@ both run one forward pass per token); decode tokens/s = (tokens after the first)
 first token to the last). The two must produce the same tokens. Issue 26's target: the engine within
 3% of mlx-lm (a ratio of at least 0.97).
 
-Usage: python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_decode.py [--reps 5] [--max-tokens 128]
+Usage: python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/bench_decode.py [--reps 5] [--max-tokens 128]
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@
   wall goes, request by request.
 Every case runs `--rounds` times, the servers in alternating order (A B C, C B A, ...).
 
-Usage: python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_decode_servers.py [--rounds 2]
+Usage: python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/bench_decode_servers.py [--rounds 2]
            [--clients 1,4] [--max-tokens 96] [--timeline] [--vllm-mlx /tmp/bench-venvs/vllm-mlx/bin/vllm-mlx]
 """
 

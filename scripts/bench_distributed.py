@@ -7,7 +7,7 @@ after restarting the server (every rank), with the cached tokens each reports; f
 server also the engine's own collectives per request (the update rank 0 shares each step, the
 agreement on the cached length, /health's gathers) in count and milliseconds, from /health.
 
-    python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_distributed.py [--quick]
+    python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/bench_distributed.py [--quick]
 
 On this 2-core machine two ranks share the cores, so the two-rank TTFTs measure the protocol's
 overhead, not a speed-up: the point of ranks is memory (a model bigger than one machine).
@@ -31,7 +31,7 @@ from harness.reports import median, write_report
 from harness.servers import Server, free_port
 from harness.synthetic import base_vocab_size, random_model, write_model_folder
 
-from mlx_kvserve.blas import preload_env
+from mlx_kvserve.cpu.blas import preload_env
 
 MODELS = {
     # name: (config, mode). The tiny llama splits by heads; a SmolLM2-shaped qwen2 (9 heads: no

@@ -14,7 +14,7 @@ Per scenario: the tokens each server reports cached (usage.prompt_tokens_details
 prefix the prompt shares with earlier requests, and the mean TTFT of the hits next to the cold requests'.
 Checkpoint bytes: what one checkpoint of each model holds (measured on a real capture) and /health's figures.
 
-    python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_families.py [--quick] [--out DIR]
+    python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/bench_families.py [--quick] [--out DIR]
 
 Targets (issue 12): cached tokens >= 90% of the shared prefix in every scenario; hit TTFT >= 5x below cold.
 """

@@ -109,7 +109,7 @@ class Bench:
     def __init__(self, loaded, work: Path, args: argparse.Namespace):
         from mlx_kvserve.config import load_config
 
-        # A real shape's RAM tier is the memory plan's (engine/memory_plan.py): an explicit 64 GiB left an
+        # A real shape's RAM tier is the memory plan's (engine/memory/plan.py): an explicit 64 GiB left an
         # 80 GB GPU room for a 12k-token context only, refusing the 16k and 32k prompts.
         cache = {} if loaded.config["hidden_size"] >= 1024 else {"ram_max_bytes": args.ram_max_bytes or "1GiB"}
         if args.block_size:

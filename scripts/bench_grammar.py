@@ -1,6 +1,6 @@
 """Constrained decoding cost: the time llguidance's mask takes per generated token (issue 13, item 2).
 
-On SmolLM2's 49,152-token vocabulary: a JSON schema's processor (engine/constrain.py) is driven through a
+On SmolLM2's 49,152-token vocabulary: a JSON schema's processor (engine/sampling/constrain.py) is driven through a
 valid document token by token, as the batch drives it, and each call is timed (mask computation, bit
 unpacking and applying it to a logits row), next to one decode step of the model for scale.
 
@@ -11,7 +11,7 @@ time (and whether torch comes with it) and which schema features each one enforc
 xgrammar are not project dependencies: they are imported only here, and reported as not installed when
 missing. Rounds alternate the libraries' order; the figures are medians over rounds.
 
-    python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_grammar.py [--compare [--rounds 5]]
+    python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/bench_grammar.py [--compare [--rounds 5]]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from harness import ROOT, default_model_dir
 from harness.grammar_compare import DOCUMENT, SCHEMA, compact, compare, p90
 from harness.reports import write_report
 
-from mlx_kvserve.engine.constrain import Grammars
+from mlx_kvserve.engine.sampling.constrain import Grammars
 
 
 def measure_processor(model: Any, tokenizer: Any) -> tuple[dict, list[str]]:

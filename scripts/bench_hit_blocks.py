@@ -17,7 +17,7 @@ to its first token above what was allocated before it, as a multiple of the pref
 copy = 1.0x; decoding later grows the cache as mlx-lm does, a cold run's alike). The
 floor beside them: one memory copy of the prefix's bytes.
 
-    python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_hit_blocks.py [--tokens 16384]
+    python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/bench_hit_blocks.py [--tokens 16384]
         [--block-sizes 16 64 256] [--reps 3]
 """
 
@@ -34,8 +34,8 @@ from harness.reports import median, write_report
 from harness.synthetic import load_bench_model
 
 from mlx_kvserve.chain import BlockHasher
-from mlx_kvserve.engine.generate import Generator
-from mlx_kvserve.engine.prefix_cache import PrefixCache
+from mlx_kvserve.engine.batch.generate import Generator
+from mlx_kvserve.engine.cache.prefix_cache import PrefixCache
 from mlx_kvserve.engine.request import GenerationRequest, SamplingParams
 from mlx_kvserve.kv import blocks
 from mlx_kvserve.kv.hashing import namespace_hash

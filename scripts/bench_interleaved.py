@@ -7,7 +7,7 @@ has dropped a conversation by the time it comes round again; our block cache kee
 Reports mean TTFT (and mean cached tokens) per turn index for each server. With `--vllm-mlx`, vllm-mlx
 too (its prefix cache on); with `--variants ssd-off`, our server with its SSD tier off beside the default
 one (what the write-through costs the first visits: issue 26).
-Usage: python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_interleaved.py [--quick] [--out DIR]
+Usage: python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/bench_interleaved.py [--quick] [--out DIR]
            [--variants ssd-off] [--vllm-mlx /tmp/bench-venvs/vllm-mlx/bin/vllm-mlx]
 """
 

@@ -14,7 +14,7 @@ Next to them, the physical floor measured in the same run: one copy of the prefi
 assembling a hit must move), one read of them (what the question's attention must read), and the
 question's forward pass over a cache that already holds the prefix (the model's compute, no copy).
 
-Usage: python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_join.py [--words 1400] [--reps 4]
+Usage: python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/bench_join.py [--words 1400] [--reps 4]
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ behind completions of the large model's tasks (matrix products over a whole pref
 process has its own scheduler. With --gdb the script prints the small model's thread's native frames while
 it waits (gdb attached to this process): pthread_cond_wait inside mlx::core::eval_impl.
 
-    .venv/bin/python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_model_threads.py [--repeats 5]
+    .venv/bin/python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/bench_model_threads.py [--repeats 5]
 """
 
 from __future__ import annotations

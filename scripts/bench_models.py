@@ -4,7 +4,7 @@ back, and a small model's TTFT while a large one prefills: on a server of its ow
 one's own server in another process) and on one server with both, steps running when ready or taking turns,
 or the large one in a process of its own (`process = true`).
 
-    .venv/bin/python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_models.py [--out results/models.json]
+    .venv/bin/python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/bench_models.py [--out results/models.json]
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from harness.synthetic import llama_config, random_llama, synthetic_model, write
 from starlette.testclient import TestClient
 
 from mlx_kvserve.config import ApiKeys, load_config
-from mlx_kvserve.engine.model_front import RoutedEngine
-from mlx_kvserve.engine.registry import ModelRegistry
-from mlx_kvserve.engine.step_turns import StepTurns, share_turns
+from mlx_kvserve.engine.batch.step_turns import StepTurns, share_turns
 from mlx_kvserve.model_entries import ModelEntry
+from mlx_kvserve.registry.front import RoutedEngine
+from mlx_kvserve.registry.registry import ModelRegistry
 from mlx_kvserve.server.app import create_app
 from mlx_kvserve.server.model_process import load_entry
 
@@ -55,7 +55,7 @@ def build(root: Path, large_shape: str = "") -> dict[str, Path]:
     }
 
 
-# A budget both models fit in: the memory plan's (half the memory; engine/memory_plan.py). A fixed 64 GiB
+# A budget both models fit in: the memory plan's (half the memory; engine/memory/plan.py). A fixed 64 GiB
 # no longer fits beside the batches: refused on a 16 GB machine, a 15k-token context on an 80 GB GPU.
 BOTH_FIT = 0
 

@@ -5,7 +5,7 @@ then a flood of other conversations, several times larger than the RAM and SSD b
 through; then the conversation's next turn is sent and its TTFT and cached tokens (from the same
 streamed request, `stream_options.include_usage`) are recorded. Variants: mlx-kvserve pinned,
 mlx-kvserve unpinned, mlx_lm.server (no pins, 10-entry cache) — same model, one run.
-Usage: python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_pins.py [--quick]
+Usage: python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/bench_pins.py [--quick]
 """
 
 from __future__ import annotations

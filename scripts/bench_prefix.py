@@ -4,7 +4,7 @@ Scenarios (chat, ~1.2k-token system prompt, greedy): cold, exact repeat, new que
 16-turn conversation (TTFT per turn). Both servers run with the same BLAS; requests alternate
 between them and only one server is busy at a time. Also decode tokens/s of our engine vs plain
 mlx-lm `stream_generate` on the same prompt, in-process.
-Usage: python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_prefix.py [--quick] [--out results/prefix]
+Usage: python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/bench_prefix.py [--quick] [--out results/prefix]
 """
 
 from __future__ import annotations

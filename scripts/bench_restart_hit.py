@@ -10,7 +10,7 @@ floor is the prompt's KV bytes at the raw read bandwidth of the same files measu
 run, plus the RAM-hit time (the same prompt again, all blocks in RAM). A request of one token
 measures the time to first token (prefill + one step). Engines run in-process: no HTTP.
 
-Usage: .venv/bin/python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_restart_hit.py
+Usage: .venv/bin/python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/bench_restart_hit.py
        [--words 4400] [--reps 2] [--quick] [--out results/restart_hit]
 """
 

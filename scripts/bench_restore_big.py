@@ -15,7 +15,7 @@ A cold prefill at this length takes this CPU minutes to hours, so the blocks are
 skipped (the output of that pass is not used); `--cold` times one real cold prefill for scale.
 Engines run in-process: no HTTP. The folder is deleted at the end.
 
-Usage: .venv/bin/python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_restore_big.py
+Usage: .venv/bin/python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/bench_restore_big.py
        [--tokens 4352,16384] [--reps 3] [--before] [--cold] [--dir /tmp] [--out results/restore_big]
 """
 

@@ -5,7 +5,7 @@ Three servers on loopback (RAM cache only, flushed before each policy) behind `m
 own; sessions start as a Poisson process and each sends its next turn an exponential think time after its
 reply (greedy replies, so the histories are the same under every policy). For each policy: mean and p90
 TTFT, the cache hit rate (cached / prompt tokens, as the backends report them) and requests per backend.
-Usage: python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_router.py [--model M] [--quick] [--out DIR]
+Usage: python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/bench_router.py [--model M] [--quick] [--out DIR]
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ target (on a Mac, where decode is bound by memory bandwidth) is where a draft mo
 Over HTTP each request's prompt starts with its own "(run N)" line: mlx_lm.server 0.32.2 with
 --draft-model answers a prompt it has cached with an empty completion.
 
-    python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_speculative.py [--rounds 3] [--max-tokens 120] [--peer]
+    python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/bench_speculative.py [--rounds 3] [--max-tokens 120] [--peer]
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ from harness.reports import write_report
 from harness.servers import Server, free_port, server_env
 from mlx_lm.utils import load
 
-from mlx_kvserve.engine.draft_model import DraftModel, draft_block_cache
 from mlx_kvserve.engine.request import Finished, GenerationRequest, SamplingParams, TextDelta
-from mlx_kvserve.engine.speculative import build_speculator
+from mlx_kvserve.engine.speculative.draft import DraftModel, draft_block_cache
+from mlx_kvserve.engine.speculative.speculator import build_speculator
 
 CODE = "\n".join(
     f"def handle_{name}(request, store):\n"

@@ -2,7 +2,7 @@
 clients of bench_concurrent.py do): later turns arrive one by one while the others decode or
 prefill, not together. Their TTFT with the product (a short rest prefilled on its own, last token
 included, its first token sampled there: it joins decoding in the step that starts it,
-engine/direct_join.py) and with `side prefill` (the code before: the short rest prefilled in the
+engine/batch/direct_join.py) and with `side prefill` (the code before: the short rest prefilled in the
 batch's step, or on its own beside a long prompt, but for its last token, which the move to decoding
 ran in a one-token pass of its own a step later), alternated round by round in one process.
 
@@ -11,7 +11,7 @@ HTTP): each client has its own ~`words`-word system prompt (cold), then `turns -
 Reports per variant the mean TTFT of first and later turns, the wall time and completion tokens/s,
 medians over the rounds; the replies are compared between the variants.
 
-Usage: python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_staggered_turns.py [--clients 4]
+Usage: python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/bench_staggered_turns.py [--clients 4]
        [--rounds 3] [--words 300] [--turns 2] [--max-tokens 16] [--model DIR]
 """
 
@@ -95,8 +95,8 @@ def main(argv=None) -> dict:
     import mlx.core as mx
 
     from mlx_kvserve.config import Config, default_home
-    from mlx_kvserve.engine import direct_join
-    from mlx_kvserve.engine.order import StartOrder
+    from mlx_kvserve.engine.batch import direct_join
+    from mlx_kvserve.engine.batch.order import StartOrder
     from mlx_kvserve.engine.request import GenerationRequest, SamplingParams
     from mlx_kvserve.models.loader import load_model
 

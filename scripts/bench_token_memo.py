@@ -1,4 +1,4 @@
-"""A later turn's tokenization with and without the token memo (engine/token_memo.py), side by side.
+"""A later turn's tokenization with and without the token memo (engine/cache/token_memo.py), side by side.
 
 A Claude Code-shaped conversation (a long system prompt, tool results, short replies) on SmolLM2's
 tokenizer, grown to each length; the timed request is the next turn (one reply and one tool result
@@ -6,7 +6,7 @@ more). "full": the chat template with its own tokenization (what every request c
 the template rendered to text, then encoded through a memo that holds the previous turn's prompt (as
 the server's does after that turn). Alternated, medians; the ids are checked equal every time.
 
-    python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_token_memo.py [--lengths 12000 25000]
+    python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/bench_token_memo.py [--lengths 12000 25000]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from mlx_lm.utils import load_tokenizer
 
-from mlx_kvserve.engine import token_memo
+from mlx_kvserve.engine.cache import token_memo
 from mlx_kvserve.models.default import ensure_default_model
 
 TOOL_RESULT = "".join(

@@ -1,9 +1,9 @@
 """Cached turns arriving while cold prompts prefill (issue 26): their time to first token and the cold
 prompts', with the product (a short rest prefilled on its own, last token included, its first token
-sampled from that pass: it joins decoding at once, engine/direct_join.py; a step that a request joined
-ends after its decode pass, engine/batch_generator.py) next to the two codes before: `side prefill`
+sampled from that pass: it joins decoding at once, engine/batch/direct_join.py; a step that a request joined
+ends after its decode pass, engine/batch/mlx_batch.py) next to the two codes before: `side prefill`
 (the short rest prefilled on its own but for its last token, which the batch's move to decoding ran in
-a one-token pass of its own, a step later: engine/side_prefill.py) and `before` (the short rest padded
+a one-token pass of its own, a step later: engine/batch/side_prefill.py) and `before` (the short rest padded
 into the cold prompts' prefill passes; mlx-lm's step, which goes on to prefill the next chunk before
 returning the moved requests' first tokens).
 
@@ -13,7 +13,7 @@ of a conversation whose earlier turns are cached (a few dozen new tokens, a shor
 later turns' mean TTFT and the cold prompts' mean TTFT for each variant, alternated round by round in
 one process; every reply is checked equal between the variants.
 
-Usage: python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_turn_beside_prefill.py [--rounds 3]
+Usage: python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/bench_turn_beside_prefill.py [--rounds 3]
 """
 
 from __future__ import annotations
@@ -80,7 +80,8 @@ def main(argv=None) -> dict:
     from mlx_lm.generate import BatchGenerator
 
     from mlx_kvserve.config import default_home
-    from mlx_kvserve.engine import batch_generator, direct_join, side_prefill
+    from mlx_kvserve.engine.batch import direct_join, side_prefill
+    from mlx_kvserve.engine.batch import mlx_batch as batch_generator
     from mlx_kvserve.engine.request import GenerationRequest, SamplingParams
     from mlx_kvserve.models.loader import load_model
 

@@ -1,5 +1,5 @@
 """A prefix assembled from its blocks on Linux: fresh pages or reused ones (glibc's malloc tunables,
-mlx_kvserve/warm_memory.py), one CPU stream or the server's two (kv/concat.py).
+mlx_kvserve/cpu/warm_memory.py), one CPU stream or the server's two (kv/concat.py).
 
 Two child processes, the same work, one with the tunables the server sets at its start and one with
 glibc's defaults (`MLX_KVSERVE_WARM_MEMORY=0`), OpenBLAS preloaded in both:
@@ -13,7 +13,7 @@ glibc's defaults (`MLX_KVSERVE_WARM_MEMORY=0`), OpenBLAS preloaded in both:
 - with `--join`: scripts/bench_join.py on the same shape (a new question on a cached ~4.4k-token
   prefix through the engine, in process), the TTFT medians of both processes side by side.
 
-Usage: python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_warm_memory.py [--tokens 4446]
+Usage: python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/bench_warm_memory.py [--tokens 4446]
            [--reps 5] [--join]
 """
 
@@ -31,7 +31,7 @@ from pathlib import Path
 from harness import ROOT
 from harness.reports import write_report
 
-from mlx_kvserve import blas, warm_memory
+from mlx_kvserve.cpu import blas, warm_memory
 
 BLOCK = 128
 SETTINGS = ("tunables (the server's)", "glibc defaults")

@@ -10,7 +10,7 @@ The slowdown is busy / idle, for `[ssd] write_hold_s` 0 (the writer never waits)
 bandwidth (the batches it wrote) next to a raw sequential write + fsync of as many bytes in the
 same folder, measured in the same run. Targets: slowdown at most 10%, writer at least 0.7x raw.
 
-Usage: .venv/bin/python -m mlx_kvserve.blas_exec .venv/bin/python scripts/bench_write_interference.py
+Usage: .venv/bin/python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/bench_write_interference.py
        [--long-words 4400] [--words 1500] [--reps 3] [--quick] [--out results/write_interference]
 """
 

@@ -73,7 +73,7 @@ def draw(out: Path) -> None:
         3.7,
         4.9,
         2.55,
-        "Scheduler  (engine/scheduler.py)",
+        "Scheduler  (engine/batch/scheduler.py)",
         "1. start order: fewest uncached tokens first, waits bounded\n"
         "2. PrefixCache.prepare: lookup, assemble the match\n"
         "    (block hashes computed once per request)\n"

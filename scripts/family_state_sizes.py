@@ -5,7 +5,7 @@ cache at the end). Recurrent layers: a conv state of (kernel - 1) x conv channel
 dtype and, for Mamba-2 and Gated DeltaNet, a recurrent state that mlx-lm keeps in float32 even for
 bf16 weights. Sliding-window layers: at least max_size (= sliding_window) positions of K and V.
 
-    .venv/bin/python -m mlx_kvserve.blas_exec .venv/bin/python scripts/family_state_sizes.py
+    .venv/bin/python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/family_state_sizes.py
 """
 
 from __future__ import annotations

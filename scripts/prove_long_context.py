@@ -16,7 +16,7 @@ One request at a time ([server] max_batch = 1), the block cache off (the batch's
   own budget: refused before any work (past the context the plan holds).
 For each: the plan's line, the prompt's answer, wall time, MLX's peak memory and the process's peak RSS.
 
-    .venv/bin/python -m mlx_kvserve.blas_exec .venv/bin/python scripts/prove_long_context.py [--cases ...]
+    .venv/bin/python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/prove_long_context.py [--cases ...]
 
 Checks the machine's available memory first and skips a case whose KV, twice at its peak, would not leave
 4 GiB free.
@@ -42,8 +42,8 @@ from starlette.testclient import TestClient  # noqa: E402
 
 from mlx_kvserve.config import ApiKeys, load_config  # noqa: E402
 from mlx_kvserve.engine.engine import Engine  # noqa: E402
-from mlx_kvserve.engine.memory_facts import available_memory_bytes  # noqa: E402
-from mlx_kvserve.engine.memory_plan import GROWTH_COPIES  # noqa: E402
+from mlx_kvserve.engine.memory.facts import available_memory_bytes  # noqa: E402
+from mlx_kvserve.engine.memory.plan import GROWTH_COPIES  # noqa: E402
 from mlx_kvserve.errors import ConfigError  # noqa: E402
 from mlx_kvserve.models.loader import load_model  # noqa: E402
 from mlx_kvserve.server.app import create_app  # noqa: E402

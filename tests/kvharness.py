@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 from harness.kvstack import OPEN_TIERS, close_ssd, make_generator  # noqa: F401  (re-exported for the tests)
 
-from mlx_kvserve.engine.generate import Generator
+from mlx_kvserve.engine.batch.generate import Generator
 from mlx_kvserve.engine.request import Finished, GenerationRequest, SamplingParams, TextDelta
 
 

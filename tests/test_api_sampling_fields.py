@@ -18,7 +18,7 @@ from test_hardening_wire import make_engine
 
 from mlx_kvserve.config import ApiKeys
 from mlx_kvserve.engine.request import SamplingParams
-from mlx_kvserve.engine.sampling import make_request_processors
+from mlx_kvserve.engine.sampling.sampler import make_request_processors
 from mlx_kvserve.models.loader import LoadedModel
 from mlx_kvserve.server.app import create_app
 

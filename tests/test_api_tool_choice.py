@@ -1,6 +1,6 @@
 """Forced and strict tool calls (issue 13, item 2): `tool_choice` "required" or a named function,
 Anthropic's "any" / "tool", and `strict` tools are held to the model's call format and each tool's
-schema by a grammar (engine/tool_grammar.py), so even a random-weight model returns arguments that
+schema by a grammar (engine/sampling/tool_grammar.py), so even a random-weight model returns arguments that
 validate. The grammar itself is checked token by token with llguidance's matcher.
 """
 
@@ -16,7 +16,7 @@ import llguidance.hf
 import pytest
 from test_api_tools import USER, WEATHER, sdk, tool_client, tool_engine, tool_loaded  # noqa: F401  (fixtures)
 
-from mlx_kvserve.engine import tool_grammar as tg
+from mlx_kvserve.engine.sampling import tool_grammar as tg
 
 TIME = {
     "type": "function",

@@ -39,4 +39,4 @@ def test_the_check_finds_a_module_left_out():
     assert is_named(Path("server/openai/parse.py"), doc) and is_named(Path("launch/__init__.py"), doc)
     assert is_named(Path("cli.py"), doc)
     assert not is_named(Path("engine/slots.py"), doc) and not is_named(Path("server/openai/tools.py"), doc)
-    assert not is_named(Path("service/__init__.py"), doc) and not is_named(Path("blas.py"), doc)
+    assert not is_named(Path("service/__init__.py"), doc) and not is_named(Path("cpu/blas.py"), doc)

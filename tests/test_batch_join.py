@@ -9,7 +9,7 @@ import pytest
 from kvharness import greedy, make_generator
 from mlx_lm.utils import load
 
-from mlx_kvserve.engine import direct_join
+from mlx_kvserve.engine.batch import direct_join
 from mlx_kvserve.engine.request import Finished, GenerationRequest, SamplingParams
 from mlx_kvserve.kv import blocks
 
@@ -160,7 +160,7 @@ def test_a_first_token_does_not_wait_for_another_prompts_next_chunk(tiny, monkey
 def test_a_short_rest_beside_a_long_prefill_is_prefilled_alone_and_decodes_at_once(tiny, monkeypatch):
     """A request whose uncached rest is short (at most short_prefill_tokens) arriving while a long prompt
     prefills is prefilled on its own cache, last token included, and joins decoding with its first
-    token (engine/direct_join.py): it is never in one of the batch's padded prefill passes, its first
+    token (engine/batch/direct_join.py): it is never in one of the batch's padded prefill passes, its first
     token comes before the long prompt's next pass, and both replies equal their replies alone."""
     model, tokenizer = tiny
     gen = make_generator(model, tokenizer, BS, prefill_step_size=32)

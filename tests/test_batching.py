@@ -12,7 +12,7 @@ import pytest
 from kvharness import make_generator
 from mlx_lm.utils import load
 
-from mlx_kvserve.engine.generate import Generator
+from mlx_kvserve.engine.batch.generate import Generator
 from mlx_kvserve.engine.request import Failed, Finished, GenerationRequest, SamplingParams, TextDelta
 from mlx_kvserve.engine.worker import InferenceWorker
 
@@ -259,7 +259,7 @@ def test_shared_prefix_arriving_together_is_prefilled_once(tiny):
 
 
 def test_pick_leader_prefers_the_longest_uncached_share():
-    from mlx_kvserve.engine.prefill import cached_blocks, pick_leader
+    from mlx_kvserve.engine.batch.prefix_waits import cached_blocks, pick_leader
 
     mine = [b"a", b"b", b"c", b"d"]
     prefilling = {1: [b"a", b"x"], 2: [b"a", b"b", b"c"], 3: [b"z"]}

@@ -210,7 +210,7 @@ def test_on_a_gpu_with_its_own_memory_the_servers_get_equal_bounds(tiny_model_di
     from harness.servers import start_servers
     from harness.variants import variant_server
 
-    from mlx_kvserve.engine import device_memory
+    from mlx_kvserve.engine.memory import device as device_memory
 
     monkeypatch.setattr(device_memory, "arrays_in_device_memory", lambda: True)
     # 32 GiB: the servers' explicit KV budgets (4 GiB) within this machine's memory plan, which refuses more

@@ -16,7 +16,7 @@ def test_bench_quick_runs_end_to_end(tmp_path):
     # The system prompt scenario's prompt is ~5k tokens of this byte-level tokenizer: a context to hold it.
     model = tinymodel.build_mlx_model(tmp_path / "tiny-llama", max_position_embeddings=8192)
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "mlx_kvserve.blas_exec", sys.executable, "scripts/bench.py", "--quick"]
+    cmd = [sys.executable, "-m", "mlx_kvserve.cpu.blas_exec", sys.executable, "scripts/bench.py", "--quick"]
     cmd += ["--scenarios", "system,decode", "--model", str(model), "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -70,7 +70,7 @@ def test_registering_a_prompt_borrows_its_kv_and_the_batch_then_writes_in_place(
         borrowed.append(shares(row.keys, c.keys))
         return row
 
-    monkeypatch.setattr("mlx_kvserve.engine.batch_generator.borrowed_row", spy)
+    monkeypatch.setattr("mlx_kvserve.engine.batch.mlx_batch.borrowed_row", spy)
     question = tokenizer.encode("Write a long story about a lighthouse, with many details. " * 5)
     events: list = []
     req = GenerationRequest("q", question, SamplingParams(max_tokens=12, temperature=0.0), events.append)
@@ -103,7 +103,7 @@ def test_a_lone_request_takes_the_batchs_arrays_onto_the_speculative_path(tiny, 
             taken.append((c.keys, row))
         return row
 
-    monkeypatch.setattr("mlx_kvserve.engine.batch_generator.borrowed_row", spy)
+    monkeypatch.setattr("mlx_kvserve.engine.batch.mlx_batch.borrowed_row", spy)
     spec = gen.scheduler.speculation
     first_pass: list = []
     real_step = type(spec).step

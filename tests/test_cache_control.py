@@ -16,7 +16,7 @@ from test_hardening_wire import BS, make_engine
 from test_server_e2e import wait_until
 
 from mlx_kvserve.config import ApiKeys
-from mlx_kvserve.engine.cache_admin import CacheAdmin
+from mlx_kvserve.engine.cache.admin import CacheAdmin
 from mlx_kvserve.errors import KVServeError
 from mlx_kvserve.kv.leases import PinLeases
 from mlx_kvserve.kv.pins import PinRegistry

@@ -244,7 +244,7 @@ def test_the_draft_models_block_cache_is_per_principal_too(tiny_model_dir):
     """[speculative] draft: the draft's own prompt blocks are walked from the request's root."""
     from mlx_lm.utils import load
 
-    from mlx_kvserve.engine.draft_model import DraftModel, draft_block_cache
+    from mlx_kvserve.engine.speculative.draft import DraftModel, draft_block_cache
 
     model, _ = load(str(tiny_model_dir))
     draft = DraftModel(model, "draft", draft_block_cache(model, "draft-fp", 16, 1 << 26), prefill_step=64)

@@ -1,4 +1,4 @@
-"""Where the model's arrays live and MLX's hold on that memory (engine/device_memory.py).
+"""Where the model's arrays live and MLX's hold on that memory (engine/memory/device.py).
 
 With MLX's CUDA backend the arrays live in the GPU's own memory and MLX's allocator keeps freed buffers
 up to 80% of it: on an H100 a second server on the same GPU, and then this server's own prefills, failed
@@ -15,8 +15,8 @@ from kvharness import make_generator
 from mlx_lm.utils import load
 
 from mlx_kvserve.config import ConfigError, load_config
-from mlx_kvserve.engine import device_memory
 from mlx_kvserve.engine.build import build_stack
+from mlx_kvserve.engine.memory import device as device_memory
 from mlx_kvserve.engine.request import Failed, Finished, GenerationRequest, SamplingParams
 from mlx_kvserve.models.loader import load_model
 

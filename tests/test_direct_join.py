@@ -1,4 +1,4 @@
-"""A short rest's first token comes from its own prefill (engine/direct_join.py, issue 26): a later
+"""A short rest's first token comes from its own prefill (engine/batch/direct_join.py, issue 26): a later
 turn is answered in the step that starts it, where mlx-lm's batch took two steps and a one-token pass
 of its own; and every reply is the one the batch's own path gives (greedy, sampled, constrained,
 with logprobs), alone or beside others."""
@@ -10,7 +10,7 @@ from kvharness import greedy, make_generator
 from mlx_lm.generate import GenerationBatch
 from mlx_lm.utils import load
 
-from mlx_kvserve.engine import direct_join
+from mlx_kvserve.engine.batch import direct_join
 from mlx_kvserve.engine.request import Finished, GenerationRequest, SamplingParams, TextDelta
 
 BS = 16

@@ -13,9 +13,9 @@ from kvharness import make_generator
 from mlx_lm.sample_utils import apply_top_k
 from mlx_lm.utils import load
 
-import mlx_kvserve.engine.scheduler as scheduler_module
+import mlx_kvserve.engine.batch.scheduler as scheduler_module
 from mlx_kvserve.engine.request import Failed, Finished, GenerationRequest, SamplingParams
-from mlx_kvserve.engine.sampling import make_request_sampler
+from mlx_kvserve.engine.sampling.sampler import make_request_sampler
 
 BS = 16
 FAULTY_SEED = 666  # the request whose sampler breaks mid-reply

@@ -26,8 +26,8 @@ from test_hardening_files import NS, X, arrays, saved_store, set_aside_copies
 from test_server_ssd import wait_written
 
 from mlx_kvserve.config import load_config
+from mlx_kvserve.engine.cache.front_prefill import SPEEDS_FILE, FrontPrefill
 from mlx_kvserve.engine.engine import Engine
-from mlx_kvserve.engine.front_prefill import SPEEDS_FILE, FrontPrefill
 from mlx_kvserve.kv.hashing import model_fingerprint
 from mlx_kvserve.kv.leases import LEASES_FILE, PinLeases
 from mlx_kvserve.kv.pins import PinRegistry

@@ -13,7 +13,7 @@ from test_cache_isolation import ADMIN, KEY_A, KEY_B, KEY_FILE
 
 from mlx_kvserve.api_keys import ApiKeys, parse_key_file
 from mlx_kvserve.config import load_config
-from mlx_kvserve.engine.cache_admin import CacheAdmin
+from mlx_kvserve.engine.cache.admin import CacheAdmin
 from mlx_kvserve.engine.engine import Engine
 from mlx_kvserve.server.app import create_app
 from mlx_kvserve.server.gate import PRINCIPAL_HEADER_ENV

@@ -1,4 +1,4 @@
-"""Admission by memory ([server] kv_batch_bytes, engine/kv_room.py): the KV estimate matches what a
+"""Admission by memory ([server] kv_batch_bytes, engine/batch/kv_room.py): the KV estimate matches what a
 prefill really holds, requests whose KV would not fit together wait and then all finish with the output
 of a cold run alone, and the budget caps the context the server serves."""
 
@@ -13,7 +13,7 @@ from starlette.testclient import TestClient
 from test_batching import BS, Outcome, _prompts, alone, request
 
 from mlx_kvserve.config import ApiKeys, load_config
-from mlx_kvserve.engine import kv_room
+from mlx_kvserve.engine.batch import kv_room
 from mlx_kvserve.engine.engine import Engine
 from mlx_kvserve.engine.request import SamplingParams
 from mlx_kvserve.errors import ConfigError

@@ -9,7 +9,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from mlx_kvserve.engine.prefix_cache import _stretches
+from mlx_kvserve.engine.cache.prefix_cache import _stretches
 from mlx_kvserve.kv import blocks, runs
 from mlx_kvserve.kv.base import Block
 from mlx_kvserve.kv.payloads import KV, LayerSpec

@@ -1,4 +1,4 @@
-"""The memory plan (engine/memory_plan.py): its arithmetic for a 16 / 32 / 64 / 128 GB Mac serving
+"""The memory plan (engine/memory/plan.py): its arithmetic for a 16 / 32 / 64 / 128 GB Mac serving
 Qwen3 4B / 8B / 30B-A3B at 4 bits (device facts injected: Metal's recommended working set as MLX
 reports it on those Macs), explicit settings refused with the numbers, several models within one
 budget; and an engine built on it (its budgets, its context, /health, Metal's wired limit)."""
@@ -11,9 +11,11 @@ from mlx_lm.utils import load
 from starlette.testclient import TestClient
 
 from mlx_kvserve.config import ApiKeys, load_config
-from mlx_kvserve.engine import device_memory, kv_room, memory_facts
+from mlx_kvserve.engine.batch import kv_room
 from mlx_kvserve.engine.engine import Engine
-from mlx_kvserve.engine.memory_plan import DeviceFacts, ModelFacts, Settings, plan, planned_config, registry_plan
+from mlx_kvserve.engine.memory import device as device_memory
+from mlx_kvserve.engine.memory import facts as memory_facts
+from mlx_kvserve.engine.memory.plan import DeviceFacts, ModelFacts, Settings, plan, planned_config, registry_plan
 from mlx_kvserve.errors import ConfigError
 from mlx_kvserve.models.loader import LoadedModel
 from mlx_kvserve.server.app import create_app
@@ -208,15 +210,15 @@ def test_an_engine_refuses_an_explicit_budget_past_the_working_set(tiny, tiny_mo
 
 
 def test_a_registry_plans_its_models_together(monkeypatch):
-    from mlx_kvserve.engine.registry import ModelRegistry
     from mlx_kvserve.model_entries import ModelEntry
+    from mlx_kvserve.registry.registry import ModelRegistry
 
-    monkeypatch.setattr("mlx_kvserve.engine.registry.device_facts", lambda: mac(32))
+    monkeypatch.setattr("mlx_kvserve.registry.registry.device_facts", lambda: mac(32))
     entries = (ModelEntry("a", "src-a"), ModelEntry("b", "src-b"))
     reg = ModelRegistry(load_config(), entries, loader=lambda e, c: None)
     expected = registry_plan(mac(32), 0, 0, 2)
     assert reg.budget_bytes == expected.models_bytes and reg.describe()["memory_plan"]["line"] == expected.line()
-    # what each model's engine plans within (engine/model_load.py): the models' budget and its batch share
+    # what each model's engine plans within (registry/load.py): the models' budget and its batch share
     assert reg._model_config.server.model_memory_bytes == expected.models_bytes
     assert reg._model_config.server.kv_batch_bytes == expected.batch_bytes
     with pytest.raises(ConfigError, match="server.model_memory_bytes 64.00 GiB"):

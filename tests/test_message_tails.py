@@ -1,5 +1,5 @@
 """A new question under the same messages reuses the prompt up to where its own message starts, not
-only up to the last whole block before it (engine/prefix_cache.py `_tail_ends`: a tail is kept at each
+only up to the last whole block before it (engine/cache/prefix_cache.py `_tail_ends`: a tail is kept at each
 new message start). The server's own stack (engine/build.py), the default model and its chat template."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from kvharness import greedy, make_generator
 from mlx_lm.utils import load
 
 from mlx_kvserve.config import load_config
+from mlx_kvserve.engine.cache.message_starts import turn_start_token
 from mlx_kvserve.engine.engine import Engine
 from mlx_kvserve.engine.request import Finished, GenerationRequest, SamplingParams
-from mlx_kvserve.engine.turns import turn_start_token
 from mlx_kvserve.models.loader import LoadedModel
 
 SYSTEM = " ".join(f"Rule {i}: the visitor to room {i} signs the book at desk {i * 3}." for i in range(30))

@@ -15,7 +15,7 @@ from starlette.testclient import TestClient
 from test_hardening_wire import make_engine
 
 from mlx_kvserve.config import ApiKeys
-from mlx_kvserve.engine.turns import message_starts, turn_start_token
+from mlx_kvserve.engine.cache.message_starts import message_starts, turn_start_token
 from mlx_kvserve.errors import ModelLoadError
 from mlx_kvserve.models.loader import LoadedModel
 from mlx_kvserve.server.app import create_app

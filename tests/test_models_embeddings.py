@@ -17,10 +17,10 @@ from starlette.testclient import TestClient
 
 from mlx_kvserve.config import ApiKeys, load_config
 from mlx_kvserve.engine.embedding import batches, check_dimensions, fit_dimensions
-from mlx_kvserve.engine.model_front import RoutedEngine
-from mlx_kvserve.engine.registry import ModelRegistry
 from mlx_kvserve.errors import ConfigError, InvalidRequestError, ValidationError
 from mlx_kvserve.model_entries import ModelEntry, model_entries
+from mlx_kvserve.registry.front import RoutedEngine
+from mlx_kvserve.registry.registry import ModelRegistry
 from mlx_kvserve.server.app import create_app
 from mlx_kvserve.server.embeddings import parse_embedding_request
 

@@ -12,11 +12,11 @@ import pytest
 from starlette.testclient import TestClient
 
 from mlx_kvserve.config import ApiKeys, load_config
-from mlx_kvserve.engine.model_front import RoutedEngine
-from mlx_kvserve.engine.model_load import load_engine
-from mlx_kvserve.engine.registry import ModelRegistry
 from mlx_kvserve.errors import ModelLoadError
 from mlx_kvserve.model_entries import ModelEntry
+from mlx_kvserve.registry.front import RoutedEngine
+from mlx_kvserve.registry.load import load_engine
+from mlx_kvserve.registry.registry import ModelRegistry
 from mlx_kvserve.server import sse
 from mlx_kvserve.server.app import create_app
 

@@ -10,9 +10,9 @@ import time
 import pytest
 
 from mlx_kvserve.config import load_config
-from mlx_kvserve.engine.registry import LOADED, UNLOADED, Loaded, ModelRegistry, registry_entries
 from mlx_kvserve.errors import ConfigError, ModelLoadError, NotFoundError
 from mlx_kvserve.model_entries import ModelEntry, load_model_entries, model_entries
+from mlx_kvserve.registry.registry import LOADED, UNLOADED, Loaded, ModelRegistry, registry_entries
 
 MiB = 2**20
 

@@ -14,10 +14,10 @@ from mlx_lm.utils import load
 from starlette.testclient import TestClient
 
 from mlx_kvserve.config import ApiKeys, load_config
-from mlx_kvserve.engine.model_front import RoutedEngine
-from mlx_kvserve.engine.registry import ModelRegistry
 from mlx_kvserve.kv.ssd.format import block_relpath
 from mlx_kvserve.model_entries import ModelEntry
+from mlx_kvserve.registry.front import RoutedEngine
+from mlx_kvserve.registry.registry import ModelRegistry
 from mlx_kvserve.server.app import create_app
 
 BS = 16

@@ -16,8 +16,8 @@ from starlette.testclient import TestClient
 from test_server_e2e import build_endless_model, wait_until, write_config
 
 from mlx_kvserve.config import ApiKeys, Config, load_config
-from mlx_kvserve.engine import device_memory
 from mlx_kvserve.engine.engine import Engine
+from mlx_kvserve.engine.memory import device as device_memory
 from mlx_kvserve.server.app import create_app
 from mlx_kvserve.server.health import ERROR_WINDOW_S, HealthMonitor
 from mlx_kvserve.service import stop_timeout_s, writer_drain_s
@@ -175,7 +175,7 @@ class FakeEngine:
         return dict(self.stats)
 
     def cache_admin(self):
-        from mlx_kvserve.engine.cache_admin import CacheAdmin
+        from mlx_kvserve.engine.cache.admin import CacheAdmin
 
         return CacheAdmin(self.prefix_cache)
 

@@ -1,4 +1,4 @@
-"""Speculative decoding (engine/speculative.py): a greedy request decoding alone with prompt-lookup
+"""Speculative decoding (engine/speculative/speculator.py): a greedy request decoding alone with prompt-lookup
 drafts gives exactly the tokens, text, logprobs and finish reason it gives without them; stop
 strings, max_tokens, cancellation and a request joining mid-speculation included. Draft models and
 sampled requests: tests/test_speculative_draft.py."""
@@ -10,7 +10,7 @@ from kvharness import make_generator
 from mlx_lm.utils import load
 
 from mlx_kvserve.engine.request import Finished, GenerationRequest, SamplingParams, TextDelta
-from mlx_kvserve.engine.speculative import AdaptiveDepth, PromptLookup, Speculator
+from mlx_kvserve.engine.speculative.speculator import AdaptiveDepth, PromptLookup, Speculator
 
 BS = 16
 
@@ -174,7 +174,7 @@ def test_request_joining_mid_speculation_gets_the_same_output(smollm):
 def test_which_requests_may_speculate():
     spec = Speculator(None, {0}, "auto", 4)
     assert spec.wants(SamplingParams(max_tokens=4))
-    assert spec.wants(SamplingParams(max_tokens=4, temperature=0.7))  # sampled: engine/spec_sampling.py
+    assert spec.wants(SamplingParams(max_tokens=4, temperature=0.7))  # sampled: engine/speculative/acceptance.py
     assert not spec.wants(SamplingParams(max_tokens=4, presence_penalty=0.5))
     assert not spec.wants(SamplingParams(max_tokens=4, json_schema={"type": "object"}))  # no tokenizer: no grammar
     assert Speculator(None, {0}, "auto", 4, tokenizer=object()).wants(SamplingParams(max_tokens=4, grammar="x"))

@@ -1,4 +1,4 @@
-"""Draft-model speculation (engine/draft_model.py) and sampled acceptance (engine/spec_sampling.py):
+"""Draft-model speculation (engine/speculative/draft.py) and sampled acceptance (engine/speculative/acceptance.py):
 greedy output with a draft model is the plain output token for token, with a draft that always
 agrees (SmolLM2 drafting for itself) and one that never does (a tiny random llama with SmolLM2's
 vocabulary), alone and with a cache hit (the draft's prompt KV comes from its own blocks); a seeded
@@ -15,11 +15,11 @@ from kvharness import make_generator
 from mlx_lm.utils import load
 from tinymodel import llama_config, random_llama
 
-from mlx_kvserve.engine.draft_model import DraftModel, check_compatible, draft_block_cache
 from mlx_kvserve.engine.request import Finished, GenerationRequest, SamplingParams
-from mlx_kvserve.engine.sampling import make_request_sampler
-from mlx_kvserve.engine.spec_sampling import Acceptance, KeyChain, resumed_sampler, standard_rule
-from mlx_kvserve.engine.speculative import DRAFT, Speculator
+from mlx_kvserve.engine.sampling.sampler import make_request_sampler
+from mlx_kvserve.engine.speculative.acceptance import Acceptance, KeyChain, resumed_sampler, standard_rule
+from mlx_kvserve.engine.speculative.draft import DraftModel, check_compatible, draft_block_cache
+from mlx_kvserve.engine.speculative.speculator import DRAFT, Speculator
 from mlx_kvserve.errors import ConfigError
 
 BS = 16
@@ -248,7 +248,7 @@ def test_constrained_drafts_are_checked_against_the_grammar(smollm):
 
 def test_load_draft_from_the_config(smollm, smollm_dir, tiny_model_dir, tmp_path, monkeypatch):
     from mlx_kvserve.config import load_config
-    from mlx_kvserve.engine.draft_model import load_draft
+    from mlx_kvserve.engine.speculative.draft import load_draft
 
     monkeypatch.setenv("MLX_KVSERVE_HOME", str(tmp_path))
     _, tokenizer = smollm
@@ -263,7 +263,7 @@ def test_a_draft_that_does_not_fit_is_skipped_under_auto_and_refused_under_draft
     """Several [[models]] share one [speculative] draft_model: under "auto" a model whose tokenizer
     the draft does not share drafts by prompt lookup instead of failing to load; "draft" refuses."""
     from mlx_kvserve.config import load_config
-    from mlx_kvserve.engine.draft_model import load_draft
+    from mlx_kvserve.engine.speculative.draft import load_draft
 
     monkeypatch.setenv("MLX_KVSERVE_HOME", str(tmp_path))
     _, tokenizer = smollm

@@ -1,4 +1,4 @@
-"""One SSD budget across several namespace folders (kv/ssd/budget.py with engine/ssd_share.py's LRU
+"""One SSD budget across several namespace folders (kv/ssd/budget.py with registry/ssd_share.py's LRU
 plan), without a model: small random blocks in three stores, tmp_path, a fake clock. The total stays
 within the budget, the least recently used folder gives room first, pinned blocks (pins and leases,
 also of a folder at rest) survive, and a folder another process holds is left alone."""
@@ -7,12 +7,12 @@ import mlx.core as mx
 import pytest
 
 from mlx_kvserve.chain import BlockHasher
-from mlx_kvserve.engine.ssd_share import lru_trims
 from mlx_kvserve.kv.hashing import namespace_hash
 from mlx_kvserve.kv.leases import LEASES_FILE, PinLeases
 from mlx_kvserve.kv.pins import PINS_FILE, PinRegistry
 from mlx_kvserve.kv.ssd import FolderLock, SSDStore, store_dir
 from mlx_kvserve.kv.ssd.budget import FolderUse, SSDBudget, Trim
+from mlx_kvserve.registry.ssd_share import lru_trims
 
 BS = 4
 

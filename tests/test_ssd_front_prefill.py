@@ -15,8 +15,8 @@ from kvharness import greedy
 from mlx_lm.utils import load
 
 from mlx_kvserve.config import load_config
+from mlx_kvserve.engine.cache.front_prefill import SPEEDS_FILE, FrontPrefill
 from mlx_kvserve.engine.engine import Engine
-from mlx_kvserve.engine.front_prefill import SPEEDS_FILE, FrontPrefill
 from mlx_kvserve.engine.request import Finished, GenerationRequest, SamplingParams
 from mlx_kvserve.kv.ssd.format import block_relpath
 from mlx_kvserve.models.loader import LoadedModel

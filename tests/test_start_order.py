@@ -1,11 +1,11 @@
-"""engine/order.py: cached-first start order with a starvation bound, and the scheduler applying it."""
+"""engine/batch/order.py: cached-first start order with a starvation bound, and the scheduler applying it."""
 
 from dataclasses import dataclass
 
 from kvharness import make_generator
 from mlx_lm import load
 
-from mlx_kvserve.engine.order import StartOrder
+from mlx_kvserve.engine.batch.order import StartOrder
 from mlx_kvserve.engine.request import Finished, GenerationRequest, SamplingParams
 
 

@@ -1,4 +1,4 @@
-"""Prompts prefilling together share one batch step's `prefill_step_size` tokens (engine/batch_generator.py,
+"""Prompts prefilling together share one batch step's `prefill_step_size` tokens (engine/batch/mlx_batch.py,
 `generation.prefill_step_shared`): with mlx-lm's step each of n cold prompts prefills a whole chunk, so a
 step (during which no running request gets a token) is n chunks long. Shared, every pass stays within one
 chunk, and each prompt still gets the tokens it gets alone."""
@@ -10,7 +10,7 @@ from kvharness import greedy, make_generator
 from mlx_lm.generate import PromptProcessingBatch
 from mlx_lm.utils import load
 
-from mlx_kvserve.engine.batch_generator import MIN_SHARE
+from mlx_kvserve.engine.batch.mlx_batch import MIN_SHARE
 from mlx_kvserve.engine.request import GenerationRequest, SamplingParams
 
 BS, STEP = 16, 128

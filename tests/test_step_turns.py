@@ -1,11 +1,11 @@
-"""StepTurns (engine/step_turns.py) without a model: steps run one at a time, in the order they asked,
+"""StepTurns (engine/batch/step_turns.py) without a model: steps run one at a time, in the order they asked,
 and an engine alone never waits."""
 
 import threading
 import time
 from types import SimpleNamespace
 
-from mlx_kvserve.engine.step_turns import StepTurns, share_turns
+from mlx_kvserve.engine.batch.step_turns import StepTurns, share_turns
 
 
 def test_steps_take_turns_in_the_order_they_asked():

@@ -1,6 +1,6 @@
 """StopMatcher: stop strings over streamed text pieces."""
 
-from mlx_kvserve.engine.stops import StopMatcher
+from mlx_kvserve.engine.batch.stops import StopMatcher
 
 
 def run(stops, pieces):

@@ -1,4 +1,4 @@
-"""The token memo (engine/token_memo.py) gives exactly a full encode's ids on many prompt pairs, and
+"""The token memo (engine/cache/token_memo.py) gives exactly a full encode's ids on many prompt pairs, and
 reuses ids where it may; tokenizers whose split cannot be trusted get no memo."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
-from mlx_kvserve.engine import token_memo
+from mlx_kvserve.engine.cache import token_memo
 from mlx_kvserve.engine.engine import Engine
 
 SPECIALS = ["<|begin_of_text|>", "<|im_start|>", "<|im_end|>", "<|eot_id|>"]

@@ -138,7 +138,7 @@ def test_figures_match_health_without_console_errors(browser, open_server):
     assert float(field(browser, "batch.running")) == batch["running"] == 0
     assert float(field(browser, "cached_share")) > 0
     assert float(field(browser, "ttft_hit_median")) > 0 and float(field(browser, "ttft_cold_median")) > 0
-    # the memory plan at start, as /health tells it (engine/memory_plan.py)
+    # the memory plan at start, as /health tells it (engine/memory/plan.py)
     assert browser.find_element(By.ID, "memory-plan").text == health["memory_plan"]["line"]
     assert "largest context" in health["memory_plan"]["line"]
     screenshot(browser, "overview")

@@ -1,4 +1,4 @@
-"""glibc's malloc tunables the server sets at its start (mlx_kvserve/warm_memory.py): what they are, who
+"""glibc's malloc tunables the server sets at its start (mlx_kvserve/cpu/warm_memory.py): what they are, who
 sets them, and that they keep a freed prefix's pages for the next one (page faults counted, not timed)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mlx_kvserve import blas, warm_memory
+from mlx_kvserve.cpu import blas, warm_memory
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's tunables: Linux")
 
@@ -42,7 +42,7 @@ def test_the_cli_reexecution_and_blas_exec_set_them():
     code = "import os; print(os.environ.get('GLIBC_TUNABLES', ''))"
     env = {"PATH": "/usr/bin:/bin"}
     done = subprocess.run(
-        [sys.executable, "-m", "mlx_kvserve.blas_exec", sys.executable, "-c", code],
+        [sys.executable, "-m", "mlx_kvserve.cpu.blas_exec", sys.executable, "-c", code],
         env=env,
         capture_output=True,
         text=True,

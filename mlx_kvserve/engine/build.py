@@ -31,12 +31,12 @@ from ..kv.ssd.table_check import TableExpectation, save_rules
 from ..kv.table_rules import table_expectation
 from ..kv.tails import TailStore
 from ..models.loader import LoadedModel
-from .batch_state import SchedulerStats
-from .device_memory import array_memory_bytes, bound_buffer_cache
+from .batch.state import SchedulerStats
+from .cache.front_prefill import SPEEDS_FILE, FrontPrefill
+from .cache.message_starts import turn_start_token
+from .cache.prefix_cache import PrefixCache
 from .distributed import World
-from .front_prefill import SPEEDS_FILE, FrontPrefill
-from .prefix_cache import PrefixCache
-from .turns import turn_start_token
+from .memory.device import array_memory_bytes, bound_buffer_cache
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class Stack(NamedTuple):
 
 def build_stack(loaded: LoadedModel, config: Config, world: World | None = None) -> Stack:
     """The block cache for `loaded` as [cache] and [ssd] configure it (see build_prefix_cache), and
-    MLX's buffer cache bounded as [server] mlx_cache_limit_bytes says (engine/device_memory.py). The CPU's
+    MLX's buffer cache bounded as [server] mlx_cache_limit_bytes says (engine/memory/device.py). The CPU's
     attention is the CLI's to install (cpu/attention.py), not the engine's."""
     bound_buffer_cache(config.server.mlx_cache_limit_bytes)
     damaged: list[DamagedFile] = []

@@ -27,7 +27,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from .cache_admin import CacheAdmin
+from .cache.admin import CacheAdmin
 from .request import Finished, GenerationRequest, Usage
 from .worker import _STOP, InferenceWorker
 

@@ -20,21 +20,24 @@ from ..kv import blocks
 from ..kv.salts import CacheSalts, principal_chain
 from ..models.loader import LoadedModel
 from ..vision.runtime import build_runtime
-from . import device_memory, kv_room, token_memo, tool_grammar
+from .batch import kv_room
+from .batch.generate import Generator
+from .batch.order import StartOrder
 from .build import build_stack, prefill_step
-from .cache_admin import CacheAdmin
-from .constrain import grammars_for
+from .cache import token_memo
+from .cache.admin import CacheAdmin
+from .cache.front_prefill import SPEEDS_FILE
+from .cache.prefetch import Prefetcher
+from .cache.router_view import RouterView
 from .distributed import BroadcastAdmin, DistributedWorker, World
-from .draft_model import load_draft
-from .front_prefill import SPEEDS_FILE
-from .generate import Generator
-from .memory_facts import plan_for
-from .memory_plan import planned_config
-from .order import StartOrder
-from .prefetch import Prefetcher
+from .memory import device as device_memory
+from .memory.facts import plan_for
+from .memory.plan import planned_config
 from .request import Failed, GenerationRequest, SamplingParams
-from .router_view import RouterView
-from .speculative import build_speculator
+from .sampling import tool_grammar
+from .sampling.constrain import grammars_for
+from .speculative.draft import load_draft
+from .speculative.speculator import build_speculator
 from .worker import InferenceWorker
 
 log = logging.getLogger(__name__)
@@ -49,11 +52,11 @@ class Engine:
     per rank: rank 0's serves HTTP; the others run `serve_follower` (engine/distributed.py)."""
 
     def __init__(self, loaded: LoadedModel, config: Config, world: World | None = None, share_bytes: int = 0):
-        """`share_bytes`: one of several models (engine/registry.py), planned within their shared budget."""
+        """`share_bytes`: one of several models (registry/registry.py), planned within their shared budget."""
         reason = blocks.unbatchable(loaded.model)
         if reason:  # every request would fail: refuse to start instead
             raise ModelLoadError(f"model {loaded.name} cannot be served: {reason}")
-        # The memory plan (engine/memory_plan.py): the KV budgets beside the weights; ConfigError when
+        # The memory plan (engine/memory/plan.py): the KV budgets beside the weights; ConfigError when
         # an explicit one does not fit. Everything below is built from the planned config.
         self.memory_plan = plan_for(loaded, config, share_bytes)
         if world is not None:  # ranks admit alike only on one plan: rank 0's
@@ -85,7 +88,7 @@ class Engine:
         budget = config.server.kv_batch_bytes  # admission by memory: the batch's KV bounded, the context capped
         self.kv_room = kv_room.for_model(loaded.model, loaded.config, budget, config.cache.kv_bits)
         self.generator.scheduler.kv_room = self.kv_room
-        # Speculative decoding (engine/speculative.py): text models on one machine (ranks measure
+        # Speculative decoding (engine/speculative/speculator.py): text models on one machine (ranks measure
         # their own pass times, and their adaptive choices must not differ). [speculative]
         # draft_model is loaded here (ConfigError when its tokenizer is not this model's).
         self.speculation = (
@@ -197,7 +200,7 @@ class Engine:
     @property
     def context_length(self) -> int:
         """The context served: the model's own, capped by [model] context_length and by the tokens
-        the batch's KV budget holds (engine/kv_room.py: [server] kv_batch_bytes, else the memory plan's)."""
+        the batch's KV budget holds (engine/batch/kv_room.py: [server] kv_batch_bytes, else the memory plan's)."""
         caps = (self.config.model.context_length, self.kv_room.max_tokens if self.kv_room is not None else 0)
         return min([self.loaded.context_length, *(c for c in caps if c)])
 
@@ -211,7 +214,7 @@ class Engine:
     def start(self) -> None:
         """Set Metal's wired limit to the memory plan's (put back by stop()) and start the worker; with
         [ssd] prefetch_on_start, it reads the hottest chains from the SSD into RAM while no request
-        runs (engine/prefetch.py)."""
+        runs (engine/cache/prefetch.py)."""
         if self._wires:
             device_memory.wire(self.memory_plan.wired_limit_bytes)
         manager, tier = self.prefix_cache.manager, self.prefix_cache.ssd_tier

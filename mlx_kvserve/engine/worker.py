@@ -9,9 +9,9 @@ import threading
 from collections.abc import Callable
 
 from ..errors import OverloadedError, ShuttingDownError
-from .generate import Generator
+from .batch.generate import Generator
+from .batch.step_turns import StepTurns
 from .request import Failed, Finished, GenerationRequest, Usage
-from .step_turns import StepTurns
 
 log = logging.getLogger(__name__)
 _STOP = object()  # sentinel: always the last item the worker reads
@@ -34,7 +34,7 @@ class InferenceWorker:
         self._closing = False
         self._running: dict[int, GenerationRequest] = {}  # admitted, not finished, by id()
         self._idle_task: Callable[[], bool] | None = None  # read and cleared on the worker thread only
-        # Turns shared with other engines' workers (engine/step_turns.py); None: steps run when ready.
+        # Turns shared with other engines' workers (engine/batch/step_turns.py); None: steps run when ready.
         self.turns: StepTurns | None = None
         self._thread = threading.Thread(target=self._loop, name="mlx-worker", daemon=False)
 

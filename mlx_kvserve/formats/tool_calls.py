@@ -4,7 +4,7 @@ parsed by mlx-lm's own parser for that model (the tokenizer's `tool_parser`, cho
 chat template or vocabulary). No parser is written here.
 
 `tool_choice` "required", a named function and `strict` tools are enforced by constrained decoding
-(engine/tool_grammar.py builds the grammar from the call syntax below); the request's `tools` and
+(engine/sampling/tool_grammar.py builds the grammar from the call syntax below); the request's `tools` and
 `tool_choice` are read by server/openai/tools.py.
 """
 

@@ -1,6 +1,6 @@
 """Reading a chain's blocks from the tier after RAM (the SSD): the protocol that tier offers, and
 the read of the blocks after RAM's last hit, with the first of them computed by a `FrontCompute`
-while the rest are read (engine/front_prefill.py). No lock is held here: the manager promotes what
+while the rest are read (engine/cache/front_prefill.py). No lock is held here: the manager promotes what
 comes back into RAM under its own."""
 
 from __future__ import annotations

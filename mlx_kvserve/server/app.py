@@ -17,8 +17,8 @@ from starlette.routing import Route
 
 from ..config import ApiKeys, load_api_keys
 from ..engine.engine import Engine
-from ..engine.registry import ModelRegistry
 from ..errors import ConfigError, InvalidRequestError, KVServeError, NotFoundError
+from ..registry.registry import ModelRegistry
 from . import prompt_bound
 from .anthropic.routes import anthropic_routes
 from .cache_routes import cache_routes
@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 def create_app(engine: Engine, keys: ApiKeys | None = None, registry: ModelRegistry | None = None) -> Starlette:
     """The app serving `engine`. `keys` default to those of engine.config (key files are read now;
     ConfigError when one cannot be). With several models, `registry` and its front
-    (engine/model_front.py) as `engine`: each request is served by the model it names."""
+    (registry/front.py) as `engine`: each request is served by the model it names."""
     handler = CompletionHandler(engine)
     monitor = HealthMonitor(engine)
     metrics = ServerMetrics(engine)

@@ -9,7 +9,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..engine.cache_admin import CacheAdmin, parse_hashes
+from ..engine.cache.admin import CacheAdmin, parse_hashes
 from ..engine.engine import Engine
 from ..errors import InvalidRequestError, PermissionDeniedError, ValidationError
 from . import prompts

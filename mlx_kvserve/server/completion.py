@@ -20,7 +20,7 @@ from starlette.responses import Response
 
 from ..engine.engine import Engine
 from ..engine.request import Event, Finished, GenerationRequest, TextDelta, TokenLogprob
-from ..engine.tool_grammar import CallGrammar, UnsupportedCallFormat
+from ..engine.sampling.tool_grammar import CallGrammar, UnsupportedCallFormat
 from ..errors import InvalidRequestError, KVServeError, ValidationError, model_not_found
 from ..formats.output import ChatOutput
 from ..formats.tool_calls import check_support

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..engine.device_memory import memory_report
+from ..engine.memory.device import memory_report
 
 ERROR_WINDOW_S = 300.0  # SSD write errors within this long make the server degraded
 
@@ -65,7 +65,7 @@ class HealthMonitor:
         return found
 
     def memory_problems(self, memory: dict[str, Any]) -> list[str]:
-        """Requests failed for want of memory (engine/device_memory.py) within the error window."""
+        """Requests failed for want of memory (engine/memory/device.py) within the error window."""
         count = memory.get("requests_failed_out_of_memory", 0)
         if not self._out_of_memory.recent(count, self._clock()):
             return []

@@ -16,8 +16,8 @@ from typing import Any
 import anyio
 from starlette.types import Message, Scope, Send
 
-from ..engine.registry import Lease, ModelRegistry
 from ..errors import KVServeError
+from ..registry.registry import Lease, ModelRegistry
 from . import sse
 from .anthropic.reply import error_body as anthropic_error_body
 from .gate import note_error

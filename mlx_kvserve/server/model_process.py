@@ -40,9 +40,9 @@ from typing import Any
 import httpx
 
 from ..config import Config
-from ..engine.model_load import Loaded
 from ..errors import ModelLoadError
 from ..model_entries import ModelEntry
+from ..registry.load import Loaded
 from .gate import PRINCIPAL_HEADER_ENV
 from .model_config import child_config_text
 
@@ -307,6 +307,6 @@ def load_entry(entry: ModelEntry, config: Config) -> Loaded:
     """The registry's loader: a process of its own for `process = true`, else an Engine in this one."""
     if entry.process:
         return ModelProcess.start(entry, config)
-    from ..engine.model_load import load_engine
+    from ..registry.load import load_engine
 
     return load_engine(entry, config)

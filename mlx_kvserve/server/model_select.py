@@ -1,7 +1,7 @@
 """Which model serves a request, when the server has several ([[models]]): an ASGI middleware inside the
 gate (so the body is already read and bounded) that resolves the request's `model`, leases that model
 (loading it first when needed: the request waits; concurrent ones share the load) and binds the
-request to its engine (engine/model_front.py) until the response's last byte. An unknown id is a 404
+request to its engine (registry/front.py) until the response's last byte. An unknown id is a 404
 naming the registered ones, in the API's own error shape.
 
 Selected: completions and embeddings (gate.LIMITED_PATHS: the body's "model") and the cache admin routes
@@ -23,9 +23,9 @@ from urllib.parse import parse_qs
 import anyio
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ..engine.model_front import bind, unbind
-from ..engine.registry import LOADED, ModelRegistry, ModelSlot
 from ..errors import InvalidRequestError, KVServeError
+from ..registry.front import bind, unbind
+from ..registry.registry import LOADED, ModelRegistry, ModelSlot
 from .anthropic.reply import error_response as anthropic_error
 from .embeddings import EMBEDDINGS_PATH, not_an_embedding_model
 from .gate import ADMIN_PREFIX, BODY_METHODS, LIMITED_PATHS, error_response, note_error, replay

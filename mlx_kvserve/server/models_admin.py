@@ -1,4 +1,4 @@
-"""The routes and metrics of a server with several models ([[models]], engine/registry.py):
+"""The routes and metrics of a server with several models ([[models]], registry/registry.py):
 `GET /v1/models` and `/v1/models/{id}` list every registered model with its state (OpenAI's shape with
 extra fields, or Anthropic's with an `anthropic-version` header); `GET /v1/cache/models`,
 `POST /v1/cache/models/load` and `/v1/cache/models/unload` (`{"model": id}`) under the admin key."""
@@ -19,8 +19,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..config import ServerConfig
-from ..engine.registry import LOADED, ModelRegistry
 from ..errors import KVServeError, ValidationError
+from ..registry.registry import LOADED, ModelRegistry
 from .anthropic.reply import error_response as anthropic_error
 from .bodies import read_json
 from .context_window import window_fields

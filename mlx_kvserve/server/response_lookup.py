@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..engine.registry import ModelRegistry
+from ..registry.registry import ModelRegistry
 from .model_process import ModelProcess
 from .model_proxy import forward
 

@@ -26,8 +26,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..engine.cache.router_view import RouterView
 from ..engine.engine import Engine
-from ..engine.router_view import RouterView
 from ..errors import NotFoundError, ValidationError
 
 POLL_S = 0.02  # how often an open stream looks for new events: the router's view lags RAM by about this

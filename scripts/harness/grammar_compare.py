@@ -135,7 +135,7 @@ def p90(values: list[float]) -> float:
 
 
 def unpack_apply(logits: mx.array, mask: np.ndarray) -> mx.array:
-    """engine/constrain.py's way: unpack the bits in numpy, then one mx.where."""
+    """engine/sampling/constrain.py's way: unpack the bits in numpy, then one mx.where."""
     allowed = np.unpackbits(mask[0].view(np.uint8), bitorder="little")[: logits.shape[-1]].astype(bool)
     return mx.where(mx.array(allowed), logits, -mx.inf)
 
@@ -183,7 +183,7 @@ def time_apply(libs: list[gl.Library], vocab: int, rounds: int, reps: int = 50) 
     mask = rng.integers(-(2**31), 2**31 - 1, size=(1, (vocab + 31) // 32), dtype=np.int32)
     logits = mx.random.normal((1, vocab))
     expected = unpack_apply(logits, mask)
-    methods: dict[str, Callable] = {"numpy unpack + mx.where (engine/constrain.py)": unpack_apply}
+    methods: dict[str, Callable] = {"numpy unpack + mx.where (engine/sampling/constrain.py)": unpack_apply}
     out: dict[str, float | str] = {}
     for lib in libs:
         label = f"{lib.name}'s own MLX function"

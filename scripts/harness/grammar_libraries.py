@@ -52,7 +52,7 @@ def _llg_setup(hf: Any, vocab: int, eos: int) -> Any:
 def _llg_compile(tokenizer: Any, schema: dict) -> Any:
     import llguidance
 
-    # The options engine/constrain.py uses: compact JSON.
+    # The options engine/sampling/constrain.py uses: compact JSON.
     grammar = llguidance.grammar_from(
         "json_schema", json.dumps({**schema, "x-guidance": {"whitespace_flexible": False}})
     )

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from mlx_kvserve.chain import BlockHasher
-from mlx_kvserve.engine.generate import Generator
-from mlx_kvserve.engine.prefix_cache import PrefixCache
+from mlx_kvserve.engine.batch.generate import Generator
+from mlx_kvserve.engine.cache.prefix_cache import PrefixCache
 from mlx_kvserve.kv import blocks
 from mlx_kvserve.kv.hashing import namespace_hash
 from mlx_kvserve.kv.manager import KVManager

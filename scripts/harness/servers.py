@@ -17,7 +17,7 @@ import httpx
 
 from harness import OURS, ROOT, THEIRS, VLLM, default_model_dir
 from harness.clients import chat_ttft
-from mlx_kvserve.blas import preload_env
+from mlx_kvserve.cpu.blas import preload_env
 
 
 def free_port() -> int:
@@ -100,7 +100,7 @@ def shared_device_bytes(servers: int) -> int | None:
     each keeps its caches between turns: the bytes each may hold in MLX's buffer cache and in KV caches,
     alike for all (each default is 80% / unbounded for `mlx_lm.server`, a quarter each for ours: two
     servers ran an H100 out of memory at 16 clients). None on unified memory and the CPU."""
-    from mlx_kvserve.engine.device_memory import array_memory_bytes, arrays_in_device_memory
+    from mlx_kvserve.engine.memory.device import array_memory_bytes, arrays_in_device_memory
 
     return array_memory_bytes() // (4 * servers) if arrays_in_device_memory() else None
 

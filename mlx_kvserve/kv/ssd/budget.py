@@ -1,10 +1,10 @@
-"""One disk budget shared by several namespace folders (the models of one server, engine/registry.py).
+"""One disk budget shared by several namespace folders (the models of one server, registry/registry.py).
 
 Each folder is a FolderUse: a loaded model's live SSDStore, or a folder at rest (its model unloaded, or
 found under the cache root at startup). The budget keeps the caps of the live stores plus the bytes of
 the folders at rest within `max_bytes`; a live store grows within its cap without asking, and asks
 (`reserve`, SSDStore's StoreBudget) when a write would pass it. Room then comes from other folders in
-the order a plan gives (engine/ssd_share.py: the idle headroom of other stores, then the least
+the order a plan gives (registry/ssd_share.py: the idle headroom of other stores, then the least
 recently used models' files), each down to its floor: its pinned blocks, which no trim removes.
 
 Contract:

@@ -1,7 +1,7 @@
 """OpenAI's `n`: several completions (choices) of one prompt, each its own GenerationRequest.
 
 They share the prompt's prefill through the block cache: the scheduler has a request whose prompt
-another one in the batch is prefilling wait for that one's prompt blocks (engine/prefill.py), so
+another one in the batch is prefilling wait for that one's prompt blocks (engine/batch/prefix_waits.py), so
 the first choice prefills the prompt and the others start from its blocks, prefilling only the
 partial block at its end. The reply has one `choices` entry per completion (index 0..n-1); usage
 counts the prompt once, as OpenAI does, and the completion tokens of every choice.

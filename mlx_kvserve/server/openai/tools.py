@@ -1,12 +1,12 @@
 """The `tools`, `tool_choice` and `parallel_tool_calls` of a chat request checked into a ToolSpec
 (formats/tool_calls.py), and what a reply must be held to for them: `tool_choice` "required", a named
-function and `strict` tools are enforced by constrained decoding (engine/tool_grammar.py)."""
+function and `strict` tools are enforced by constrained decoding (engine/sampling/tool_grammar.py)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from ...engine.tool_grammar import CallGrammar
+from ...engine.sampling.tool_grammar import CallGrammar
 from ...errors import InvalidRequestError, ValidationError
 from ...formats.tool_calls import ToolSpec
 

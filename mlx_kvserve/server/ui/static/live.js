@@ -162,7 +162,7 @@ export class LivePanel {
       el("td", {}, m.state || "loaded"),
       el("td", {}, m.memory_bytes ? `${(m.memory_bytes / 2 ** 30).toFixed(2)} GiB` : "")));
     document.querySelector("#models tbody").replaceChildren(...rows);
-    // The memory plan at start (engine/memory_plan.py): what the KV may take beside the weights.
+    // The memory plan at start (engine/memory/plan.py): what the KV may take beside the weights.
     document.getElementById("memory-plan").textContent = health?.memory_plan?.line || "";
   }
 }

@@ -1,0 +1,1 @@
+"""Per-request sampling and constrained decoding (llguidance grammars for JSON schemas and tool calls)."""
