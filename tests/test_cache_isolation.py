@@ -3,7 +3,7 @@
 Without a model: the key file's parsing, the isolation setting's resolution, the salts (secret file,
 roots, the chain a principal walks past shared pins). On real `mlx-kvserve run` processes with
 SmolLM2 and the openai SDK: key B gets 0 cached tokens on key A's prompt in RAM and after a restart
-while A hits; an admin pin marked shared is hit by both keys; the PIN probe (harness/pin_probe.py)
+while A hits; an admin pin marked shared is hit by both keys; the PIN probe (tests/pinprobe.py)
 reads the PIN through a shared cache with exact cached_tokens, and reads nothing per key or with
 cached_tokens in whole blocks."""
 
@@ -14,7 +14,7 @@ import stat
 import httpx
 import openai
 import pytest
-from harness.pin_probe import QUESTION, messages, probe_pin, victim_system
+from pinprobe import QUESTION, messages, probe_pin, victim_system
 from test_server_e2e import write_config
 
 from mlx_kvserve.api_keys import ApiKeys, load_api_keys, parse_key_file

@@ -2,7 +2,7 @@
 server.max_concurrent_counts counts render and tokenize at once (issue 46: twelve 3 MB bodies counted
 together took a server to 4.5 GB and slowed a small chat 40x, all within the in-flight limit); one more
 gets a 429 naming the setting, a chat still runs beside them, and a finished count gives its slot back.
-The tiny random model, in process; scripts/bench_count_tokens.py measures the effect on a real server."""
+The tiny random model, in process; the effect on a real server: docs/benchmarks.md "count_tokens bound"."""
 
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
-"""The agent workload of scripts/bench_agent.py, deterministic and pure: a Qwen-style tool template,
-20 tool schemas, long agent instructions, and a scripted 10-turn conversation whose assistant turns
-(text replies, tool calls and their results) are fixed, so that every server gets the same requests."""
+"""The agent workload, deterministic and pure: a Qwen-style tool template (what the agent model of
+agent_model.py renders with), 20 tool schemas, long agent instructions and the user turns of the
+Claude Code session (agents.py session), so that every server gets the same requests."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 # Qwen2.5's layout: the tools go into the system turn, an assistant's calls are <tool_call> JSON, a tool
@@ -171,19 +170,6 @@ def agent_instructions(nonce: str, num_words: int) -> str:
     return "\n".join(lines)
 
 
-def _call(call_id: str, name: str, arguments: dict[str, Any], result: str) -> list[dict[str, Any]]:
-    """An assistant turn that calls one tool, and the tool's result."""
-    call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
-    return [
-        {"role": "assistant", "content": "", "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": call_id, "content": result},
-    ]
-
-
-def _say(text: str) -> list[dict[str, Any]]:
-    return [{"role": "assistant", "content": text}]
-
-
 USER_TURNS = [
     "CI failed on main for the payments service. Find out why.",
     "Which test fails, and what does it assert?",
@@ -196,62 +182,3 @@ USER_TURNS = [
     "Run the whole payments suite.",
     "Commit both fixes with a good message.",
 ]
-
-# The assistant's part of turns 1-9, as the history of the next turn holds it (the reply the model
-# actually writes is not sent back: every server must get the same requests).
-# fmt: off
-ASSISTANT_TURNS = [
-    _call("call_1", "run_tests", {"path": "services/payments"},
-          "FAILED tests/test_refund.py::test_partial_refund - AssertionError: assert 39.99 == 40.0\n"
-          "1 failed, 212 passed in 8.41s"),
-    _say("`tests/test_refund.py::test_partial_refund` fails: refunding 40% of a 100.00 order should give "
-         "40.00, the code returns 39.99."),
-    _call("call_2", "read_file", {"path": "services/payments/refund.py", "start_line": 1, "end_line": 30},
-          "def partial_refund(total, share):\n    amount = total * share\n    return math.floor(amount * 100) / 100\n"),
-    _say("`total * share` is a binary float: 100.00 * 0.4 is 39.99999..., and `math.floor` cuts it to 39.99."),
-    _call("call_3", "edit_file",
-          {"path": "services/payments/refund.py", "old": "amount = total * share",
-           "new": "amount = (Decimal(total) * Decimal(str(share))).quantize(CENT, ROUND_HALF_EVEN)"},
-          "Edited services/payments/refund.py (1 replacement)."),
-    _call("call_4", "run_tests", {"path": "services/payments/tests/test_refund.py"}, "14 passed in 0.62s"),
-    _call("call_5", "search_code", {"pattern": r"float\(|\* 100\)", "glob": "services/payments/**/*.py"},
-          "services/payments/invoice.py:41: total = float(subtotal) * (1 + tax_rate)\n"),
-    _call("call_6", "edit_file",
-          {"path": "services/payments/invoice.py", "old": "total = float(subtotal) * (1 + tax_rate)",
-           "new": "total = (Decimal(subtotal) * (1 + Decimal(str(tax_rate)))).quantize(CENT, ROUND_HALF_EVEN)"},
-          "Edited services/payments/invoice.py (1 replacement)."),
-    _call("call_7", "run_tests", {"path": "services/payments"}, "213 passed in 8.12s"),
-]
-# fmt: on
-
-
-def template_input(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """`messages` as both servers hand them to the chat template: each call's JSON `arguments` decoded."""
-    out = []
-    for message in messages:
-        calls = [
-            {**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
-            for c in message.get("tool_calls", [])
-        ]
-        out.append({**message, "tool_calls": calls} if calls else message)
-    return out
-
-
-def count_tokens(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> int:
-    """Prompt tokens of `messages` and `tools` under TOOL_TEMPLATE (a Hugging Face tokenizer), as a
-    server that adds the generation prompt renders them."""
-    text = tokenizer.apply_chat_template(
-        template_input(messages), tools=tools, chat_template=TOOL_TEMPLATE, add_generation_prompt=True, tokenize=False
-    )
-    return len(tokenizer.encode(text, add_special_tokens=False))
-
-
-def turn_messages(system: str, turn: int) -> list[dict[str, Any]]:
-    """The messages of turn `turn` (0-based): the system prompt, then for each earlier turn its user
-    message and its scripted assistant part, then this turn's user message. At most 10 turns."""
-    if not 0 <= turn < len(USER_TURNS):
-        raise ValueError(f"turn {turn} outside 0..{len(USER_TURNS) - 1}")
-    messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
-    for earlier in range(turn):
-        messages += [{"role": "user", "content": USER_TURNS[earlier]}, *ASSISTANT_TURNS[earlier]]
-    return [*messages, {"role": "user", "content": USER_TURNS[turn]}]
