@@ -1,0 +1,83 @@
+"""docs/architecture.md names every module of the package (issue 48), so "where do I change X" has an answer
+there: a module counts as named by its path under mlx_kvserve/ (`server/slots.py`), or by its file name in a
+list under its folder (`kv/` ... `ram.py`); a sub-package's list (`openai/` (`parse` · `tools`)) may give
+stems; a package is named by its folder (`launch/`)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "mlx_kvserve"
+DOC = ROOT / "docs" / "architecture.md"
+
+
+def is_named(rel: Path, doc: str) -> bool:
+    folder = f"{rel.parent.name}/"
+    if rel.name == "__init__.py":
+        return folder in doc
+    if rel.as_posix() in doc or (rel.parent == Path(".") and f"`{rel.name}`" in doc):
+        return True
+    if rel.parent != Path(".") and folder in doc:
+        return rel.name in doc or (len(rel.parts) > 2 and f"`{rel.stem}`" in doc)
+    return False
+
+
+def unnamed_modules(doc: str) -> list[str]:
+    paths = (p.relative_to(PACKAGE) for p in sorted(PACKAGE.rglob("*.py")))
+    return [p.as_posix() for p in paths if p != Path("__init__.py") and not is_named(p, doc)]
+
+
+def test_the_architecture_doc_names_every_module():
+    missing = unnamed_modules(DOC.read_text())
+    assert not missing, f"docs/architecture.md does not name {missing}: add a one-line entry for each"
+
+
+def test_the_check_finds_a_module_left_out():
+    doc = "`kv/` ... `ram.py` · `engine/build.py` · `openai/` (`parse`) · `launch/` · `cli.py`"
+    assert is_named(Path("kv/ram.py"), doc) and is_named(Path("engine/build.py"), doc)
+    assert is_named(Path("server/openai/parse.py"), doc) and is_named(Path("launch/__init__.py"), doc)
+    assert is_named(Path("cli.py"), doc)
+    assert not is_named(Path("engine/slots.py"), doc) and not is_named(Path("server/openai/tools.py"), doc)
+    assert not is_named(Path("service/__init__.py"), doc) and not is_named(Path("cpu/blas.py"), doc)
+
+
+# A file the doc names: `engine/batch/order.py`, `scripts/draw_architecture.py`, `tests/project/test_layout.py` or a bare
+# `order.py` in a folder's list; a placeholder such as `server/<api>/parse.py` names no one file.
+NAMED_FILE = re.compile(r"(?<![\w/.<>-])([A-Za-z_][\w/.-]*\.py)\b")
+
+
+def missing_files(doc: str, root: Path = ROOT) -> list[str]:
+    """The `.py` files `doc` names that exist nowhere: a path under the repository or the package, or a bare
+    file name found in neither the package, scripts/ nor tests/."""
+    package = root / "mlx_kvserve"
+    names = {p.name for folder in ("mlx_kvserve", "scripts", "tests") for p in (root / folder).rglob("*.py")}
+    missing = []
+    for named in sorted(set(NAMED_FILE.findall(doc))):
+        if "/" in named:
+            found = (root / named).is_file() or (package / named).is_file()
+        else:
+            found = named in names
+        if not found:
+            missing.append(named)
+    return missing
+
+
+def test_every_file_the_doc_names_exists():
+    missing = missing_files(DOC.read_text())
+    assert not missing, f"docs/architecture.md names {missing}, which do not exist: a module moved or went away"
+
+
+def test_the_file_check_finds_a_removed_module(tmp_path):
+    (tmp_path / "mlx_kvserve" / "engine").mkdir(parents=True)
+    (tmp_path / "mlx_kvserve" / "engine" / "order.py").write_text("")
+    for folder in ("scripts", "tests"):
+        (tmp_path / folder).mkdir()
+    doc = "`engine/order.py` · `order.py` · `server/<api>/parse.py` · `engine/gone.py` · `solo.py` · `scripts/x.py`"
+    assert missing_files(doc, tmp_path) == ["engine/gone.py", "scripts/x.py", "solo.py"]
+
+
+def test_every_doc_the_doc_links_exists():
+    links = re.findall(r"\]\(([\w.-]+\.md)(?:#[\w-]+)?\)", DOC.read_text())
+    assert links and all((DOC.parent / link).is_file() for link in links), links
