@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs Debian's chromium and chromium-driver for the /ui browser tests (tests/test_ui_browser.py) when
+# Installs Debian's chromium and chromium-driver for the /ui browser tests (tests/server/test_ui_browser.py) when
 # they are missing and we may: as root, or with password-less sudo. Best effort, like install-openblas.sh:
 # prints what it did and always exits 0; without a browser those tests skip, saying why.
 set -u

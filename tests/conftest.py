@@ -9,6 +9,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
+# The tests sit in folders that mirror the package (tests/kv/ssd/ for mlx_kvserve/kv/ssd/); a test module
+# shares fixtures with another by name (`from test_api_tools import tool_engine`), wherever either sits.
+for _test in sorted(Path(__file__).parent.rglob("test_*.py")):
+    if str(_test.parent) not in sys.path:
+        sys.path.append(str(_test.parent))
 # scripts/harness is the support package the benches and the tests share (servers, free_port, the
 # synthetic models, the engine stack); tests import `harness`, never a bench script module.
 sys.path.insert(0, str(ROOT / "scripts"))

@@ -1,4 +1,4 @@
-"""One rank of a distributed engine, for tests/test_distributed.py (run under `mlx.launch`).
+"""One rank of a distributed engine, for tests/engine/test_distributed.py (run under `mlx.launch`).
 
     python dist_rank.py MODEL_DIR HOME MODE PROMPTS_JSON [--pin]
 

@@ -1,4 +1,4 @@
-"""Not collected by the suite (no test_ prefix): tests/test_failing_test_exits.py runs it in a child
+"""Not collected by the suite (no test_ prefix): tests/project/test_failing_test_exits.py runs it in a child
 pytest. It fails while an Engine with an SSD tier is still running (its non-daemon worker and writer
 threads), as a failing engine test does before reaching `engine.stop()`."""
 

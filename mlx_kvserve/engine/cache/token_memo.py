@@ -6,7 +6,7 @@ added tokens before normalizing and pre-tokenizing the pieces between them, so t
 up to the end of a special token such as <|im_end|> do not depend on what follows it. The memo
 keeps a few recent (text -> ids) results with the token count at each such boundary; a new text
 reuses the ids up to the last boundary inside its common prefix with a memoized text and encodes
-only the rest. The result is always the ids a full encode gives (tests/test_token_memo.py checks
+only the rest. The result is always the ids a full encode gives (tests/engine/test_token_memo.py checks
 that on many prompt pairs); a tokenizer where that cannot be shown gets no memo (memo_for: None).
 
 Entries are kept per principal (per_key isolation): a timing probe must not learn whether another

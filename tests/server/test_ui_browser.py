@@ -2,7 +2,7 @@
 
 Skipped, saying why, where either binary or the selenium package is missing (Debian:
 `apt-get install chromium chromium-driver`, or `bash scripts/install-chromium.sh`); failed instead
-where CI=true (.ci/run sets it), as is tests/test_local_guard_browser.py, which imports this. With
+where CI=true (.ci/run sets it), as is tests/server/test_local_guard_browser.py, which imports this. With
 KVSERVE_UI_SCREENSHOTS=1 the run also writes the docs' screenshots, docs/img/ui-*.png.
 """
 
@@ -18,7 +18,7 @@ from conftest import ServerProcess
 ADMIN_KEY = "admin-key-2"
 SECRET = "the quince-harbour lighthouse secret"
 SYSTEM = " ".join(f"Rule {i}: answer as the keeper of lighthouse number {i}, briefly." for i in range(8))
-DOCS_IMG = Path(__file__).resolve().parents[1] / "docs" / "img"
+DOCS_IMG = Path(__file__).resolve().parents[2] / "docs" / "img"
 
 
 def _binary(env: str, *names: str) -> str | None:

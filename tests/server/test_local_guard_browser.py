@@ -3,7 +3,7 @@ a key nor read one (issue 46): its no-cors POST and its form POST are refused be
 read is blocked, and a DNS-rebinding name (emulated with Chromium's host resolver rules) gets 421. The
 attacker's page comes from a tiny http.server on another port, under the name evil.example.
 
-Skipped as tests/test_ui_browser.py is where Chromium, chromedriver or selenium is missing.
+Skipped as tests/server/test_ui_browser.py is where Chromium, chromedriver or selenium is missing.
 """
 
 import http.server

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).resolve().parents[1]
 
 
 def test_a_failing_engine_test_is_reported_and_the_process_exits():

@@ -18,7 +18,7 @@ import pytest
 from conftest import free_port
 from tinymodel import build_mlx_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _python(code: str, **kwargs) -> subprocess.Popen:

@@ -47,7 +47,7 @@ def test_the_cli_reexecution_and_blas_exec_set_them():
         capture_output=True,
         text=True,
         check=True,
-        cwd=str(Path(__file__).parent.parent),
+        cwd=str(Path(__file__).resolve().parents[2]),
     )
     assert done.stdout.strip() == warm_memory.tunables()
 

@@ -27,7 +27,7 @@ from mlx_kvserve.kv.ssd.writer import SSDWriterThread, WriteJob
 
 BS = 4
 NS = namespace_hash("m", "float32", BS)
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def chain(n: int, seed: int = 0) -> list[BlockToSave]:

@@ -16,7 +16,7 @@ import pytest
 from familymodels import build_family_model
 from harness.journey import run_journey
 
-# Two server processes per family (~10 s each on a laptop's CPU); tests/test_ssd_tails.py checks the
+# Two server processes per family (~10 s each on a laptop's CPU); tests/kv/ssd/test_ssd_tails.py checks the
 # same without servers.
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,7 @@ from mlx_kvserve.models.loader import load_model
 from mlx_kvserve.server.app import create_app
 
 pytest.importorskip("mlx_vlm", reason="images need mlx-vlm (pyproject extra 'vision')")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from harness import tiny_vlm  # noqa: E402
 
 QUESTION = "What colour is the picture, and what is in it? Answer in one short sentence."

@@ -1,6 +1,6 @@
 """The /ui page without a browser: its files, their content types and headers, the recent requests log,
 and the keys: without the admin key a client gets the page shell and no prompt text anywhere.
-The page in a real browser: tests/test_ui_browser.py."""
+The page in a real browser: tests/server/test_ui_browser.py."""
 
 import re
 

@@ -23,7 +23,7 @@ from mlx_kvserve.vision.images import ImageLimits
 from mlx_kvserve.vision.runtime import VisionRuntime
 
 pytest.importorskip("mlx_vlm", reason="images need mlx-vlm (pyproject extra 'vision')")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from harness import tiny_vlm  # noqa: E402
 
 BS = 8

@@ -1,7 +1,7 @@
 """Speculative decoding (engine/speculative/speculator.py): a greedy request decoding alone with prompt-lookup
 drafts gives exactly the tokens, text, logprobs and finish reason it gives without them; stop
 strings, max_tokens, cancellation and a request joining mid-speculation included. Draft models and
-sampled requests: tests/test_speculative_draft.py."""
+sampled requests: tests/engine/test_speculative_draft.py."""
 
 from __future__ import annotations
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "scripts"
-TEST_MODULES = {p.stem for p in (ROOT / "tests").glob("*.py")}
+TEST_MODULES = {p.stem for p in (ROOT / "tests").rglob("*.py")}
 
 
 def imported_modules(path: Path) -> set[str]:

@@ -19,7 +19,7 @@ from kvharness import greedy, make_generator
 from mlx_lm.utils import load
 from tinymodel import build_mlx_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BS = 16
 
 
@@ -27,7 +27,7 @@ def _run_ranks(model_dir: Path, home: Path, prompts: list[list[int]], *extra: st
     launcher = Path(sys.executable).with_name("mlx.launch")
     prompts_file = home / "prompts.json"
     prompts_file.write_text(json.dumps(prompts))
-    script = Path(__file__).with_name("dist_rank.py")
+    script = Path(__file__).resolve().parents[1] / "dist_rank.py"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [str(launcher), "-n", "2", "--backend", "ring", "--", sys.executable, str(script)]
     cmd += [str(model_dir), str(home), mode, str(prompts_file), *extra]
