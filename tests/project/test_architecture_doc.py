@@ -1,7 +1,8 @@
 """docs/architecture.md names every module of the package (issue 48), so "where do I change X" has an answer
 there: a module counts as named by its path under mlx_kvserve/ (`server/slots.py`), or by its file name in a
 list under its folder (`kv/` ... `ram.py`); a sub-package's list (`openai/` (`parse` · `tools`)) may give
-stems; a package is named by its folder (`launch/`)."""
+stems; a package is named by its folder (`launch/`). And the other way: every `.py` file and `.md` page the doc
+names exists, so it cannot send a newcomer to a module that moved or went away."""
 
 from __future__ import annotations
 
