@@ -26,12 +26,12 @@ $(STAMP): pyproject.toml
 # Debian/Ubuntu: install OpenBLAS so MLX's float32 path is fast (best effort; never fails setup).
 fast-blas:
 	@echo "== checking for OpenBLAS (Debian/Ubuntu; fast float32 on the CPU)"
-	@bash scripts/install-openblas.sh || true
+	@bash scripts/install.sh openblas || true
 
 # Debian/Ubuntu: headless Chromium for the /ui browser tests (best effort; they skip without it, fail where CI=true).
 browser:
 	@echo "== checking for headless Chromium (the /ui browser tests)"
-	@bash scripts/install-chromium.sh || true
+	@bash scripts/install.sh chromium || true
 
 setup: $(STAMP) fast-blas browser
 

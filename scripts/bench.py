@@ -2,23 +2,26 @@
 
 Starts our server and `mlx_lm.server` on the same model on free loopback ports (both with the same
 BLAS: OpenBLAS preloaded where installed), alternates requests between them (only one is busy at a
-time) and writes results.json, report.md (tables, targets, machine and versions) and PNG charts to
-a results folder (default results/<UTC timestamp>/).
+time) and writes results.json and report.md (tables, targets, machine and versions) to a results
+folder (default results/<UTC timestamp>/).
 
 Scenarios (--scenarios, comma-separated; default all):
-  system        ~1.2k-token system prompt: cold, exact repeat, new question          (bench_prefix.py)
-  restart       first request after a restart: ours from the SSD, theirs cold        (bench_prefix.py)
-  conversation  TTFT per turn of a 16-turn conversation (--quick: 4 turns)           (bench_prefix.py)
-  interleaved   14 conversations round-robin, more than mlx_lm.server's 10 caches    (bench_interleaved.py)
-  pins          flood + pin at depths 0, 4, 8, 16 (--quick: 16 only)                (bench_pins.py)
-  decode        decode tokens/s, our engine vs mlx-lm stream_generate, in-process    (bench_prefix.py)
-  ssd           write-through cost: hit TTFT and decode tok/s, SSD off / on / unheld  (bench_prefix.py)
+  system        ~1.2k-token system prompt: cold, exact repeat, new question (--system-words N,M: several
+                sizes on the same servers)
+  restart       first request after a restart: ours from the SSD, theirs cold
+  conversation  TTFT per turn of a 16-turn conversation (--quick: 4 turns)
+  interleaved   14 conversations round-robin, more than mlx_lm.server's 10 caches (--conversations N)
+  pins          flood + pin at depths 0, 4, 8, 16 (--quick: 16 only); servers of its own
+  decode        decode tokens/s, our engine vs mlx-lm stream_generate, in-process
+  ssd           write-through cost: hit TTFT and decode tok/s, SSD off / on / unheld, in-process
   concurrent    C = 1, 4, 8 clients x T turns at once, own system prompts; 8 clients on one shared
-                system prompt: TTFT mean / p90 per turn, tokens/s             (bench_concurrent.py)
+                system prompt: TTFT mean / p90 per turn, tokens/s (--clients, --rounds R: servers in
+                alternating order each round, ratios per round and their median)
 --quick: one rep and fewer turns/conversations/depths/tokens; under 10 minutes on a 2-core CPU.
+Peers: --vllm-mlx PATH adds vllm-mlx (prefix cache on); --variants a,b adds our server configured as
+harness/variants.py's VARIANTS (e.g. ssd-off, fifo) to the server scenarios.
 
 Usage: python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/bench.py [--quick] [--scenarios a,b] [--out DIR]
-Charts need matplotlib: pip install -e '.[bench]'.
 """
 
 from __future__ import annotations
@@ -29,15 +32,13 @@ import importlib.metadata
 import json
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 
 from harness import OURS, ROOT, THEIRS, default_model_dir
 
-# The measurements are harness.scenarios', shared with bench_prefix/interleaved/concurrent/pins.py: here they
-# all run on one pair of servers (running those scripts as subprocesses would start a pair for each).
-from harness.scenarios import concurrent, interleaved, pins
+# The measurements are harness.scenarios': the server ones run on one set of servers, started once.
+from harness.scenarios import concurrent, concurrent_rounds, interleaved, pins
 from harness.scenarios.prefix import (
     decode_speed,
     scenario_conversation,
@@ -47,6 +48,7 @@ from harness.scenarios.prefix import (
 )
 from harness.scenarios.prefix import report_lines as prefix_report_lines
 from harness.servers import server_env, start_servers, stop_servers
+from harness.variants import VARIANTS, variant_server
 
 from mlx_kvserve.cpu.blas import blas_in_use, mapped_blas
 
@@ -133,7 +135,7 @@ def machine_info(model_dir: Path) -> dict:
 # -- the suite -----------------------------------------------------------------------------------
 
 
-def run_suite(wanted: list[str], params: dict, out: Path, model_dir: Path) -> dict:
+def run_suite(wanted: list[str], params: dict, out: Path, model_dir: Path, args: argparse.Namespace) -> dict:
     results: dict = {
         "meta": {
             "started_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -161,12 +163,16 @@ def run_suite(wanted: list[str], params: dict, out: Path, model_dir: Path) -> di
     reps = params["reps"]
     if SERVER_SCENARIOS & set(wanted):
         start = time.perf_counter()
-        servers = start_servers(model_dir)
+        servers = start_servers(model_dir, args.vllm_mlx)
+        for i, name in enumerate(v for v in args.variants.split(",") if v):
+            servers.insert(1 + i, variant_server(servers[0], name))
         timings["server_start"] = round(time.perf_counter() - start, 1)
         results["meta"]["machine"]["blas_servers"] = {s.name: process_blas(s.proc.pid) for s in servers}
         try:
-            if "system" in wanted:
-                results["system_prompt"] = timed("system", scenario_system_prompt, servers, reps)
+            sizes = [int(w) for w in args.system_words.split(",")]
+            for words in sizes if "system" in wanted else []:  # several sizes: servers started once (a GPU run)
+                key = "system_prompt" if len(sizes) == 1 else f"system_prompt_{words}w"
+                results[key] = timed(f"system {words} words", scenario_system_prompt, servers, reps, words)
                 save()
             if "conversation" in wanted:
                 results["conversation"] = timed(
@@ -184,9 +190,10 @@ def run_suite(wanted: list[str], params: dict, out: Path, model_dir: Path) -> di
                 )
                 save()
             if "concurrent" in wanted:
-                results["concurrent"] = timed(
-                    "concurrent", concurrent.scenario_concurrent, servers, *params["concurrent"].values()
-                )
+                case = [*params["concurrent"].values(), *([args.rounds] if args.rounds > 1 else [])]
+                measure = concurrent_rounds.scenario_rounds if args.rounds > 1 else concurrent.scenario_concurrent
+                results["concurrent"] = timed("concurrent", measure, servers, *case)
+                results["concurrent"]["commands"] = {s.name: " ".join(s.cmd) for s in servers}
                 save()
             if "restart" in wanted:  # last: it restarts both servers
                 results["restart"] = timed("restart", scenario_restart, servers, reps)
@@ -210,12 +217,15 @@ def run_suite(wanted: list[str], params: dict, out: Path, model_dir: Path) -> di
     if "ssd" in wanted:
         results["ssd_write_cost"] = timed("ssd", ssd_write_cost, model_dir, reps, params["decode_tokens"])
         save()
+    results["meta"]["servers"] = [OURS, *(v for v in args.variants.split(",") if v), THEIRS] + (
+        ["vllm-mlx"] * bool(args.vllm_mlx)
+    )
     timings["total"] = round(time.perf_counter() - suite_start, 1)
     save()
     return results
 
 
-# -- targets, report, charts ---------------------------------------------------------------------
+# -- targets, report ------------------------------------------------------------------------------
 
 
 def targets(results: dict) -> list[tuple[str, str, bool]]:
@@ -281,7 +291,7 @@ def targets(results: dict) -> list[tuple[str, str, bool]]:
     return rows
 
 
-def report_markdown(results: dict, charts: list[str]) -> str:
+def report_markdown(results: dict) -> str:
     meta, m = results["meta"], results["meta"]["machine"]
     quick = " (--quick)" if meta["params"] == PARAMS["quick"] else ""
     lines = [
@@ -308,12 +318,18 @@ def report_markdown(results: dict, charts: list[str]) -> str:
     prefix = {k: results[k] for k in prefix_keys if k in results}
     if prefix:
         lines += ["## System prompt, restart, conversation, decode", "", *prefix_report_lines(prefix), ""]
+    for key in [k for k in results if k.startswith("system_prompt_")]:
+        lines += [f"## System prompt of {key.split('_')[-1][:-1]} words", ""]
+        lines += [*prefix_report_lines({"system_prompt": results[key]}), ""]
+    names = meta.get("servers", [OURS, THEIRS])
     if "interleaved" in results:
         lines += ["## Many interleaved conversations", ""]
-        lines += interleaved.report_lines(results["interleaved"], [OURS, THEIRS]) + [""]
+        lines += interleaved.report_lines(results["interleaved"], names) + [""]
     if "concurrent" in results:
         lines += ["## Concurrent clients (continuous batching)", ""]
-        lines += concurrent.report_lines(results["concurrent"], [OURS, THEIRS]) + [""]
+        rounds = meta["params"].get("rounds", 1) > 1
+        report = concurrent_rounds.rounds_report_lines if rounds else concurrent.report_lines
+        lines += report(results["concurrent"], names) + [""]
     if "pins" in results:
         p = results["pins"]
         lines += [
@@ -322,121 +338,7 @@ def report_markdown(results: dict, charts: list[str]) -> str:
             *pins.report_lines(p),
             "",
         ]
-    if charts:
-        lines += ["## Charts", ""] + [f"![{c}]({c})" for c in charts] + [""]
     return "\n".join(lines)
-
-
-def _label_bars(ax, bars, fmt: str = "{:.2f}") -> None:
-    for bar in bars:
-        h = bar.get_height()
-        ax.annotate(
-            fmt.format(h),
-            (bar.get_x() + bar.get_width() / 2, h),
-            ha="center",
-            va="bottom",
-            fontsize=7,
-            xytext=(0, 1),
-            textcoords="offset points",
-        )
-
-
-def _grouped(ax, groups: list[str], series: dict[str, list[float]], log: bool = False, fmt: str = "{:.2f}") -> None:
-    n = len(series)
-    width = 0.8 / n
-    for i, (name, values) in enumerate(series.items()):
-        xs = [g + (i - (n - 1) / 2) * width for g in range(len(groups))]
-        _label_bars(ax, ax.bar(xs, values, width, label=name), fmt)
-    ax.set_xticks(range(len(groups)), groups)
-    if log:
-        ax.set_yscale("log")
-    ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
-
-
-def make_charts(results: dict, out: Path) -> list[str]:
-    """PNG charts for the scenarios that ran; [] (with a note) when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        import matplotlib.ticker
-    except ImportError:
-        print("matplotlib not installed: no charts (pip install -e '.[bench]')", file=sys.stderr)
-        return []
-    names = []
-
-    def save(fig, name: str, title: str, ax) -> None:
-        ax.set_title(title, fontsize=10)
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=110)
-        plt.close(fig)
-        names.append(name)
-
-    if "system_prompt" in results:
-        sp = results["system_prompt"]
-        keys = ["cold", "repeat", "new_question"]
-        fig, ax = plt.subplots(figsize=(6.4, 4))
-        _grouped(ax, ["cold", "repeat", "new question"], {n: [sp[n][k] for k in keys] for n in (OURS, THEIRS)}, True)
-        ax.set_ylabel("TTFT s (log scale)")
-        save(fig, "system_prompt.png", "~1.2k-token system prompt: TTFT", ax)
-    if "restart" in results:
-        r = results["restart"]
-        fig, ax = plt.subplots(figsize=(6.4, 4))
-        _grouped(
-            ax,
-            ["cold", "first request after restart"],
-            {n: [r[n]["cold"], r[n]["after_restart"]] for n in (OURS, THEIRS)},
-            True,
-        )
-        ax.set_ylabel("TTFT s (log scale)")
-        save(fig, "restart.png", "Restart: ours from the SSD, theirs cold", ax)
-    if "conversation" in results:
-        conv = results["conversation"]
-        fig, ax = plt.subplots(figsize=(6.4, 4))
-        for n in (OURS, THEIRS):
-            ax.plot(range(1, len(conv[n]) + 1), conv[n], marker="o", label=n)
-        ax.set_yscale("log")
-        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-        ax.set_xlabel("turn")
-        ax.set_ylabel("TTFT s (log scale)")
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-        save(fig, "conversation.png", "Conversation: TTFT per turn (turn 1 cold)", ax)
-    if "interleaved" in results:
-        il = results["interleaved"]
-        fig, ax = plt.subplots(figsize=(6.4, 4))
-        turns = [f"turn {t + 1}" for t in range(il["turns"])]
-        _grouped(ax, turns, {n: il[n]["ttft_mean"] for n in (OURS, THEIRS)})
-        ax.set_ylabel("mean TTFT s")
-        save(fig, "interleaved.png", f"{il['conversations']} interleaved conversations: mean TTFT per turn", ax)
-    if "pins" in results:
-        p = results["pins"]
-        fig, ax = plt.subplots(figsize=(6.4, 4))
-        series = {
-            "mlx-kvserve pinned": [p["pinned"][d]["ttft_s"] for d in p["depths"]],
-            "mlx-kvserve unpinned": [p["unpinned"][d]["ttft_s"] for d in p["depths"]],
-            "mlx_lm.server": [p["mlx_lm.server"][d]["ttft_s"] for d in p["depths"]],
-        }
-        _grouped(ax, [f"depth {d}" for d in p["depths"]], series)
-        ax.set_ylabel("TTFT s of the next turn")
-        save(fig, "pins.png", f"Flood ({p['flood_conversations']} conversations) + pin: next-turn TTFT", ax)
-    if "decode" in results or "ssd_write_cost" in results:
-        fig, ax = plt.subplots(figsize=(6.4, 4))
-        labels, values = [], []
-        if "decode" in results:
-            labels += ["ours", "mlx-lm\nstream_generate"]
-            values += [results["decode"]["ours_tps"], results["decode"]["mlx_lm_tps"]]
-        if "ssd_write_cost" in results:
-            labels += ["ours, SSD off", "ours, SSD on"]
-            values += [results["ssd_write_cost"]["decode_tps_ssd_off"], results["ssd_write_cost"]["decode_tps_ssd_on"]]
-        _label_bars(ax, ax.bar(range(len(values)), values, color=[f"C{i}" for i in range(len(values))]), "{:.1f}")
-        ax.set_xticks(range(len(values)), labels, fontsize=8)
-        ax.set_ylabel("decode tokens/s")
-        ax.grid(axis="y", alpha=0.3)
-        save(fig, "decode.png", "Decode speed", ax)
-    return names
 
 
 def main() -> None:
@@ -447,7 +349,20 @@ def main() -> None:
     )
     parser.add_argument("--out", help="results folder (default results/<UTC timestamp>/)")
     parser.add_argument("--model", help="model folder (default: the default model, fetched if needed)")
+    parser.add_argument("--reps", type=int, help="repeats of system, restart, decode, ssd (default 1 quick / 3)")
+    parser.add_argument(
+        "--system-words", default="880", help="system prompt words, comma-separated (880: ~1.2k tokens)"
+    )
+    parser.add_argument("--conversations", type=int, help="interleaved conversations (default 12 quick / 14)")
+    parser.add_argument("--clients", help="concurrent client counts, comma-separated (default 1,4,8)")
+    parser.add_argument("--turns", type=int, help="turns per concurrent client (default 2 quick / 3)")
+    parser.add_argument("--words", type=int, help="each concurrent client's system prompt words (300 quick / 1400)")
+    parser.add_argument("--rounds", type=int, default=1, help="concurrent rounds, servers alternating (default 1)")
+    parser.add_argument("--variants", default="", help=f"our server configured as these too: {', '.join(VARIANTS)}")
+    parser.add_argument("--vllm-mlx", help="the vllm-mlx executable of a scratch venv (left out: not run)")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     wanted = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     unknown = [s for s in wanted if s not in SCENARIOS]
     if unknown:
@@ -457,11 +372,17 @@ def main() -> None:
     out = Path(args.out) if args.out else ROOT / "results" / stamp
     out.mkdir(parents=True, exist_ok=True)
     model_dir = Path(args.model) if args.model else default_model_dir()
-    params = PARAMS["quick" if args.quick else "full"]
+    params = json.loads(json.dumps(PARAMS["quick" if args.quick else "full"]))  # a copy the flags may change
+    conc = params["concurrent"]
+    params["reps"] = args.reps or params["reps"]
+    params["interleaved_conversations"] = args.conversations or params["interleaved_conversations"]
+    conc["clients"] = [int(c) for c in args.clients.split(",")] if args.clients else conc["clients"]
+    conc["turns"], conc["system_words"] = args.turns or conc["turns"], args.words or conc["system_words"]
+    if args.rounds > 1:
+        params["rounds"] = args.rounds
     print(f"scenarios {wanted}, params {params}, results -> {out}", flush=True)
-    results = run_suite(wanted, params, out, model_dir)
-    charts = make_charts(results, out)
-    report = report_markdown(results, charts)
+    results = run_suite(wanted, params, out, model_dir, args)
+    report = report_markdown(results)
     (out / "report.md").write_text(report)
     print("\n" + report)
     print(f"results: {out}")

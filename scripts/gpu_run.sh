@@ -4,7 +4,7 @@
 #   export PYTHONPATH=/tmp/site:$PWD && bash scripts/gpu_run.sh $OUT
 # Only some steps, e.g.: STEPS=engine,prefix WORDS=1400,2900 LENGTHS=8192,16384 bash scripts/gpu_run.sh $OUT
 # Repeats: PREFIX_REPS=2 (each prefix size: cold, repeat, new question per rep), ROUNDS=2 (concurrent rounds,
-# the servers in alternating order); VARIANTS=batch8 also runs our server so configured (bench_concurrent.py)
+# the servers in alternating order); VARIANTS=batch8 also runs our server so configured (bench.py --variants)
 # Issue 44's GPU targets (8k / 16k / 32k: exact repeat, new question, restore after a restart and its floor, mlx-lm's
 # one-cache path and mlx_lm.server, plain mlx-lm's cold prefill, arrays joined per layer), one call of ~8-9 min:
 #   STEPS=issue44 bash scripts/gpu_run.sh $OUT
@@ -42,9 +42,9 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | tee
 sampler=$!
 trap 'kill $sampler 2>/dev/null' EXIT
 $py -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())" | tee -a "$out/device.txt"
-step engine "${T_ENGINE:-210}" $py scripts/bench_gpu.py --shape "$shape" --bits "$bits" \
+step engine "${T_ENGINE:-210}" $py scripts/bench_engine.py lengths --shape "$shape" --bits "$bits" \
   --lengths "$lengths" --reps "${REPS:-2}" --out "$out/engine"
-step ssd_io "${T_SSD:-40}" $py scripts/bench_ssd_io.py --small --out "$out/ssd_io"
+step ssd_io "${T_SSD:-40}" $py scripts/bench_engine.py ssd-io --small --out "$out/ssd_io"
 model=$(mktemp -d)/m
 case ",$steps," in *,prefix,*|*,concurrent,*) ;; *) model=;; esac  # the servers' model folder: written only if used
 trap 'kill $sampler 2>/dev/null; [ -z "$model" ] || rm -rf "$(dirname "$model")"' EXIT
@@ -57,16 +57,16 @@ print(synthetic_model(sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])))
 PY
 # every size on one pair of servers (started and warmed up once): the limit is per size
 nwords=$(echo "$words" | tr ',' '\n' | grep -c .)
-step prefix "$(( ${T_PREFIX:-120} * nwords ))" $py scripts/bench_prefix.py --quick --reps "${PREFIX_REPS:-1}" \
+step prefix "$(( ${T_PREFIX:-120} * nwords ))" $py scripts/bench.py --quick --reps "${PREFIX_REPS:-1}" \
   --scenarios system --model "$model" --system-words "$words" --out "$out/prefix"
 # a hit's cost against the block size (16 / 64 / 256) on the deep narrow model at 16k tokens (issue 44 item 2)
-step hit_blocks "${T_HIT:-60}" $py scripts/bench_hit_blocks.py --tokens "${HIT_TOKENS:-16384}" --reps 2 \
+step hit_blocks "${T_HIT:-60}" $py scripts/bench_engine.py hit-blocks --tokens "${HIT_TOKENS:-16384}" --reps 2 \
   --out "$out/hit_blocks"
-step concurrent "${T_CONC:-130}" $py scripts/bench_concurrent.py --quick --clients ${CLIENTS:-4,8} \
+step concurrent "${T_CONC:-130}" $py scripts/bench.py --quick --scenarios concurrent --clients ${CLIENTS:-4,8} \
   --rounds "${ROUNDS:-1}" ${VARIANTS:+--variants "$VARIANTS"} --model "$model" --out "$out/concurrent"
-step model_threads "${T_THREADS:-60}" $py scripts/bench_model_threads.py --repeats 3
+step model_threads "${T_THREADS:-60}" $py scripts/features.py model-threads --repeats 3
 # a small model's first token while a Llama-3-8B-shaped one prefills 16k tokens: two servers, one process,
 # the large one in a process of its own (issue 27)
-step models "${T_MODELS:-240}" $py scripts/bench_models.py --large "$shape" --prefill 16384 --skip-switching \
+step models "${T_MODELS:-240}" $py scripts/features.py models --large "$shape" --prefill 16384 --skip-switching \
   --repeats 5 --out "$out/models.json"
 echo "== done $(date +%T)"

@@ -1,6 +1,6 @@
 """Build a tiny random-weight vision-language model folder from mlx-vlm's own classes.
 
-    python scripts/make_tiny_vlm.py --family gemma3 OUT_DIR
+    python scripts/features.py tiny-vlm --family gemma3 OUT_DIR   (--family qwen2_vl --image-size 112)
 
 The folder holds config.json, model.safetensors (mlx-vlm's parameter names: vision_tower.*,
 multi_modal_projector.*, language_model.*), preprocessor_config.json and the byte-level tokenizer of
@@ -12,6 +12,7 @@ mlx-vlm's own loader and processor read offline (the peer benchmark serves it wi
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 from typing import Any
@@ -189,3 +190,21 @@ def qwen2_vl_preprocessor(max_pixels: int) -> dict[str, Any]:
         "image_mean": [0.48145466, 0.4578275, 0.40821073],
         "image_std": [0.26862954, 0.26130258, 0.27577711],
     }
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--family", choices=FAMILIES, default="gemma3")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--window", type=int, default=0, help="sliding window of the first layer (0: none)")
+    parser.add_argument("--mm-tokens", type=int, default=16, help="soft tokens per image (a square)")
+    parser.add_argument(
+        "--image-size",
+        type=int,
+        default=56,
+        help="gemma3: the tower's image side (a multiple of 7); qwen2_vl: images fit in its square's pixels",
+    )
+    parser.add_argument("out_dir", type=Path)
+
+
+def run(args: argparse.Namespace) -> None:
+    print(build(args.out_dir, args.family, args.seed, args.window, args.mm_tokens, args.image_size))

@@ -1,4 +1,4 @@
-"""scripts/bench_concurrent.py's measurement and report without a model: vllm-mlx's command, C = 16
+"""scripts/bench.py --scenarios concurrent's measurement and report without a model: vllm-mlx's command, C = 16
 clients, the cold first turns' p99 / max and issue 26's targets, against fake OpenAI-style servers
 (vllm-mlx is not installed here; full runs: docs/benchmarks.md); --rounds' alternating order, new
 prompts per round and median ratios, on a stand-in for each run."""

@@ -1,4 +1,4 @@
-"""scripts/bench_gpu.py end to end on a tiny shape (the GPU run uses the same code at 8B shape)."""
+"""scripts/bench_engine.py lengths end to end on a tiny shape (the GPU run uses the same code at 8B shape)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ def test_cold_ram_and_ssd_after_restart(tmp_path):
     out = tmp_path / "out"
     args = ["--shape", "tiny", "--bits", "0", "--dtype", "float32", "--lengths", "128,192", "--reps", "1"]
     args += ["--work-dir", str(tmp_path / "work"), "--out", str(out)]
-    proc = subprocess.run([sys.executable, "scripts/bench_gpu.py", *args], cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench_engine.py", "lengths", *args], cwd=ROOT, capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     assert [row["prompt_tokens"] for row in results["lengths"]] == [160, 224]
@@ -53,7 +55,9 @@ def test_compute_free_long_context_rows(tmp_path):
     args = ["--shape", "tiny", "--bits", "0", "--dtype", "float32", "--lengths", "256", "--reps", "1"]
     args += ["--compute-free", "--layers", "3", "--prefill-step", "64", "--warmup-tokens", "64"]
     args += ["--ram-max-bytes", "64MiB", "--work-dir", str(tmp_path / "work"), "--out", str(out)]
-    proc = subprocess.run([sys.executable, "scripts/bench_gpu.py", *args], cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench_engine.py", "lengths", *args], cwd=ROOT, capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     assert results["machine"]["compute_free"] and results["machine"]["layers"] == 3

@@ -1,4 +1,4 @@
-"""scripts/bench_hit_blocks.py end to end on the tiny model (the full run on the deep narrow shape:
+"""scripts/bench_engine.py hit-blocks end to end on the tiny model (the full run on the deep narrow shape:
 docs/benchmarks.md): a hit on blocks as registered joins one piece per layer whatever the block size,
 the same blocks owning their arrays join one each, and the report has a row per block size."""
 
@@ -15,7 +15,7 @@ def test_the_hit_joins_runs_not_blocks_at_every_block_size(tmp_path):
     out = tmp_path / "out"
     args = ["--shape", "tiny", "--tokens", "300", "--block-sizes", "16", "64", "--reps", "1", "--out", str(out)]
     proc = subprocess.run(
-        [sys.executable, "scripts/bench_hit_blocks.py", *args], cwd=ROOT, capture_output=True, text=True
+        [sys.executable, "scripts/bench_engine.py", "hit-blocks", *args], cwd=ROOT, capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads((out / "results.json").read_text())["rows"]

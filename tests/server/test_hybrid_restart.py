@@ -1,7 +1,7 @@
 """A hybrid model restarted the way a user restarts it (issue 23, first step 1): `mlx-kvserve run`
 as a process, a system prompt + question asked cold, again, and another question; SIGTERM; a new
 process on the same folders; the first question again must hit the system prompt and give the cold
-reply. The journey is scripts/journey_hybrid_restart.py's (scripts/harness/journey.py; run the script for
+reply. The journey is scripts/journeys.py hybrid-restart's (scripts/harness/journey.py; run the script for
 SmolLM2's tokenizer).
 
 Each request takes up to four checkpoints after the system prompt's last full block (where the

@@ -1,7 +1,7 @@
 """The /ui page in headless Chromium (Selenium, pointed at the system's chromium and chromedriver).
 
 Skipped, saying why, where either binary or the selenium package is missing (Debian:
-`apt-get install chromium chromium-driver`, or `bash scripts/install-chromium.sh`); failed instead
+`apt-get install chromium chromium-driver`, or `bash scripts/install.sh chromium`); failed instead
 where CI=true (.ci/run sets it), as is tests/server/test_local_guard_browser.py, which imports this. With
 KVSERVE_UI_SCREENSHOTS=1 the run also writes the docs' screenshots, docs/img/ui-*.png.
 """
@@ -37,7 +37,7 @@ except ImportError:  # pragma: no cover - depends on the machine
 MISSING = webdriver is None or CHROMIUM is None or CHROMEDRIVER is None
 WHY = (
     "browser tests need the selenium package and a chromium + chromedriver on PATH "
-    "(Debian: apt-get install chromium chromium-driver; or scripts/install-chromium.sh)"
+    "(Debian: apt-get install chromium chromium-driver; or bash scripts/install.sh chromium)"
 )
 if MISSING and os.environ.get("CI") == "true":  # CI (.ci/run) must not turn green with the browser claims dropped
     pytest.fail(f"CI=true: {WHY}", pytrace=False)

@@ -1,5 +1,5 @@
 """Images cached like text, on a tiny random-weight Gemma 3 built from mlx-vlm's classes
-(scripts/make_tiny_vlm.py): greedy tokens of an image + text prompt are the same cold, from RAM,
+(scripts/features.py tiny-vlm): greedy tokens of an image + text prompt are the same cold, from RAM,
 from the SSD after a restart and batched; a different image with the same text never gets the
 first image's KV (the chain holds each image's content keys); the encoder cache spares re-encodes.
 Engine-level (no server). Never weaken these tests."""

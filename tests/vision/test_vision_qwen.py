@@ -1,5 +1,5 @@
 """Qwen2-VL images cached like text, on a tiny random-weight Qwen2-VL built from mlx-vlm's classes
-(scripts/make_tiny_vlm.py --family qwen2_vl). M-RoPE puts the tokens after an image at index +
+(scripts/features.py tiny-vlm --family qwen2_vl). M-RoPE puts the tokens after an image at index +
 rope_delta: the greedy tokens of an image + text prompt are mlx-vlm's own, and the same cold, from
 RAM, from the SSD after a restart and batched with prompts of other deltas; a different image with
 the same text never gets the first image's KV; the same image elsewhere shares nothing before it.

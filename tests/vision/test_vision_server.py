@@ -1,4 +1,4 @@
-"""Images through the HTTP APIs on a tiny Gemma 3 (scripts/make_tiny_vlm.py), loaded the way
+"""Images through the HTTP APIs on a tiny Gemma 3 (scripts/features.py tiny-vlm), loaded the way
 `mlx-kvserve run --model DIR` loads it: OpenAI image_url parts, Anthropic image blocks and Responses
 input_image parts reach the same cached prompt; bad images are 4xx naming their part; /health counts
 image encodes and encoder-cache hits."""

@@ -26,8 +26,9 @@ import threading
 import time
 
 import mlx.core as mx
-from harness.synthetic import llama_config, random_llama
 from mlx_lm.generate import BatchGenerator
+
+from harness.synthetic import llama_config, random_llama
 
 LARGE = {"hidden_size": 1024, "num_hidden_layers": 8, "intermediate_size": 2816, "num_attention_heads": 16}
 LARGE |= {"num_key_value_heads": 4, "max_position_embeddings": 8192}
@@ -91,11 +92,12 @@ def native_stack(tid: int) -> str:
     return "\n".join(line for line in (mine[0] if mine else "").splitlines() if "mlx" in line or "pthread" in line)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--gdb", action="store_true")
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> None:
     out: dict = {"load_avg_start": os.getloadavg(), "openblas_threads": os.environ.get("OPENBLAS_NUM_THREADS")}
     small = BatchGenerator(model("small"), prefill_step_size=STEP)
     small_ttfts(small, 2, 0)  # warm
@@ -128,7 +130,3 @@ def main() -> None:
         out[key.replace("_s", "_ratio")] = round(out[key] / out["alone_s"], 2)
     out["load_avg_end"] = os.getloadavg()
     print(json.dumps(out, indent=2, default=lambda v: round(v, 4)))
-
-
-if __name__ == "__main__":
-    main()

@@ -28,25 +28,22 @@ import argparse
 import json
 import os
 import resource
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import mlx.core as mx
+from mlx_lm.models import llama
+from starlette.testclient import TestClient
 
-import mlx.core as mx  # noqa: E402
-from harness.synthetic import llama_config, random_llama, write_model_folder  # noqa: E402
-from mlx_lm.models import llama  # noqa: E402
-from starlette.testclient import TestClient  # noqa: E402
-
-from mlx_kvserve.config import ApiKeys, load_config  # noqa: E402
-from mlx_kvserve.engine.engine import Engine  # noqa: E402
-from mlx_kvserve.engine.memory.facts import available_memory_bytes  # noqa: E402
-from mlx_kvserve.engine.memory.plan import GROWTH_COPIES  # noqa: E402
-from mlx_kvserve.errors import ConfigError  # noqa: E402
-from mlx_kvserve.models.loader import load_model  # noqa: E402
-from mlx_kvserve.server.app import create_app  # noqa: E402
+from harness.synthetic import llama_config, random_llama, write_model_folder
+from mlx_kvserve.config import ApiKeys, load_config
+from mlx_kvserve.engine.engine import Engine
+from mlx_kvserve.engine.memory.facts import available_memory_bytes
+from mlx_kvserve.engine.memory.plan import GROWTH_COPIES
+from mlx_kvserve.errors import ConfigError
+from mlx_kvserve.models.loader import load_model
+from mlx_kvserve.server.app import create_app
 
 GIB = 1024**3
 KEEP_FREE = 4 * GIB  # what a case leaves the machine's other users at its peak (estimated)
@@ -134,11 +131,12 @@ def refused(root: Path, home: Path) -> list[dict]:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cases", nargs="+", default=["refused", "long", "realistic"])
-    ap.add_argument("--scale", type=float, default=1.0, help="prompts this share of their length (a trial run)")
-    args = ap.parse_args()
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cases", nargs="+", default=["refused", "long", "realistic"])
+    parser.add_argument("--scale", type=float, default=1.0, help="prompts this share of their length (a trial run)")
+
+
+def run(args: argparse.Namespace) -> None:
     llama.scaled_dot_product_attention = compute_free_attention
     with tempfile.TemporaryDirectory(prefix="long-context-") as tmp:
         root, home = Path(tmp) / "models", Path(tmp) / "home"
@@ -148,7 +146,3 @@ def main() -> None:
             for row in rows:
                 row["peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB, 2)
                 print(json.dumps(row), flush=True)
-
-
-if __name__ == "__main__":
-    main()

@@ -29,12 +29,13 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+
 from harness import ROOT
+from harness.kvstack import KVStack
 from harness.reports import median, write_report
 from harness.synthetic import load_bench_model
-
 from mlx_kvserve.chain import BlockHasher
-from mlx_kvserve.engine.batch.generate import Generator
+from mlx_kvserve.engine.batch.scheduler import Scheduler
 from mlx_kvserve.engine.cache.prefix_cache import PrefixCache
 from mlx_kvserve.engine.request import GenerationRequest, SamplingParams
 from mlx_kvserve.kv import blocks
@@ -62,8 +63,8 @@ class _JoinCounter:
 
 def _stack(
     model, tokenizer, bs: int, prompt: list[int], kv_shape: tuple[int, int], per_block: bool
-) -> tuple[Generator, float]:
-    """A Generator whose block cache holds `prompt` (random KV of `kv_shape`: heads, head dim),
+) -> tuple[KVStack, float]:
+    """A KVStack whose block cache holds `prompt` (random KV of `kv_shape`: heads, head dim),
     registered by PrefixCache as a finished request's, and the seconds that registration took."""
     hasher = BlockHasher(namespace_hash("bench-hit-blocks", "float32", bs), bs)
     manager = KVManager(hasher, RAMStore(16 << 30), TailStore(1 << 30))
@@ -87,10 +88,10 @@ def _stack(
             block.payload = [None if e is None else tuple(mx.array(a) for a in e) for e in block.payload]
             mx.eval([a for e in block.payload if e is not None for a in e])
         manager.release(match.blocks)
-    return Generator(model, tokenizer, prefix_cache), register_s
+    return KVStack(Scheduler(model, tokenizer, prefix_cache)), register_s
 
 
-def _hit(gen: Generator, prompt: list[int], counter: _JoinCounter) -> tuple[float, int, int, int]:
+def _hit(gen: KVStack, prompt: list[int], counter: _JoinCounter) -> tuple[float, int, int, int]:
     """(TTFT s, cached tokens, peak bytes above the start up to the first token, arrays joined per layer)."""
     events: list = []
     peaks: list[int] = []
@@ -195,19 +196,16 @@ def report(rows: list[dict]) -> list[str]:
     return lines
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--block-sizes", type=int, nargs="+", default=[16, 64, 256])
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--shape", default="deep-narrow", help="a synthetic llama shape (harness/synthetic.py SHAPES)")
-    ap.add_argument("--out", type=Path, default=ROOT / "results" / "hit_blocks")
-    args = ap.parse_args()
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--block-sizes", type=int, nargs="+", default=[16, 64, 256])
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--shape", default="deep-narrow", help="a synthetic llama shape (harness/synthetic.py SHAPES)")
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "hit_blocks")
+
+
+def run(args: argparse.Namespace) -> None:
     rows = measure(args.tokens, args.block_sizes, args.reps, args.shape)
     lines = report(rows)
     print("\n".join(lines))
     write_report({"rows": rows}, args.out, lines)
-
-
-if __name__ == "__main__":
-    main()

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -30,8 +29,9 @@ def build_model(folder: Path, family: str, tokenizer_dir: Path) -> Path:
     """A tiny random `family` model whose vocabulary and tokenizer are SmolLM2's (copied from
     `tokenizer_dir`, the default model's folder)."""
     import mlx.core as mx
-    from harness.synthetic import family_config, random_model
     from mlx.utils import tree_flatten
+
+    from harness.synthetic import family_config, random_model
 
     vocab = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
     config = family_config(family, vocab_size=vocab)
@@ -43,11 +43,12 @@ def build_model(folder: Path, family: str, tokenizer_dir: Path) -> Path:
     return folder
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("families", nargs="*", default=["qwen3_5", "nemotron_h", "lfm2"])
     parser.add_argument("--keep", action="store_true", help="keep the temporary folders (models, homes, logs)")
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> int:
 
     from mlx_kvserve.config import default_home
     from mlx_kvserve.models.default import ensure_default_model
@@ -72,7 +73,3 @@ def main() -> int:
     else:
         shutil.rmtree(work)
     return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

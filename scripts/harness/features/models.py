@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-from harness.reports import median
-from harness.synthetic import llama_config, random_llama, synthetic_model, write_model_folder
 from starlette.testclient import TestClient
 
+from harness.reports import median
+from harness.synthetic import llama_config, random_llama, synthetic_model, write_model_folder
 from mlx_kvserve.config import ApiKeys, load_config
 from mlx_kvserve.engine.batch.step_turns import StepTurns, share_turns
 from mlx_kvserve.model_entries import ModelEntry
@@ -202,15 +202,16 @@ def fairness(folders: dict[str, Path], root: Path, repeats: int = 3, n: int = 20
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--skip-fairness", action="store_true")
     parser.add_argument("--skip-switching", action="store_true")
     parser.add_argument("--prefill", type=int, default=2048, help="the large model's cold prompt, in tokens")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--large", default="", help="a synthetic shape for the large model (e.g. llama3-8b)")
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         os.environ["MLX_KVSERVE_HOME"] = str(root / "home")
@@ -224,7 +225,3 @@ def main() -> None:
     print(text)
     if args.out:
         args.out.write_text(text + "\n")
-
-
-if __name__ == "__main__":
-    main()

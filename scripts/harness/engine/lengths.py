@@ -50,13 +50,13 @@ import importlib.metadata
 import os
 import platform
 import shutil
-import sys
 import tempfile
 import time
 from functools import partial
 from pathlib import Path
 
 import numpy as np
+
 from harness.diskio import CAN_DROP, block_files, drop_files, raw_read_s
 from harness.hits import JoinCounter, OneCache
 from harness.long_context import LONG_MEDIANS, copy_floor, long_lines, make_compute_free, peak_rss_during
@@ -81,26 +81,24 @@ ISSUE44_MEDIANS = (
 KV_DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", default="llama3-8b", help="llama3-8b | tiny (harness/synthetic.py SHAPES)")
-    p.add_argument("--bits", type=int, default=4, help="weight bits (0: unquantized)")
-    p.add_argument("--dtype", default="float16", help="activation and KV dtype: float16 | bfloat16 | float32")
-    p.add_argument("--lengths", default="2048,8192,16384", help="comma-separated prompt lengths in tokens")
-    p.add_argument("--reps", type=int, default=2)
-    p.add_argument("--block-size", type=int, default=0, help="0: the product's default")
-    p.add_argument("--work-dir", default="", help="model folder and SSD cache (default: a temp folder, removed)")
-    p.add_argument("--out", default="results/gpu")
-    p.add_argument("--layers", type=int, default=0, help="0: the shape's")
-    p.add_argument("--compute-free", action="store_true", help="attention without scores (harness/long_context)")
-    p.add_argument(
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shape", default="llama3-8b", help="llama3-8b | tiny (harness/synthetic.py SHAPES)")
+    parser.add_argument("--bits", type=int, default=4, help="weight bits (0: unquantized)")
+    parser.add_argument("--dtype", default="float16", help="activation and KV dtype: float16 | bfloat16 | float32")
+    parser.add_argument("--lengths", default="2048,8192,16384", help="comma-separated prompt lengths in tokens")
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--block-size", type=int, default=0, help="0: the product's default")
+    parser.add_argument("--work-dir", default="", help="model folder and SSD cache (default: a temp folder, removed)")
+    parser.add_argument("--out", default="results/gpu")
+    parser.add_argument("--layers", type=int, default=0, help="0: the shape's")
+    parser.add_argument("--compute-free", action="store_true", help="attention without scores (harness/long_context)")
+    parser.add_argument(
         "--ram-max-bytes",
         default="",
         help="the RAM tier budget, e.g. 5GiB (default: the plan's; 1GiB on a small shape)",
     )
-    p.add_argument("--prefill-step", type=int, default=0, help="[generation] prefill_step_size (0: by device)")
-    p.add_argument("--warmup-tokens", type=int, default=0, help="the throwaway warm-up prefix (0: each length)")
-    return p.parse_args(argv)
+    parser.add_argument("--prefill-step", type=int, default=0, help="[generation] prefill_step_size (0: by device)")
+    parser.add_argument("--warmup-tokens", type=int, default=0, help="the throwaway warm-up prefix (0: each length)")
 
 
 class Bench:
@@ -160,9 +158,9 @@ class Bench:
 
 def build_model(args: argparse.Namespace, folder: Path):
     import mlx.core as mx
-    from harness.synthetic import llama_config, random_llama, write_model_folder
     from mlx_lm.utils import load_tokenizer
 
+    from harness.synthetic import llama_config, random_llama, write_model_folder
     from mlx_kvserve.models.loader import LoadedModel, context_length
 
     overrides = {"quantization": {"group_size": 64, "bits": args.bits}} if args.bits else {}
@@ -419,8 +417,7 @@ def issue44_lines(results: dict) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
+def run(args: argparse.Namespace) -> dict:
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="kvserve-gpu-"))
     os.environ.setdefault("MLX_KVSERVE_HOME", str(work / "home"))
     try:
@@ -441,7 +438,3 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         if not args.work_dir:
             shutil.rmtree(work, ignore_errors=True)
-
-
-if __name__ == "__main__":
-    sys.exit(0 if main() else 1)

@@ -215,11 +215,12 @@ def ports_free(ports: tuple[int, ...]) -> bool:
     return not busy
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--only", choices=("readme", "router"))
     parser.add_argument("--keep", action="store_true", help="keep the scratch folder and the logs")
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> int:
     if not ports_free((8000, 8001, 8002, 8100)):
         return 2
     tmp = Path(tempfile.mkdtemp(prefix="kvserve-journey-"))
@@ -237,7 +238,3 @@ def main() -> int:
             shutil.rmtree(tmp, ignore_errors=True)
     print("every step worked", flush=True)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

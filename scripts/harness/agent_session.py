@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import httpx
+
 from harness import OURS, ROOT, VLLM
 from harness import THEIRS as MLX_LM
 from harness.agent_model import build_model
@@ -49,7 +50,6 @@ OURS_CHAT = f"{OURS} (chat)"  # ours again, over /v1/chat/completions
 BASE, BASE_CHAT = f"{OURS} (baseline)", f"{OURS} (baseline, chat)"  # ours from another source tree
 CHAT_SERVERS = (MLX_LM, OURS_CHAT, BASE_CHAT)
 OUR_SERVERS = (OURS, OURS_CHAT, BASE, BASE_CHAT)
-RECORDED = [Path("/tmp/try-clients/runs"), Path.home() / ".cache" / "mlx-kvserve-try-clients" / "runs"]
 MAX_TOKENS = 16
 
 
@@ -67,12 +67,6 @@ class Turn(NamedTuple):
 
 
 # -- the session -------------------------------------------------------------------------------------
-
-
-def recorded_files(folders: list[Path]) -> list[Path]:
-    """try_clients.py's recorded Claude Code requests under `folders`, newest first."""
-    files = (f for d in folders if d.exists() for f in d.glob("*/requests/*claude*POST_v1_messages.json"))
-    return sorted(files, key=lambda f: f.stat().st_mtime, reverse=True)
 
 
 def recorded_shape(files: list[Path]) -> Shape | None:
@@ -419,24 +413,27 @@ def report_lines(results: dict) -> list[str]:
     return lines
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, help="model folder (default: try_clients.py's recipe, built if needed)")
-    ap.add_argument("--layers", type=int, default=1, help="layers of the built model")
-    ap.add_argument("--heads", type=int, default=1, help="attention heads of the built model (64 dimensions each)")
-    ap.add_argument("--vllm-mlx", help="the vllm-mlx executable of a scratch venv (left out: not run)")
-    ap.add_argument("--turns", type=int, default=10)
-    ap.add_argument("--rounds", type=int, default=1, help="the session this many times per server, rotated; medians")
-    ap.add_argument("--synthetic", action="store_true", help="the synthetic shape even when a recording exists")
-    ap.add_argument("--ours-config", type=Path, help="a config file for both of our servers")
-    ap.add_argument(
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", type=Path, help="model folder (default: try_clients.py's recipe, built if needed)")
+    parser.add_argument("--layers", type=int, default=1, help="layers of the built model")
+    parser.add_argument("--heads", type=int, default=1, help="attention heads of the built model (64 dimensions each)")
+    parser.add_argument("--vllm-mlx", help="the vllm-mlx executable of a scratch venv (left out: not run)")
+    parser.add_argument("--turns", type=int, default=10)
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="the session this many times per server, rotated; medians"
+    )
+    parser.add_argument("--synthetic", action="store_true", help="the synthetic shape even when a recording exists")
+    parser.add_argument("--ours-config", type=Path, help="a config file for both of our servers")
+    parser.add_argument(
         "--baseline", type=Path, help="another source tree of ours (e.g. `git archive` of a commit), run too"
     )
-    ap.add_argument("--recording", type=Path, help="a recorded Claude Code /v1/messages request body (JSON)")
-    ap.add_argument("--no-chat", action="store_true", help="ours over /v1/messages only")
-    ap.add_argument("--chat-billing", action="store_true", help="the billing line in the chat requests too")
-    ap.add_argument("--out", type=Path, default=ROOT / "results" / "claude_session")
-    args = ap.parse_args()
+    parser.add_argument("--recording", type=Path, help="a recorded Claude Code /v1/messages request body (JSON)")
+    parser.add_argument("--no-chat", action="store_true", help="ours over /v1/messages only")
+    parser.add_argument("--chat-billing", action="store_true", help="the billing line in the chat requests too")
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "claude_session")
+
+
+def run(args: argparse.Namespace) -> None:
     if args.model is None:
         folder = (
             Path.home()
@@ -445,7 +442,7 @@ def main() -> None:
             / ("model" if (args.layers, args.heads) == (1, 1) else f"model-{args.layers}l{args.heads}h")
         )
         args.model = build_model(folder, 131072, 12.0, args.layers, args.heads)
-    files = [args.recording] if args.recording else recorded_files(RECORDED)
+    files = [args.recording] if args.recording else []
     shape = (None if args.synthetic else recorded_shape(files)) or synthetic_shape()
     ours = [OURS, *([] if args.no_chat else [OURS_CHAT])]
     base = [BASE, *([] if args.no_chat else [BASE_CHAT])] if args.baseline else []
@@ -468,7 +465,3 @@ def main() -> None:
     results["servers"] = {name: median_run([found[name] for found in rounds]) for name in names}
     results["wall_s"] = time.perf_counter() - start_s
     write_report(results, args.out, report_lines(results))
-
-
-if __name__ == "__main__":
-    main()

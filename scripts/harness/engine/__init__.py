@@ -1,0 +1,1 @@
+"""Scenario modules: add_args(parser) and run(args) each (harness/cli.py)."""
