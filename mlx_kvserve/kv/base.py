@@ -25,6 +25,17 @@ class Block:
     depth: int = 0
 
 
+class NewBlock(NamedTuple):
+    """A full block to register (KVManager.cache_blocks); `depth`: its index in its chain."""
+
+    block_hash: bytes
+    parent_hash: bytes
+    token_ids: tuple[int, ...]
+    payload: Any
+    nbytes: int
+    depth: int = 0
+
+
 class MatchResult(NamedTuple):
     """The longest verified cached prefix: its full blocks (referenced; release them), an
     optional partial tail after them (`tail_payload` holding `tail_len` >= `tail_tokens` tokens)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..chain import BlockHasher
-from .base import Block, FrontCompute, MatchResult, PrefixRules
+from .base import Block, FrontCompute, MatchResult, NewBlock, PrefixRules
 from .events import BlockEventLog
 from .next_tier import NextTier, NextTierReads
 from .pins import PinRegistry
@@ -180,9 +180,15 @@ class KVManager:
                 log.warning("block hash collision at block %d (%s); treated as a miss", i, block_hash.hex()[:16])
                 return found, False
             block.ref_count += 1
-            self._ram.touch(block, self._next_tick())
             found.append(block)
+        self._touch_chain(found)
         return found, False
+
+    def _touch_chain(self, chain: Sequence[Block]) -> None:
+        """Mark a chain's blocks used, its deepest least recently: a full RAM tier then gives up a
+        chain from its deep end, never its head (without which the rest cannot be found). Lock held."""
+        for block in reversed(chain):
+            self._ram.touch(block, self._next_tick())
 
     def _evict(self) -> list[Block]:
         """Bring RAM within budget. Lock held.
@@ -310,6 +316,7 @@ class KVManager:
                         self._stats["promotions"] += 1
                 block.ref_count += 1
                 found.append(block)
+            self._touch_chain(found)
             evicted = self._evict()
         if evicted:
             self.next_tier.on_evicted(evicted)
@@ -334,34 +341,52 @@ class KVManager:
         write: bool = True,
         depth: int = 0,
     ) -> bool:
-        """Register a new full block (`depth`: its index in the chain). Returns False when it was
-        already cached (or collides). `write=False`: not handed to the next tier yet (see `write_deferred`)."""
-        ids = tuple(token_ids)
+        """Register one new full block (see `cache_blocks`). False when it was already cached (or collides)."""
+        new = NewBlock(block_hash, parent_hash, tuple(token_ids), payload, nbytes, depth)
+        return bool(self.cache_blocks([new], (), write))
+
+    def cache_blocks(self, new: Sequence[NewBlock], chain: Sequence[bytes], write: bool = True) -> list[Block]:
+        """Register new full blocks of one chain (`depth`: each one's index in it), and mark the
+        chain's blocks in RAM used (`chain`: its hashes from the root, the new blocks' among them),
+        the root most recently: RAM evicts a chain from its deep end. Returns the blocks added
+        (those already cached, or colliding, are not). `write=False`: not handed to the next tier
+        yet (see `write_deferred`); the others go to it in chain order."""
+        added = []
         with self._lock:  # phase 1: RAM registration
-            existing = self._ram.get(block_hash)
-            if existing is not None:
-                key = "dedup" if existing.token_ids == ids else "collisions"
-                self._stats[key] += 1
-                return False
-            block = Block(block_hash, parent_hash, ids, payload, nbytes, depth=depth)
-            self._ram.insert(block, self._next_tick())
-            self.events.stored(block_hash)
-            self._stats["inserts"] += 1
-            evicted = self._evict()
+            for entry in new:
+                existing = self._ram.get(entry.block_hash)
+                if existing is not None:
+                    self._stats["dedup" if existing.token_ids == entry.token_ids else "collisions"] += 1
+                    continue
+                block = Block(*entry[:5], depth=entry.depth)
+                self._ram.insert(block, self._next_tick())
+                self.events.stored(block.block_hash)
+                self._stats["inserts"] += 1
+                added.append(block)
+            held = []  # the chain's run from its root (blocks after a gap are found by no lookup)
+            for block_hash in chain:
+                if (block := self._ram.get(block_hash)) is None:
+                    break
+                held.append(block)
+            self._touch_chain(held)
+            evicted = self._evict()  # once all are in: the choice sees the chain's order, not arrival's
         if self.next_tier is not None:  # phase 2: outside the lock
             if write:
-                self.next_tier.on_new_block(block)
+                for block in added:
+                    self.next_tier.on_new_block(block)
             if evicted:
                 self.next_tier.on_evicted(evicted)
-        return True
+        return added
 
     def add_prefetched(self, block: Block) -> bool:
         """Put a block read ahead from the next tier into RAM, unreferenced, if it fits the RAM
-        budget as it is: nothing is evicted for it. False when it is there already or does not fit."""
+        budget as it is: nothing is evicted for it. False when it is there already or does not fit.
+        It goes in as the least recently used (unused yet; read root first, a chain's deep end is
+        then evicted before its head)."""
         with self._lock:
             if block.block_hash in self._ram or self._ram.used_bytes + block.nbytes > self._ram.max_bytes:
                 return False
-            self._ram.insert(block, self._next_tick())
+            self._ram.insert(block, self._ram.oldest_tick() - 1, oldest=True)
             self.events.stored(block.block_hash)
         return True
 

@@ -32,15 +32,22 @@ class RAMStore:
     def get(self, block_hash: bytes) -> Block | None:
         return self._blocks.get(block_hash)
 
+    def oldest_tick(self) -> int:
+        """The least recently used block's access tick (0 when empty)."""
+        return next(iter(self._blocks.values())).last_access if self._blocks else 0
+
     def touch(self, block: Block, tick: int) -> None:
         block.last_access = tick
         self._blocks.move_to_end(block.block_hash)
 
-    def insert(self, block: Block, tick: int) -> None:
-        """Add a block as most recently used. The caller checked it is not present."""
+    def insert(self, block: Block, tick: int, oldest: bool = False) -> None:
+        """Add a block as most recently used (`oldest`: least; `tick` then below `oldest_tick()`).
+        The caller checked it is not present."""
         assert block.block_hash not in self._blocks
         block.last_access = tick
         self._blocks[block.block_hash] = block
+        if oldest:
+            self._blocks.move_to_end(block.block_hash, last=False)
         self.used_bytes += block.nbytes
         runs.entered(block.payload)
 

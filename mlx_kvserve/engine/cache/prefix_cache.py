@@ -9,11 +9,11 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ...kv import blocks
-from ...kv.base import Block, MatchResult
+from ...kv.base import Block, MatchResult, NewBlock
 from ...kv.manager import KVManager
 from ...kv.salts import tail_parent
 from .front_prefill import FrontPrefill
@@ -231,14 +231,16 @@ class PrefixCache:
         for start, end in _stretches([index for index, _, _ in todo]):  # one run each (kv/runs.py), no gaps held
             cut = layout.slice_blocks(prepared.prompt_cache, start, end, bs, prepared.captures)
             sliced.update(zip(range(start, end), cut, strict=True))
-        for index, block_hash, parent in todo:
-            payload, nbytes = sliced[index]
-            ids = tokens[index * bs : (index + 1) * bs]
-            if manager.cache_block(block_hash, parent, ids, payload, nbytes, write=write, depth=index):
-                added += 1
-                if not write:
-                    prepared.deferred.append(Block(block_hash, parent, tuple(ids), payload, nbytes, depth=index))
-                    prepared.deferred_at_flush = manager.num_flushes
+        new = [
+            NewBlock(block_hash, parent, tuple(tokens[index * bs : (index + 1) * bs]), *sliced[index], index)
+            for index, block_hash, parent in todo
+        ]
+        # The whole chain up to its last new block: RAM keeps its head before its deep end.
+        for block in manager.cache_blocks(new, hashes[:num_full], write=write):
+            added += 1
+            if not write:
+                prepared.deferred.append(replace(block, ref_count=0, last_access=0, meta={}))  # RAM's own stays apart
+                prepared.deferred_at_flush = manager.num_flushes
         prepared.registered_blocks = max(prepared.registered_blocks, num_full)
         for end, state in sorted(self._tail_ends(prepared, tokens, len(kv_tokens), prompt_len).items()):
             self._keep_tail(prepared, tokens, end, hashes, state)
