@@ -161,7 +161,7 @@ class SSDConfig:
     writer_when_full: str = "shed"
     write_hold_s: float = 2.0  # background writes wait up to this long while a request prefills; 0 = never
     flush_interval_s: float = 2.0  # how often the index is written while blocks arrive
-    drain_timeout_s: float = 30.0  # at most this long shutdown waits for queued writes (they take bytes / bandwidth)
+    drain_timeout_s: float = 120.0  # the ceiling of the shutdown drain (it waits queued bytes / measured speed)
     max_bytes: int = 0  # disk budget; 0 = unlimited (the free-space floor still applies)
     min_free_bytes: int = 2 * 1024**3  # stop writing when the disk has less free space than this
     prefetch_on_start: bool = False  # after startup, read the hottest chains into RAM while the server is idle

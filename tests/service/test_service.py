@@ -112,10 +112,10 @@ def test_writer_drain_is_the_ssd_drain_timeout(tmp_path):
     path = tmp_path / "drain.toml"
     path.write_text("[ssd]\ndrain_timeout_s = 12.5\n")
     assert writer_drain_s(load_config(path)) == 12.5
-    assert writer_drain_s(load_config()) == 30.0  # the default
+    assert writer_drain_s(load_config()) == 120.0  # the default ceiling (the drain waits what its bytes take)
     path.write_text("[ssd]\nenabled = false\ndrain_timeout_s = 12.5\n")
     assert writer_drain_s(load_config(path)) == 0.0  # no SSD tier, nothing to drain
-    assert stop_timeout_s(30, writer_drain_s(load_config())) == 120  # the default service's timeout
+    assert stop_timeout_s(30, writer_drain_s(load_config())) == 210  # the default service's timeout
 
 
 def test_plist_keys(home, config_file, model_dir, monkeypatch, tmp_path):

@@ -4,7 +4,8 @@
 - `put_shedding` never waits: when the queue is full it drops the least valuable job, the new one
   included: the deepest unpinned one (the newest among equals). Pinned jobs are never dropped; when
   every candidate is pinned it drops nothing and says so (the caller writes the job itself).
-- `take` hands the writer thread a batch, oldest first; `close` lets it drain what is left and end.
+- `take` hands the writer thread a batch, oldest first; `close` lets it drain what is left and end;
+  `drop_all` empties it (a drain past its limit).
 - `Bandwidth` is the writer's recent write speed, from which the shutdown drain sizes its wait.
 """
 
@@ -136,6 +137,15 @@ class WriteQueue:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+
+    def drop_all(self) -> list[Queued]:
+        """Empty the queue; returns what it held (a drain cut short: the writer then ends)."""
+        with self._cond:
+            out = list(self._items)
+            self._items.clear()
+            self._bytes = 0
+            self._cond.notify_all()
+            return out
 
     def sort_by_value(self) -> None:
         """Most valuable first (pinned, then shallow; stable): a drain cut short by its time limit

@@ -20,8 +20,10 @@ Protocol:
 - `hold(max_s)` makes the thread wait before its next batch, and before the next file of the batch
   it is saving (`pause_point`, called by the save function), until `resume()` or `max_s` passed, so a
   request's prefill does not share the cores with background writes; `stop` ends a hold.
-- The thread measures its write bandwidth; `stop` logs what the drain should take (queued bytes /
-  bandwidth), waits for it at most the caller's limit, and writes the most valuable jobs first.
+- The thread measures its write bandwidth. `stop` drains for as long as the queued bytes take at
+  that speed (`drain_estimate`: with a margin), never longer than the caller's ceiling, the most
+  valuable jobs first; what is still queued then is dropped and logged (count, bytes, depths), and
+  the batch in progress is waited for: nothing is written after `stop` returns.
 """
 
 from __future__ import annotations
@@ -43,7 +45,9 @@ WHEN_FULL = ("write_inline", "shed")
 WRITER_NICENESS = 10
 MIB = 1024 * 1024
 ASSUMED_BYTES_PER_S = 128 * MIB  # before the first batch is measured: a slow disk, so the drain asks for more time
-DRAIN_MARGIN = 1.5  # the drain asks for this many times its estimate, plus DRAIN_SLACK_S
+# The drain asks for this many times its estimate, plus DRAIN_SLACK_S: a disk a third slower than
+# measured still drains whole; one stalled for longer is given up on, not waited for to the ceiling.
+DRAIN_MARGIN = 1.5
 DRAIN_SLACK_S = 2.0
 
 
@@ -52,6 +56,10 @@ class DrainEstimate(NamedTuple):
     nbytes: int  # queued and being saved
     bytes_per_s: float  # measured (or assumed before the first batch)
     asked_s: float  # the time the drain asks for: nbytes / bytes_per_s with a margin
+
+    def limit_s(self, ceiling_s: float) -> float:
+        """How long a shutdown waits for this drain: what it asks for, at most `ceiling_s`."""
+        return max(0.0, min(ceiling_s, self.asked_s))
 
 
 def _lower_priority() -> None:
@@ -144,6 +152,7 @@ class SSDWriterThread:
         self._stats_lock = threading.Lock()  # guards _stats; taken last, never held while taking another
         keys = ("enqueued", "immediate_puts", "timeout_puts", "sync_fallbacks", "dedup_pending", "dropped_after_close")
         keys += ("written", "declined", "retries", "failures", "held", "batches", "shed", "shed_bytes")
+        keys += ("dropped_at_stop", "dropped_at_stop_bytes")
         self._stats = dict.fromkeys(keys, 0)
         self._thread = threading.Thread(target=self._run, name="ssd-writer", daemon=False)
         self._thread.start()
@@ -260,14 +269,18 @@ class SSDWriterThread:
 
     def stop(self, drain_timeout: float = 5.0) -> bool:
         """Stop accepting jobs, wait for in-flight enqueues, and let the thread save what is queued
-        (most valuable first: pinned, then shallow) and exit, waiting at most `drain_timeout`. Logs
-        how much is queued and how long it should take at the measured bandwidth. True if all of it
-        happened within `drain_timeout`. On False the thread still finishes the queue and exits later
-        (it is non-daemon, so the process waits for it); nothing is dropped. Safe to call twice."""
+        (most valuable first: pinned, then shallow) and exit. The drain waits what the queued bytes
+        take at the measured bandwidth (`drain_estimate().limit_s`), at most `drain_timeout` (the
+        ceiling). Jobs still queued then are dropped, counted (`writer_dropped_at_stop`) and logged
+        (how many, bytes, pinned, depths), and the batch in progress is waited for (one batch's
+        time): nothing is written after this returns. True if everything was written. When an
+        enqueue is still in flight at the limit, nothing is dropped: the thread drains and exits
+        later (non-daemon, the process waits for it). Safe to call twice."""
         start = time.monotonic()
-        deadline = start + drain_timeout
+        estimate = self.drain_estimate()
+        deadline = start + estimate.limit_s(drain_timeout)
         if self._thread.is_alive():
-            self._log_drain(drain_timeout)
+            self._log_drain(estimate, drain_timeout)
         self._queue.sort_by_value()  # before the thread takes its next batch
         self.resume()  # a held writer drains at once
         with self._life_lock:
@@ -277,18 +290,49 @@ class SSDWriterThread:
                 if remaining <= 0:
                     self._close_owed = True
                     log.error(
-                        "SSD writer: %d enqueues still in flight after %.1fs", self._inflight_enqueues, drain_timeout
+                        "SSD writer: %d enqueues still in flight after %.1fs",
+                        self._inflight_enqueues,
+                        time.monotonic() - start,
                     )
                     return False
                 self._no_inflight.wait(remaining)
             self._queue.sort_by_value()  # again, with what in-flight enqueues added
             self._queue.close()
         self._thread.join(max(0.0, deadline - time.monotonic()))
+        if not self._thread.is_alive():
+            log.info("SSD writer drained in %.2f s", time.monotonic() - start)
+            return True
+        self._drop_queued(time.monotonic() - start)
+        last_batch_s = self._max_batch_bytes / estimate.bytes_per_s * DRAIN_MARGIN + DRAIN_SLACK_S
+        self._thread.join(last_batch_s)
         if self._thread.is_alive():
-            log.error("SSD writer did not drain within %.1fs; ~%d blocks still queued", drain_timeout, self._depth())
-            return False
-        log.info("SSD writer drained in %.2f s", time.monotonic() - start)
-        return True
+            log.error("SSD writer: its last batch is still being written after %.1f s more", last_batch_s)
+        return False
+
+    def _drop_queued(self, waited_s: float) -> None:
+        """The drain's limit passed: drop every job still queued, and say exactly what."""
+        dropped = self._queue.drop_all()
+        if not dropped:
+            return
+        with self._pending_lock:
+            self._pending.difference_update(q.job.block_hash for q in dropped)
+        with self._stats_lock:
+            self._stats["dropped_at_stop"] += len(dropped)
+            self._stats["dropped_at_stop_bytes"] += sum(q.nbytes for q in dropped)
+        values = [self._value(q.job) for q in dropped]
+        log.warning(
+            "SSD writer: the drain stopped at its limit after %.1f s: %d queued blocks and tails (%.1f MiB) "
+            "not written (%d pinned; chain depths %d-%d): they are recomputed when next asked",
+            waited_s,
+            len(dropped),
+            sum(q.nbytes for q in dropped) / MIB,
+            sum(v.pinned for v in values),
+            min(v.depth for v in values),
+            max(v.depth for v in values),
+        )
+        if self._on_shed is not None:
+            for q in dropped:
+                self._on_shed(q.job)
 
     def drain_estimate(self) -> DrainEstimate:
         """What a drain would write now (the queue and the batch being saved) and how long it
@@ -299,21 +343,22 @@ class SSDWriterThread:
         bytes_per_s = self.bandwidth.bytes_per_s() or ASSUMED_BYTES_PER_S
         return DrainEstimate(self._depth(), nbytes, bytes_per_s, nbytes / bytes_per_s * DRAIN_MARGIN + DRAIN_SLACK_S)
 
-    def _log_drain(self, time_left_s: float) -> None:
-        est = self.drain_estimate()
+    def _log_drain(self, est: DrainEstimate, ceiling_s: float) -> None:
         log.info(
-            "SSD writer: draining %d blocks, %.1f MiB, estimated %.1f s at %.0f MiB/s (limit %.1f s)",
+            "SSD writer: draining %d blocks, %.1f MiB, estimated %.1f s at %.0f MiB/s (limit %.1f s, ceiling %.1f s)",
             est.num_jobs,
             est.nbytes / MIB,
             est.nbytes / est.bytes_per_s,
             est.bytes_per_s / MIB,
-            time_left_s,
+            est.limit_s(ceiling_s),
+            ceiling_s,
         )
-        if est.asked_s > time_left_s:
+        if est.asked_s > ceiling_s:
             log.warning(
-                "SSD writer: the drain asks for %.1f s, more than its limit ([ssd] drain_timeout_s): "
+                "SSD writer: the drain asks for %.1f s, more than its ceiling ([ssd] drain_timeout_s = %.1f): "
                 "the least valuable blocks are queued last and may not be written",
                 est.asked_s,
+                ceiling_s,
             )
 
     def _run(self) -> None:
