@@ -1,21 +1,20 @@
-"""Support code shared by the bench and journey scripts and by the tests.
+"""The code behind scripts/' entry points, shared with the tests (tests/conftest.py puts scripts/ on sys.path).
 
-Every script in scripts/ imports what it shares from here, never from another script, and the tests
-import it too (tests/conftest.py puts scripts/ on sys.path). Modules:
+An entry point is `SCRIPT SCENARIO [flags]` (cli.py); each scenario is a module with `add_args(parser)` and
+`run(args)`: engine/ (bench_engine.py), features/ (features.py), journeys/ (journeys.py), agent_session.py
+(agents.py), tiny_vlm.py (features.py tiny-vlm); scenarios/ holds the server suite's measurements (bench.py).
+No script imports another; they share these:
   servers.py    server processes: free port, start, wait ready, restart, stop; the pair ours + mlx_lm.server,
-                and vllm-mlx from a scratch venv as a third
+                and vllm-mlx from a scratch venv as a third; variants.py: ours configured otherwise
   clients.py    streamed chat requests timed to the first token
   reports.py    medians, results.json + report.md
   prompts.py    the benches' system prompts and questions
   synthetic.py  random-weight models with a byte tokenizer (no download)
-  kvstack.py    the engine's Generator on a fresh block cache, no server
-  diskio.py     raw disk reads and writes, page-cache drops: the floors the SSD benches compare with
-  restart.py    in-process engines on a cache folder, restarted (bench_restart_hit, bench_write_interference)
-  scenarios/    the measurements bench.py runs together and each single-topic bench runs alone
-  agent_model.py the random model try_clients.py and bench_claude_session.py serve to agent clients
-  client_requests.py  real clients' recorded requests (tests/data/client_requests/), which the tests replay
-  agent_workload.py, agent_summary.py, families.py, grammar_libraries.py, grammar_compare.py, journey.py:
-                one bench's workload and arithmetic each, here so that the tests check them without servers
+  kvstack.py    the engine's Scheduler on a fresh block cache, no server
+  diskio.py     raw disk reads and writes, page-cache drops: the floors the SSD scenarios compare with
+  restart.py    requests sent to an in-process engine, timed to the first token
+  hits.py, long_context.py  what the lengths scenario counts (arrays joined, peak RSS, compute-free attention)
+  agent_model.py, agent_workload.py  the agent session's model and workload; journey.py the hybrid restart's
 """
 
 from __future__ import annotations

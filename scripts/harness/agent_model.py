@@ -1,6 +1,6 @@
-"""The random-weight model try_clients.py and bench_claude_session.py serve to real agent clients: a tiny
-llama with SmolLM2's tokenizer and the Qwen-style tool template, biased to end its replies after a few
-tokens, built once into a folder and reused while its recipe is unchanged."""
+"""The random-weight model the agent session (agents.py session) serves, as try_clients.py (retired) did
+to real agent clients: a tiny llama with SmolLM2's tokenizer and the Qwen-style tool template, biased to end
+its replies after a few tokens, built once into a folder and reused while its recipe is unchanged."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """A Claude Code-shaped session on three servers, one after the other, in one run (issue 24).
 
-The session: Claude Code's system prompt and tool schemas (from a request `scripts/try_clients.py`
-recorded, else a synthetic ~25k-token stand-in of the same shape), 10 turns; each turn appends the
-previous assistant part (a scripted reply, or a scripted tool_use and its tool_result, as Claude Code
-sends them) and a new user message. Every request opens its system prompt with Claude Code's billing
+The session: Claude Code's system prompt and tool schemas (from a recorded request, `--recording`, as the
+retired try_clients.py saved them, else a synthetic ~25k-token stand-in of the same shape), 10 turns; each
+turn appends the previous assistant part (a scripted reply, or a scripted tool_use and its tool_result, as
+Claude Code sends them) and a new user message. Every request opens its system prompt with Claude Code's billing
 line, `x-anthropic-billing-header: cc_version=…; cch=<random per request>;`. Streamed, greedy, 16 tokens.
 
 - mlx-kvserve through `POST /v1/messages` (cached tokens: usage.cache_read_input_tokens), and again, fresh,
@@ -13,12 +13,12 @@ line, `x-anthropic-billing-header: cc_version=…; cch=<random per request>;`. S
   billing line (a chat client sends no Anthropic billing line; with its per-request nonce at the start of
   the prompt no server reuses anything: `--chat-billing` keeps it as the system message's first line).
 
-One server runs at a time (`--ours-config`: a config file for both of ours), on the same model folder (the random-weight long-context llama of
-try_clients.py by default: a cold ~23k-token prefill takes seconds on the CPU), warmed up with a short
-unrelated request first. Per turn: prompt tokens, then per server cached tokens and TTFT (request to
+One server runs at a time (`--ours-config`: a config file for both of ours), on the same model folder (the
+random-weight long-context llama of harness/agent_model.py by default: a cold ~23k-token prefill takes seconds
+on the CPU), warmed up with a short unrelated request first. Per turn: prompt tokens, then per server cached tokens and TTFT (request to
 the first streamed content delta; the end of the stream when none came).
 
-    python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/bench_claude_session.py \\
+    python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/agents.py session \\
         --vllm-mlx /tmp/bench-venvs/vllm-mlx/bin/vllm-mlx [--model DIR] [--out DIR]
 """
 
@@ -414,7 +414,7 @@ def report_lines(results: dict) -> list[str]:
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", type=Path, help="model folder (default: try_clients.py's recipe, built if needed)")
+    parser.add_argument("--model", type=Path, help="model folder (default: agent_model.py's recipe, built if needed)")
     parser.add_argument("--layers", type=int, default=1, help="layers of the built model")
     parser.add_argument("--heads", type=int, default=1, help="attention heads of the built model (64 dimensions each)")
     parser.add_argument("--vllm-mlx", help="the vllm-mlx executable of a scratch venv (left out: not run)")

@@ -1,4 +1,4 @@
-"""journey_hybrid_restart.py's journey, which tests/server/test_hybrid_restart.py runs on its own tiny models: a
+"""journeys.py hybrid-restart's journey, which tests/server/test_hybrid_restart.py runs on its own tiny models: a
 system prompt + question asked cold, again, another question; SIGTERM; a new `mlx-kvserve run` process on
 the same home folder; the first question again."""
 

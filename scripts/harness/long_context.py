@@ -1,5 +1,6 @@
 """Long contexts on a CPU for the benches (issue 44 item 4): a compute-free attention, the floor of one
-memory copy of a prefix, a process's peak RSS during one request, and scripts/bench_gpu.py's table of them."""
+memory copy of a prefix, a process's peak RSS during one request, and the table
+of them in the lengths scenario (bench_engine.py lengths)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def compute_free_attention(queries, keys, values, cache=None, scale=1.0, mask=No
 
 
 def make_compute_free() -> None:
-    """Every llama built from now on attends compute-free (scripts/prove_long_context.py does the same)."""
+    """Every llama built from now on attends compute-free (scripts/journeys.py long-context does the same)."""
     from mlx_lm.models import llama
 
     llama.scaled_dot_product_attention = compute_free_attention

@@ -48,7 +48,7 @@ SHAPES: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 16384,
     },
     # Deep and narrow (48 layers, 2 KV heads x 16 dims, 12 KiB of float32 KV per token): a hit's cost per
-    # layer and per block shows, not its bytes or the model's compute (scripts/bench_hit_blocks.py).
+    # layer and per block shows, not its bytes or the model's compute (scripts/bench_engine.py hit-blocks).
     "deep-narrow": {
         "hidden_size": 32,
         "num_hidden_layers": 48,

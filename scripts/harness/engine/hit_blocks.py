@@ -17,7 +17,7 @@ to its first token above what was allocated before it, as a multiple of the pref
 copy = 1.0x; decoding later grows the cache as mlx-lm does, a cold run's alike). The
 floor beside them: one memory copy of the prefix's bytes.
 
-    python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/bench_hit_blocks.py [--tokens 16384]
+    python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/bench_engine.py hit-blocks [--tokens 16384]
         [--block-sizes 16 64 256] [--reps 3]
 """
 

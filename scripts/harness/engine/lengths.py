@@ -30,12 +30,12 @@ TTFT; the SSD files may still be in the OS page cache, as after a server restart
 Each length is warmed up once with a throwaway prefix first (MLX compiles kernels per shape).
 
 Usage:
-  GPU:  python3 scripts/bench_gpu.py --out results/gpu
-  issue 44 (8k / 16k / 32k): python3 scripts/bench_gpu.py --lengths 8192,16384,32768 --out results/gpu
-  CPU smoke run (any machine): python scripts/bench_gpu.py --shape tiny --lengths 256,512 --out /tmp/gpu
+  GPU:  python3 scripts/bench_engine.py lengths --out results/gpu
+  issue 44 (8k / 16k / 32k): python3 scripts/bench_engine.py lengths --lengths 8192,16384,32768 --out results/gpu
+  CPU smoke run (any machine): python scripts/bench_engine.py lengths --shape tiny --lengths 256,512 --out /tmp/gpu
   long contexts on a CPU (issue 44 item 4, docs/benchmarks.md "Long contexts"): a compute-free attention,
   16 KiB of float32 KV per token (kv-heavy's heads, 4 layers), a RAM tier that holds a 128k prefix:
-    python scripts/bench_gpu.py --shape kv-heavy --layers 4 --bits 0 --dtype float32 --compute-free \
+    python scripts/bench_engine.py lengths --shape kv-heavy --layers 4 --bits 0 --dtype float32 --compute-free \
       --lengths 32768,65536,131072 --reps 1 --warmup-tokens 4096 --prefill-step 4096 --ram-max-bytes 5GiB
   With --compute-free each rep also times one memory copy of the prefix (a hit's floor) and the process's
   peak RSS during the exact repeat against its RSS before it (at most one copy of the prefix more).

@@ -12,7 +12,7 @@ One run, one folder, the same total size for every row:
 Dropping pages is advisory: on tmpfs "cold" equals "page cache" (the report names the filesystem).
 The machine's other work shows up in every figure: compare rows of one run, not runs.
 
-Usage: .venv/bin/python scripts/bench_ssd_io.py [--total-gib 1] [--small] [--dir DIR] [--out results/ssd_io]
+Usage: .venv/bin/python scripts/bench_engine.py ssd-io [--total-gib 1] [--small] [--dir DIR] [--out results/ssd_io]
 """
 
 from __future__ import annotations

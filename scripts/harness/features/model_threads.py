@@ -9,10 +9,10 @@ MAX_ACTIVE_TASKS = 10; on the CPU a task is 10 dispatched operations, mlx/backen
 any task to complete before scheduling more while over the cap. With a large model prefilling on another
 thread the cap is reached by its graph, so the small model's operations enter their own stream's queue
 behind completions of the large model's tasks (matrix products over a whole prefill chunk). Another
-process has its own scheduler. With --gdb the script prints the small model's thread's native frames while
-it waits (gdb attached to this process): pthread_cond_wait inside mlx::core::eval_impl.
+process has its own scheduler (gdb showed the small model's thread waiting in pthread_cond_wait inside
+mlx::core::eval_impl; the --gdb flag that printed it retired with 77ef6db).
 
-    .venv/bin/python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/bench_model_threads.py [--repeats 5]
+    .venv/bin/python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/features.py model-threads [--repeats 5]
 """
 
 from __future__ import annotations
@@ -77,24 +77,8 @@ def small_ttfts(gen: BatchGenerator, repeats: int, seed: int) -> list[float]:
     return out
 
 
-def native_stack(tid: int) -> str:
-    """The small thread's native frames (gdb), to show where it waits."""
-    import subprocess
-
-    out = subprocess.run(
-        ["gdb", "-p", str(os.getpid()), "-batch", "-ex", "thread apply all bt 8"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    ).stdout
-    blocks = out.split("\nThread ")
-    mine = [b for b in blocks if f"LWP {tid})" in b]
-    return "\n".join(line for line in (mine[0] if mine else "").splitlines() if "mlx" in line or "pthread" in line)
-
-
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--gdb", action="store_true")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -107,12 +91,6 @@ def run(args: argparse.Namespace) -> None:
     big = threading.Thread(target=large_loop, args=(stop,))
     big.start()
     time.sleep(1.0)
-    if args.gdb:
-        waiter = threading.Thread(target=small_ttfts, args=(small, 3, 300))
-        waiter.start()
-        time.sleep(0.3)
-        out["small_thread_native_stack"] = native_stack(waiter.native_id)
-        waiter.join()
     out["beside_thread_s"] = statistics.median(small_ttfts(small, args.repeats, 200))
     stop.set()
     big.join()

@@ -4,7 +4,7 @@ back, and a small model's TTFT while a large one prefills: on a server of its ow
 one's own server in another process) and on one server with both, steps running when ready or taking turns,
 or the large one in a process of its own (`process = true`).
 
-    .venv/bin/python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/bench_models.py [--out results/models.json]
+    .venv/bin/python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/features.py models [--out results/models.json]
 """
 
 from __future__ import annotations

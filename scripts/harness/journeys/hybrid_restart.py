@@ -6,7 +6,7 @@ system prompt + question asked cold, the same again, another question under the 
 SIGTERM and wait for the exit; a new process on the same home folder; the first question again.
 Prints each reply's cached tokens and whether the reply after the restart equals the cold one.
 
-    .venv/bin/python scripts/journey_hybrid_restart.py [family ...]   (default: qwen3_5 nemotron_h lfm2)
+    .venv/bin/python scripts/journeys.py hybrid-restart [family ...]   (default: qwen3_5 nemotron_h lfm2)
 
 Exits 1 when the restarted server misses what the first one held for the system prompt (the cached
 tokens of the other question) or its greedy reply differs from the cold one.

@@ -16,7 +16,7 @@ One request at a time ([server] max_batch = 1), the block cache off (the batch's
   own budget: refused before any work (past the context the plan holds).
 For each: the plan's line, the prompt's answer, wall time, MLX's peak memory and the process's peak RSS.
 
-    .venv/bin/python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/prove_long_context.py [--cases ...]
+    .venv/bin/python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/journeys.py long-context [--cases ...]
 
 Checks the machine's available memory first and skips a case whose KV, twice at its peak, would not leave
 4 GiB free.

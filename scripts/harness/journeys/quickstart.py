@@ -10,7 +10,7 @@ default model of the real one, so nothing of the user's cache is touched.
    backend directly: whichever did not compute it serves it from the SSD blocks the other wrote
    (they share one cache folder: the first owns it, the second is its guest).
 
-    .venv/bin/python scripts/journey_quickstart.py [--only readme|router] [--keep]
+    .venv/bin/python scripts/journeys.py quickstart [--only readme|router] [--keep]
 
 Prints each step and exits 1 at the first that fails.
 """

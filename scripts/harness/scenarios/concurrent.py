@@ -1,4 +1,4 @@
-"""bench_concurrent.py's measurement, which bench.py runs too: C clients at once, each on its own system
+"""bench.py --scenarios concurrent's measurement, which bench.py runs too: C clients at once, each on its own system
 prompt, then 8 at once on one shared prompt; and its report (per turn; cold first turns' mean, p99 and max
 next to the later turns' mean; issue 26's targets as ratios ours / each peer)."""
 

@@ -1,4 +1,4 @@
-"""bench_concurrent.py --rounds R: every case of the concurrent scenario measured R times, the servers in
+"""bench.py --scenarios concurrent --rounds R: every case of the concurrent scenario measured R times, the servers in
 alternating order (round 1 as given, round 2 reversed, round 3 as given ...), so that a load change on a
 shared machine falls on every server instead of on the one measured at that moment. The report takes
 ours / peer per round, then the median (min, max) over rounds, and reads issue 26's targets off the

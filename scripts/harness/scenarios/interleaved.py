@@ -1,4 +1,4 @@
-"""bench_interleaved.py's measurement, which bench.py runs too: more conversations than mlx_lm.server keeps
+"""bench.py --scenarios interleaved's measurement, which bench.py runs too: more conversations than mlx_lm.server keeps
 prompt caches for, advanced round-robin; and its report."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""bench_pins.py's measurement, which bench.py runs too: a conversation warmed (and pinned, or not), a flood
+"""bench.py --scenarios pins's measurement, which bench.py runs too: a conversation warmed (and pinned, or not), a flood
 of others far beyond the budgets, then its next turn; on our server pinned and unpinned and on
 mlx_lm.server, each on a fresh server; and its report."""
 

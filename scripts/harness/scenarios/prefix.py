@@ -1,4 +1,4 @@
-"""bench_prefix.py's measurements, which bench.py runs too: a system prompt cold, repeated and with a new
+"""bench.py's measurements, which bench.py runs too: a system prompt cold, repeated and with a new
 question; the first request after a restart; TTFT per turn of a conversation (all on running servers);
 decode tokens/s and what SSD write-through costs (in-process); and the report of whichever ran."""
 
