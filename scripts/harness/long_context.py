@@ -20,7 +20,7 @@ def compute_free_attention(queries, keys, values, cache=None, scale=1.0, mask=No
 
 
 def make_compute_free() -> None:
-    """Every llama built from now on attends compute-free (scripts/journeys.py long-context does the same)."""
+    """Every llama built from now on attends compute-free (the long-context journey uses it too)."""
     from mlx_lm.models import llama
 
     llama.scaled_dot_product_attention = compute_free_attention

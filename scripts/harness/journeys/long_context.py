@@ -33,9 +33,9 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm.models import llama
 from starlette.testclient import TestClient
 
+from harness.long_context import make_compute_free
 from harness.synthetic import llama_config, random_llama, write_model_folder
 from mlx_kvserve.config import ApiKeys, load_config
 from mlx_kvserve.engine.engine import Engine
@@ -53,11 +53,6 @@ CASES = {  # layers, context, prompt tokens, extra config
     "realistic": (32, 65536, 65536 - 64, {}),
     "long": (4, 131072, 131072 - 64, {}),
 }
-
-
-def compute_free_attention(queries, keys, values, cache=None, scale=1.0, mask=None, **_):
-    """The keys and values are in the cache already (update_and_fetch ran): skip the scores."""
-    return queries
 
 
 def model_folder(root: Path, layers: int, context: int) -> Path:
@@ -137,7 +132,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    llama.scaled_dot_product_attention = compute_free_attention
+    make_compute_free()
     with tempfile.TemporaryDirectory(prefix="long-context-") as tmp:
         root, home = Path(tmp) / "models", Path(tmp) / "home"
         os.environ["MLX_KVSERVE_HOME"] = str(home)
