@@ -28,14 +28,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.metadata
 import json
-import os
-import platform
 import time
 from pathlib import Path
 
 from harness import OURS, ROOT, THEIRS, default_model_dir
+from harness.reports import machine
 
 # The measurements are harness.scenarios': the server ones run on one set of servers, started once.
 from harness.scenarios import concurrent, concurrent_rounds, interleaved, pins
@@ -94,37 +92,8 @@ def process_blas(pid: int) -> str:
 # -- machine and versions ------------------------------------------------------------------------
 
 
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def machine_info(model_dir: Path) -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        mem = None
-    return {
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "memory_gib": round(mem / 2**30, 1) if mem else None,
-        "python": platform.python_version(),
-        "mlx": _version("mlx"),
-        "mlx_cpu": _version("mlx-cpu"),
-        "mlx_lm": _version("mlx-lm"),
-        "mlx_kvserve": _version("mlx-kvserve"),
+    return machine() | {
         "blas_bench_process": blas_in_use(),
         "blas_servers_preload": server_env().get("LD_PRELOAD", ""),
         "model": model_dir.name,

@@ -46,9 +46,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import importlib.metadata
 import os
-import platform
 import shutil
 import tempfile
 import time
@@ -60,7 +58,7 @@ import numpy as np
 from harness.diskio import CAN_DROP, block_files, drop_files, raw_read_s
 from harness.hits import JoinCounter, OneCache
 from harness.long_context import LONG_MEDIANS, copy_floor, long_lines, make_compute_free, peak_rss_during
-from harness.reports import median, write_report
+from harness.reports import machine, median, write_report
 from harness.restart import served_ttft
 from harness.synthetic import kv_bytes_per_token
 
@@ -319,28 +317,8 @@ def measure_length(
     return out
 
 
-def machine(loaded, args: argparse.Namespace) -> dict:
-    import mlx.core as mx
-
-    def version(dist: str) -> str | None:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    device = str(mx.default_device())
-    try:
-        info = mx.device_info()
-        device += f" ({info.get('device_name') or info.get('architecture') or ''})"
-    except Exception:  # not every backend reports a name
-        pass
-    return {
-        "platform": platform.platform(),
-        "device": device,
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "mlx": getattr(mx, "__version__", None),
-        "mlx_lm": version("mlx-lm"),
+def machine_of(loaded, args: argparse.Namespace) -> dict:
+    return machine() | {
         "shape": args.shape,
         "layers": loaded.config["num_hidden_layers"],
         "compute_free": args.compute_free,
@@ -423,7 +401,7 @@ def run(args: argparse.Namespace) -> dict:
     try:
         loaded = build_model(args, work / "model")
         bench = Bench(loaded, work, args)
-        results: dict = {"machine": machine(loaded, args), "lengths": []}
+        results: dict = {"machine": machine_of(loaded, args), "lengths": []}
         rng = np.random.default_rng(0)
         joins = JoinCounter()
         for length in (int(n) for n in args.lengths.split(",")):
