@@ -29,7 +29,7 @@ def test_llama3_8b_block_is_8_mib(run):
     assert results["block_mib"] == 8  # the default shape, Llama-3-8B's
 
 
-def test_report_has_raw_and_store_bandwidth_stages_and_checksums(run):
+def test_report_has_raw_and_store_bandwidth_and_checksums(run):
     results, report, tmp_path = run
     bw = results["gib_s"]
     assert bw["num_blocks"] == 2 and bw["total_gib"] == 16 / 1024
@@ -38,13 +38,6 @@ def test_report_has_raw_and_store_bandwidth_stages_and_checksums(run):
     ratios = ["save_vs_raw", "save_batched_vs_raw"] + [f"load{c}_vs_raw_{m}" for c in ("", "_chain") for m in modes]
     for key in ["raw_write", "store_save", "store_save_batched", *reads, *ratios]:
         assert bw[key] > 0, key
-    stages = results["stages"]
-    assert set(stages) == {f"load_{mode}_ms" for mode in modes} | {"save_ms"}
-    load_steps = {"file_read", "open_and_parse_header", "mx_eval_read", "checksum_and_views", "views_eval"}
-    for mode in modes:
-        assert set(stages[f"load_{mode}_ms"]) == load_steps
-    assert set(stages["save_ms"]) == {"checksum", "checksum_and_write", "fsync", "rename"}
-    assert all(ms > 0 for steps in stages.values() for ms in steps.values())
     checksums = results["checksum_ms"]
     assert len(checksums) == 3 and any(name.startswith("block_checksum as built") for name in checksums)
     assert all(ms > 0 for ms in checksums.values())

@@ -6,9 +6,8 @@ One run, one folder, the same total size for every row:
   cache and cold (dropped with posix_fadvise(DONTNEED) after an fsync);
 - store: SSDStore.save_block for every block and save_blocks in the writer's batches, then load_block
   for each block and load_blocks for the whole chain (files read together), page cache and cold;
-- stages: where a block load (file read, header parse, array creation, checksum) and a block save
-  (checksum, serialize + write, fsync, rename) spend their time;
-- checksum: the block checksum next to other designs, on the same block.
+- checksum: the block MAC as built (keyed blake3) next to unkeyed blake3 and format 3's xxh3-128, on the
+  same blocks (the stage-by-stage breakdown of a load and a save retired with 77ef6db).
 Dropping pages is advisory: on tmpfs "cold" equals "page cache" (the report names the filesystem).
 The machine's other work shows up in every figure: compare rows of one run, not runs.
 
@@ -39,11 +38,6 @@ from mlx_kvserve.kv.ssd.format import (
     BlockHeader,
     block_checksum,
     block_relpath,
-    fsync_dir,
-    fsync_path,
-    open_block_file,
-    verified_arrays,
-    write_block_file,
 )
 from mlx_kvserve.kv.ssd.store import SaveResult, SSDStore
 from mlx_kvserve.kv.ssd.writer import WriteJob
@@ -141,10 +135,10 @@ def batched_save_pass(
     return timed(save_all)
 
 
-def io_bandwidth(folder: Path, shape: Shape, num_blocks: int, reps: int) -> tuple[dict, SSDStore, list, list]:
+def io_bandwidth(folder: Path, shape: Shape, num_blocks: int, reps: int) -> tuple[dict, SSDStore, list]:
     """Raw and store bandwidth (GiB/s, medians of `reps`) on the same folder and total; raw and store
     passes alternate, so that the machine's other work falls on both. Also returns the store of the
-    first save pass, its (hash, path) blocks and the payloads, for the stage measurements."""
+    first save pass and its (hash, path) blocks, for the checksum measurements."""
     total = num_blocks * shape.block_bytes
     chunk = memoryview(np.random.default_rng(0).integers(0, 256, shape.block_bytes, dtype=np.uint8))
     payloads = make_payloads(shape, min(num_blocks, 4))
@@ -200,72 +194,7 @@ def io_bandwidth(folder: Path, shape: Shape, num_blocks: int, reps: int) -> tupl
         result[f"load_vs_raw_{mode}"] = result[f"store_load_{mode}"] / result[f"raw_read_{mode}"]
         result[f"load_chain_vs_raw_{mode}"] = result[f"store_load_chain_{mode}"] / result[f"raw_read_{mode}"]
         result[f"load_chain_host_vs_raw_{mode}"] = result[f"store_load_chain_host_{mode}"] / result[f"raw_read_{mode}"]
-    return result, store, list(zip(hashes, paths, strict=True)), payloads
-
-
-class Laps:
-    """Durations of consecutive steps: `lap(name)` records the time since the previous lap (or start)."""
-
-    def __init__(self) -> None:
-        self.times: dict[str, list[float]] = {}
-        self._last = time.perf_counter()
-
-    def start(self) -> None:
-        self._last = time.perf_counter()
-
-    def lap(self, name: str) -> None:
-        now = time.perf_counter()
-        self.times.setdefault(name, []).append(now - self._last)
-        self._last = now
-
-    def medians_ms(self) -> dict[str, float]:
-        return {name: median(ts) * 1e3 for name, ts in self.times.items()}
-
-
-def load_stages(blocks: list[tuple[bytes, Path]], cold: bool, key: bytes = KEY) -> dict[str, float]:
-    """Median ms per block of each step of read_block_file, after a plain read of the same file."""
-    laps = Laps()
-    for block_hash, path in blocks:
-        buf = memoryview(bytearray(path.stat().st_size))
-        if cold:
-            drop_file(path)
-        laps.start()
-        read_file(path, buf)
-        laps.lap("file_read")
-        if cold:
-            drop_file(path)  # mx.load reads the file cold too
-        laps.start()
-        header, payload = open_block_file(path, NS, block_hash)
-        laps.lap("open_and_parse_header")
-        mx.eval(payload)
-        laps.lap("mx_eval_read")
-        arrays = verified_arrays(NS, header, payload, key=key)
-        laps.lap("checksum_and_views")
-        mx.eval(arrays)
-        laps.lap("views_eval")
-    return laps.medians_ms()
-
-
-def save_stages(folder: Path, shape: Shape, payloads: list[dict[str, mx.array]], count: int) -> dict[str, float]:
-    """Median ms per block of each step of write_block_file and the store's rename."""
-    folder.mkdir(parents=True, exist_ok=True)
-    tokens = tuple(range(shape.tokens))
-    laps = Laps()
-    for i in range(count):
-        arrays = payloads[i % len(payloads)]
-        header = BlockHeader(os.urandom(32), PARENT, tokens, "")
-        tmp, final = folder / f"{i}.tmp.safetensors", folder / f"{i}.safetensors"
-        laps.start()
-        block_checksum(NS, header, arrays, key=KEY)
-        laps.lap("checksum")
-        write_block_file(tmp, NS, header, arrays, sync=False, key=KEY)  # computes the checksum again
-        laps.lap("checksum_and_write")
-        fsync_path(tmp)
-        laps.lap("fsync")
-        os.replace(tmp, final)
-        fsync_dir(folder)
-        laps.lap("rename")
-    return laps.medians_ms()
+    return result, store, list(zip(hashes, paths, strict=True))
 
 
 def checksum_costs(store: SSDStore, blocks: list[tuple[bytes, Path]], tokens: tuple, reps: int) -> dict[str, float]:
@@ -301,17 +230,12 @@ def filesystem_of(folder: Path) -> str:
     return fs
 
 
-def measure(total_bytes: int, folder: Path, shape: Shape = LLAMA3_8B, reps: int = 2, stage_blocks: int = 8) -> dict:
+def measure(total_bytes: int, folder: Path, shape: Shape = LLAMA3_8B, reps: int = 2) -> dict:
     """Measure everything in a fresh subfolder of `folder` (removed afterwards); returns the results."""
     work = Path(tempfile.mkdtemp(prefix="kvserve-ssdio-", dir=folder))
     try:
         num_blocks = max(1, total_bytes // shape.block_bytes)
-        bandwidth, store, blocks, payloads = io_bandwidth(work, shape, num_blocks, reps)
-        sample = blocks[:stage_blocks]
-        stages = {"load_page_cache_ms": load_stages(sample, cold=False, key=store.key)}
-        if CAN_DROP:
-            stages["load_cold_ms"] = load_stages(sample, cold=True, key=store.key)
-        stages["save_ms"] = save_stages(work / "stages", shape, payloads, len(sample))
+        bandwidth, store, blocks = io_bandwidth(work, shape, num_blocks, reps)
         return {
             "folder": str(folder),
             "filesystem": filesystem_of(folder),
@@ -319,8 +243,7 @@ def measure(total_bytes: int, folder: Path, shape: Shape = LLAMA3_8B, reps: int 
             "cpu_count": os.cpu_count(),
             "block_mib": shape.block_bytes / 2**20,
             "gib_s": bandwidth,
-            "stages": stages,
-            "checksum_ms": checksum_costs(store, sample[:4], tuple(range(shape.tokens)), reps=3),
+            "checksum_ms": checksum_costs(store, blocks[:4], tuple(range(shape.tokens)), reps=3),
         }
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -352,9 +275,6 @@ def report_lines(r: dict) -> list[str]:
                 f"| read / load_blocks through host memory, {mode.replace('_', ' ')} | {bw[f'raw_read_{mode}']:.2f} "
                 f"| {bw[f'store_load_chain_host_{mode}']:.2f} | {bw[f'load_chain_host_vs_raw_{mode}']:.2f}x |"
             )
-    for name, steps in r["stages"].items():
-        lines += ["", f"| {name.removesuffix('_ms').replace('_', ' ')}: step | ms per block |", "|---|---|"]
-        lines += [f"| {step} | {ms:.2f} |" for step, ms in steps.items()]
     lines += ["", "| block checksum | ms per block | GiB/s |", "|---|---|---|"]
     for name, ms in r["checksum_ms"].items():
         lines.append(f"| {name} | {ms:.2f} | {mib / 1024 / ms * 1e3:.2f} |")
