@@ -1,16 +1,17 @@
-"""Drive the engine's Generator directly (no server) with a fresh block cache: the stack is
-harness.kvstack's (the benches use it too); these are the tests' own checks on it."""
+"""Drive the engine's Scheduler directly (no server) with a fresh block cache: the stack is
+harness.kvstack's (the benches use it too); these are the tests' own checks on it. `greedy` and
+`final_logits` take that stack or an Engine's Scheduler alike (both `run`, with `model` and `prefix_cache`)."""
 
 from __future__ import annotations
 
 import mlx.core as mx
-from harness.kvstack import OPEN_TIERS, close_ssd, make_generator  # noqa: F401  (re-exported for the tests)
+from harness.kvstack import OPEN_TIERS, KVStack, close_ssd, make_generator  # noqa: F401  (re-exported for the tests)
 
-from mlx_kvserve.engine.batch.generate import Generator
+from mlx_kvserve.engine.batch.scheduler import Scheduler
 from mlx_kvserve.engine.request import Finished, GenerationRequest, SamplingParams, TextDelta
 
 
-def greedy(generator: Generator, prompt: list[int], max_tokens: int) -> tuple[tuple[int, ...], str, int]:
+def greedy(generator: KVStack | Scheduler, prompt: list[int], max_tokens: int) -> tuple[tuple[int, ...], str, int]:
     """(completion token ids, text, cached tokens) of a greedy run through the engine."""
     events: list = []
     req = GenerationRequest("test", list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0), events.append)
@@ -21,7 +22,7 @@ def greedy(generator: Generator, prompt: list[int], max_tokens: int) -> tuple[tu
     return done.token_ids, text, done.usage.cached_tokens
 
 
-def final_logits(generator: Generator, prompt: list[int]) -> tuple[mx.array, int]:
+def final_logits(generator: KVStack | Scheduler, prompt: list[int]) -> tuple[mx.array, int]:
     """Logits after `prompt`, computed on top of whatever the block cache holds for it, plus the
     number of tokens served from cache. The cold reference is the same call on an empty cache."""
     prepared = generator.prefix_cache.prepare(prompt)

@@ -131,8 +131,8 @@ class DistributedWorker(InferenceWorker):
     `run_command` runs a cache command on every rank (pins must reach every rank's shard) and
     returns rank 0's result; "stats" gathers every rank's cache statistics."""
 
-    def __init__(self, generator: Any, max_queue: int, world: World, execute: Any):
-        super().__init__(generator, max_queue)
+    def __init__(self, scheduler: Any, max_queue: int, world: World, execute: Any):
+        super().__init__(scheduler, max_queue)
         self.world = world
         self._execute = execute  # (name, args) -> result, on this rank
         self._mirrors: dict[str, tuple[GenerationRequest, GenerationRequest]] = {}  # id -> (client's, batch's)

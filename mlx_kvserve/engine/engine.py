@@ -21,8 +21,8 @@ from ..kv.salts import CacheSalts, principal_chain
 from ..models.loader import LoadedModel
 from ..vision.runtime import build_runtime
 from .batch import kv_room
-from .batch.generate import Generator
 from .batch.order import StartOrder
+from .batch.scheduler import Scheduler
 from .build import build_stack, prefill_step
 from .cache import token_memo
 from .cache.admin import CacheAdmin
@@ -69,25 +69,10 @@ class Engine:
         stack = build_stack(loaded, config, world)
         self.prefix_cache, self.folder_lock = stack.prefix_cache, stack.folder_lock
         self._memo_damage = stack.damaged  # a fingerprint memo set aside at startup
-        self.generator = Generator(
-            loaded.model,
-            loaded.tokenizer,
-            self.prefix_cache,
-            prefill_step(config),
-            config.server.batch_limit(),
-            stack.stats,
-            StartOrder("fifo") if world is not None else StartOrder(config.server.scheduling, config.server.max_wait_s),
-            config.server.prefill_batch_size,
-            config.server.max_queue,
-            config.server.short_prefill_tokens,
-        )
         # A vision-language model's images (vision/runtime.py): prompts built here, prefilled by the scheduler.
         self.vision = build_runtime(loaded.vision, config) if getattr(loaded, "vision", None) is not None else None
-        self.generator.scheduler.vision = self.vision
-        self.generator.scheduler.share_prefill_step = config.generation.prefill_step_shared
         budget = config.server.kv_batch_bytes  # admission by memory: the batch's KV bounded, the context capped
         self.kv_room = kv_room.for_model(loaded.model, loaded.config, budget, config.cache.kv_bits)
-        self.generator.scheduler.kv_room = self.kv_room
         # Speculative decoding (engine/speculative/speculator.py): text models on one machine (ranks measure
         # their own pass times, and their adaptive choices must not differ). [speculative]
         # draft_model is loaded here (ConfigError when its tokenizer is not this model's).
@@ -103,11 +88,28 @@ class Engine:
             if world is None and self.vision is None
             else None
         )
-        self.generator.scheduler.speculation = self.speculation
+        server = config.server
+        self.scheduler = Scheduler(
+            loaded.model,
+            loaded.tokenizer,
+            self.prefix_cache,
+            prefill_step(config),
+            server.batch_limit(),
+            stack.stats,
+            StartOrder("fifo") if world is not None else StartOrder(server.scheduling, server.max_wait_s),
+            server.prefill_batch_size,
+            server.max_queue,
+            server.short_prefill_tokens,
+            share_prefill_step=config.generation.prefill_step_shared,
+            kv_room=self.kv_room,
+            speculation=self.speculation,
+            vision=self.vision,
+            distributed=world is not None,
+        )
         if world is None:
-            self.worker = InferenceWorker(self.generator, config.server.max_queue)
+            self.worker = InferenceWorker(self.scheduler, config.server.max_queue)
         else:
-            self.worker = DistributedWorker(self.generator, config.server.max_queue, world, self._execute)
+            self.worker = DistributedWorker(self.scheduler, config.server.max_queue, world, self._execute)
         self.started_at = time.time()
         self.prefetcher: Prefetcher | None = None  # set by start() with [ssd] prefetch_on_start
         # Principals' chain roots ([cache] isolation = "per_key"), the secret beside the SSD blocks.
@@ -415,7 +417,7 @@ class Engine:
         """The batch: requests running (in the batch, or waiting there for a shared prefix) and
         waiting to join it, the requests in mlx-lm's batch now, and prefill and decode work since
         start (tokens, seconds spent, and their ratio in tokens/s)."""
-        scheduler = self.generator.scheduler
+        scheduler = self.scheduler
         s = scheduler.stats
         return {
             "running": self.worker.num_running,
@@ -441,7 +443,7 @@ class Engine:
     def prompt_progress(self, req: GenerationRequest) -> dict[str, int] | None:
         """llama.cpp's `prompt_progress` for `req` while its prompt prefills (None otherwise): the prompt's
         tokens, those the cache supplied, those in the KV so far (cached included), ms since it started."""
-        for p in self.generator.scheduler.prefill_progress():
+        for p in self.scheduler.prefill_progress():
             if p.req is req:
                 total, elapsed = len(req.prompt_tokens), time.perf_counter() - p.started
                 processed = min(total, p.cached + p.done)

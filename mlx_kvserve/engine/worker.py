@@ -9,7 +9,7 @@ import threading
 from collections.abc import Callable
 
 from ..errors import OverloadedError, ShuttingDownError
-from .batch.generate import Generator
+from .batch.scheduler import Scheduler
 from .batch.step_turns import StepTurns
 from .request import Failed, Finished, GenerationRequest, Usage
 
@@ -18,7 +18,7 @@ _STOP = object()  # sentinel: always the last item the worker reads
 
 
 class InferenceWorker:
-    """Owns the Generator (and so MLX) on a single thread, serving requests as one batch.
+    """Owns the Scheduler (and so MLX) on a single thread, serving requests as one batch.
 
     `submit` never blocks: it raises OverloadedError when `max_queue` requests already wait and
     ShuttingDownError after `stop`. Between batch steps the thread moves waiting requests into the
@@ -26,9 +26,8 @@ class InferenceWorker:
     running requests end at their next token, and joins the thread.
     """
 
-    def __init__(self, generator: Generator, max_queue: int):
-        self.generator = generator
-        self.scheduler = generator.scheduler
+    def __init__(self, scheduler: Scheduler, max_queue: int):
+        self.scheduler = scheduler
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self._lock = threading.Lock()  # guards _closing and _running
         self._closing = False

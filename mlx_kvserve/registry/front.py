@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextvars
 from typing import Any
 
+from ..config import Config
+from ..engine.front import EngineFront
 from ..errors import ShuttingDownError
 from .registry import Lease, ModelRegistry
 
@@ -41,12 +43,13 @@ class _Current:
         return getattr(self._get(), name)
 
 
-class RoutedEngine:
-    """Looks like engine.Engine to the server (see the module docstring)."""
+class RoutedEngine(EngineFront):
+    """The server's EngineFront (engine/front.py) over several models (see the module docstring): each member
+    is the bound engine's, named here one by one; the embedding members (server/embeddings.py) too."""
 
     def __init__(self, registry: ModelRegistry):
         self.registry = registry
-        self.config = registry.config
+        self._config = registry.config
 
     def _engine(self) -> Any:
         bound = _BOUND.get()
@@ -58,8 +61,100 @@ class RoutedEngine:
             raise ShuttingDownError(f"the default model {slot.entry.name!r} is not loaded")
         return engine
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine(), name)
+    @property
+    def config(self) -> Config:
+        return self._config
+
+    # --- the bound engine's (the default model's outside a request) ----------------------------
+
+    @property
+    def model_path(self) -> Any:
+        return self._engine().model_path
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._engine().tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self._engine().vocab_size
+
+    @property
+    def vision(self) -> Any:
+        return self._engine().vision
+
+    @property
+    def started_at(self) -> float:
+        return self._engine().started_at
+
+    @property
+    def cache_enabled(self) -> bool:
+        return self._engine().cache_enabled
+
+    @property
+    def cache_reason(self) -> str:
+        return self._engine().cache_reason
+
+    @property
+    def leases_active(self) -> bool:
+        return self._engine().leases_active
+
+    def router_view(self) -> Any:
+        return self._engine().router_view()
+
+    def block_hashes(self, tokens: list[int], principal: str = "") -> list[bytes]:
+        return self._engine().block_hashes(tokens, principal)
+
+    def chat_tokens(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+        principal: str = "",
+    ) -> list[int]:
+        return self._engine().chat_tokens(messages, add_generation_prompt, tools, template_kwargs, principal)
+
+    def text_tokens(self, prompt: str) -> list[int]:
+        return self._engine().text_tokens(prompt)
+
+    def check_schema(self, schema: dict[str, Any]) -> str:
+        return self._engine().check_schema(schema)
+
+    def call_grammar(self, prompt: list[int], spec: Any) -> str:
+        return self._engine().call_grammar(prompt, spec)
+
+    def submit(self, req: Any) -> None:
+        self._engine().submit(req)
+
+    def prefill(self, tokens: list[int], timeout: float | None = None, principal: str = "") -> None:
+        self._engine().prefill(tokens, timeout, principal)
+
+    def prompt_progress(self, req: Any) -> dict[str, int] | None:
+        """None from an engine without prefill progress (a model's own process behind a proxy)."""
+        read = getattr(self._engine(), "prompt_progress", None)
+        return read(req) if callable(read) else None
+
+    # --- a bound embedding model's (server/embeddings.py; a chat model has none of these) -------
+
+    @property
+    def is_embedding(self) -> bool:
+        return getattr(self._engine(), "is_embedding", False)
+
+    @property
+    def dimensions(self) -> int:
+        return self._engine().dimensions
+
+    @property
+    def min_dimensions(self) -> int:
+        return self._engine().min_dimensions
+
+    @property
+    def normalize(self) -> bool:
+        return self._engine().normalize
+
+    def embed(self, inputs: list[list[int]]) -> Any:
+        return self._engine().embed(inputs)
 
     @property
     def model_name(self) -> str:

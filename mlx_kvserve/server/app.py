@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..config import ApiKeys, load_api_keys
-from ..engine.engine import Engine
+from ..engine.front import EngineFront
 from ..errors import ConfigError, InvalidRequestError, KVServeError, NotFoundError
 from ..registry.registry import ModelRegistry
 from . import prompt_bound
@@ -41,7 +41,7 @@ from .ui_routes import mount_ui
 log = logging.getLogger(__name__)
 
 
-def create_app(engine: Engine, keys: ApiKeys | None = None, registry: ModelRegistry | None = None) -> Starlette:
+def create_app(engine: EngineFront, keys: ApiKeys | None = None, registry: ModelRegistry | None = None) -> Starlette:
     """The app serving `engine`. `keys` default to those of engine.config (key files are read now;
     ConfigError when one cannot be). With several models, `registry` and its front
     (registry/front.py) as `engine`: each request is served by the model it names."""

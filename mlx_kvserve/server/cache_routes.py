@@ -10,7 +10,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..engine.cache.admin import CacheAdmin, parse_hashes
-from ..engine.engine import Engine
+from ..engine.front import EngineFront
 from ..errors import InvalidRequestError, PermissionDeniedError, ValidationError
 from . import prompts
 from .bodies import read_json
@@ -35,7 +35,7 @@ def _principal(request: Request, body: dict[str, Any]) -> str:
 
 
 async def _target_hashes(
-    engine: Engine, admin: CacheAdmin, body: dict[str, Any], warm: bool, principal: str = "", own: bool = False
+    engine: EngineFront, admin: CacheAdmin, body: dict[str, Any], warm: bool, principal: str = "", own: bool = False
 ) -> tuple[list[bytes], bool]:
     """(hashes named by the body, whether they are a prompt's chain). `warm`: prefill a prompt
     whose blocks are not cached yet. `principal`: whose chain a prompt is hashed and warmed in.
@@ -79,7 +79,7 @@ async def _target_hashes(
     return hashes, True
 
 
-def cache_routes(engine: Engine) -> list[Route]:
+def cache_routes(engine: EngineFront) -> list[Route]:
     admin = engine.cache_admin()
 
     async def body_of(request: Request, allow_empty: bool = False) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ..engine.engine import Engine
+from ..engine.front import EngineFront
 from ..engine.request import Event, Finished, GenerationRequest, TextDelta, TokenLogprob
 from ..engine.sampling.tool_grammar import CallGrammar, UnsupportedCallFormat
 from ..errors import InvalidRequestError, KVServeError, ValidationError, model_not_found
@@ -53,7 +53,7 @@ class CompletionHandler:
     """Turns one parsed request into GenerationRequests and their events into text; every API's routes
     serve their completions through one handler."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: EngineFront):
         self.engine = engine
         gen = engine.config.generation
         self.defaults = oa.Defaults(gen.max_tokens, gen.temperature, gen.top_p)

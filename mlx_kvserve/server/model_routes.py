@@ -13,14 +13,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..engine.engine import Engine
+from ..engine.front import EngineFront
 from ..errors import model_not_found
 from .anthropic.reply import error_response as anthropic_error
 from .context_window import window_fields
 from .gate import note_error
 
 
-def _card(engine: Engine, anthropic: bool) -> dict[str, Any]:
+def _card(engine: EngineFront, anthropic: bool) -> dict[str, Any]:
     name, created = engine.model_name, int(engine.started_at)
     server = engine.config.server
     limits = window_fields(engine.context_length, server.max_prompt_tokens, server.max_completion_tokens, anthropic)
@@ -30,7 +30,7 @@ def _card(engine: Engine, anthropic: bool) -> dict[str, Any]:
     return {"type": "model", "id": name, "display_name": name, "created_at": stamp} | limits
 
 
-def model_routes(engine: Engine) -> list[Route]:
+def model_routes(engine: EngineFront) -> list[Route]:
     def is_anthropic(request: Request) -> bool:
         return "anthropic-version" in request.headers
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
-from ..engine.engine import Engine
+from ..engine.front import EngineFront
 from ..errors import InvalidRequestError, ValidationError
 from .gate import PRINCIPAL
 from .messages import merge_system_turns
@@ -18,7 +18,7 @@ MAX_TOKEN_ID = 2**31  # bound on token ids when the model's config names no voca
 
 
 async def chat_tokens(
-    engine: Engine,
+    engine: EngineFront,
     messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,
     tools: list[dict[str, Any]] | None = None,
@@ -39,7 +39,7 @@ async def chat_tokens(
         raise InvalidRequestError(f"the chat template rejected these messages: {exc}", param="messages") from None
 
 
-async def text_tokens(engine: Engine, prompt: str) -> list[int]:
+async def text_tokens(engine: EngineFront, prompt: str) -> list[int]:
     """Token ids of `prompt`. InvalidRequestError when the tokenizer refuses it."""
     try:
         return await run_in_threadpool(engine.text_tokens, prompt)
@@ -47,7 +47,7 @@ async def text_tokens(engine: Engine, prompt: str) -> list[int]:
         raise InvalidRequestError(f"the prompt could not be tokenized: {exc}", param="prompt") from None
 
 
-def check_token_ids(engine: Engine, tokens: Sequence[int]) -> None:
+def check_token_ids(engine: EngineFront, tokens: Sequence[int]) -> None:
     """ValidationError (422) unless every id is in [0, vocab_size)."""
     vocab = engine.vocab_size or MAX_TOKEN_ID
     if any(not 0 <= t < vocab for t in tokens):

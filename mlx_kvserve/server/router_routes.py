@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..engine.cache.router_view import RouterView
-from ..engine.engine import Engine
+from ..engine.front import EngineFront
 from ..errors import NotFoundError, ValidationError
 
 POLL_S = 0.02  # how often an open stream looks for new events: the router's view lags RAM by about this
@@ -81,7 +81,7 @@ async def _stream(view: RouterView, since: int | None, epoch: str | None, max_s:
     yield "event: end\ndata: {}\n\n"
 
 
-def router_routes(engine: Engine) -> list[Route]:
+def router_routes(engine: EngineFront) -> list[Route]:
     def view_or_404() -> RouterView:
         view = engine.router_view()
         if view is None:

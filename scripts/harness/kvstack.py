@@ -1,11 +1,13 @@
-"""The engine's Generator on a fresh block cache (RAM tier, optional SSD tier), driven directly: no server."""
+"""The engine's Scheduler on a fresh block cache (RAM tier, optional SSD tier), driven directly: no server."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from mlx_kvserve.chain import BlockHasher
-from mlx_kvserve.engine.batch.generate import Generator
+from mlx_kvserve.engine.batch.scheduler import Scheduler
 from mlx_kvserve.engine.cache.prefix_cache import PrefixCache
 from mlx_kvserve.kv import blocks
 from mlx_kvserve.kv.hashing import namespace_hash
@@ -20,6 +22,29 @@ from mlx_kvserve.kv.tails import TailStore
 OPEN_TIERS: list[SSDTier] = []  # closed by conftest after each test: writer threads are non-daemon
 
 
+@dataclass
+class KVStack:
+    """A Scheduler on its own block cache, for tests and in-process benchmarks (no worker thread):
+    `run` one request to its end, or drive `scheduler` (admit, step) by hand."""
+
+    scheduler: Scheduler
+
+    @property
+    def prefix_cache(self) -> PrefixCache:
+        return self.scheduler.prefix_cache
+
+    @property
+    def model(self) -> Any:
+        return self.scheduler.model
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.scheduler.tokenizer
+
+    def run(self, req: Any) -> None:
+        self.scheduler.run(req)
+
+
 def make_generator(
     model,
     tokenizer,
@@ -31,8 +56,8 @@ def make_generator(
     checkpoint_every: int = 0,
     prefill_step_size: int = 512,
     kv_bits: int = 0,
-) -> Generator:
-    """A Generator with a fresh RAM tier and, when `ssd_dir` is given, an SSD tier there (close
+) -> KVStack:
+    """A Scheduler with a fresh RAM tier and, when `ssd_dir` is given, an SSD tier there (close
     it with `close_ssd` to drain the writer, as a server shutdown does)."""
     layout = blocks.cache_layout(model, block_size, kv_bits)
     namespace = namespace_hash("test-model", "float32", block_size, cache_layout=layout.signature)
@@ -60,7 +85,7 @@ def make_generator(
     rules = layout if layout.needs_checkpoints else None
     manager = KVManager(hasher, RAMStore(ram_bytes), tail_store, tier, rules=rules)
     prefix_cache = PrefixCache(model, manager, ssd_tier=tier, layout=layout, checkpoint_every=checkpoint_every)
-    return Generator(model, tokenizer, prefix_cache, prefill_step_size)
+    return KVStack(Scheduler(model, tokenizer, prefix_cache, prefill_step_size))
 
 
 def server_attention(model=None, config=None) -> bool:
@@ -75,5 +100,5 @@ def server_attention(model=None, config=None) -> bool:
     return cpu_attention.install(g.cpu_attention_rows, g.cpu_attention_softmax, None if layers is None else len(layers))
 
 
-def close_ssd(generator: Generator) -> bool:
+def close_ssd(generator: KVStack) -> bool:
     return generator.prefix_cache.ssd_tier.close(drain_timeout_s=30)

@@ -9,10 +9,9 @@ import time
 from dataclasses import dataclass
 
 import pytest
-from kvharness import make_generator
+from kvharness import KVStack, make_generator
 from mlx_lm.utils import load
 
-from mlx_kvserve.engine.batch.generate import Generator
 from mlx_kvserve.engine.request import Failed, Finished, GenerationRequest, SamplingParams, TextDelta
 from mlx_kvserve.engine.worker import InferenceWorker
 
@@ -53,7 +52,7 @@ def alone(model, tokenizer, prompt, params) -> Outcome:
     return out
 
 
-def run_batch(gen: Generator, jobs, join_after: dict[int, int] | None = None) -> list[Outcome]:
+def run_batch(gen: KVStack, jobs, join_after: dict[int, int] | None = None) -> list[Outcome]:
     """Run jobs [(prompt, params)] in one batch; job i joins after join_after[i] steps (default 0)."""
     join_after = join_after or {}
     outs = [Outcome([]) for _ in jobs]
@@ -190,7 +189,7 @@ def test_worker_batches_at_most_max_batch(tiny):
     expected = [alone(model, tokenizer, p, params) for p in prompts]
     gen = make_generator(model, tokenizer, BS)
     gen.scheduler.max_batch = 2
-    worker = InferenceWorker(gen, max_queue=8)
+    worker = InferenceWorker(gen.scheduler, max_queue=8)
     outs = [Outcome([]) for _ in prompts]
     done = [threading.Event() for _ in prompts]
     peak = [0]
@@ -259,14 +258,15 @@ def test_shared_prefix_arriving_together_is_prefilled_once(tiny):
 
 
 def test_pick_leader_prefers_the_longest_uncached_share():
-    from mlx_kvserve.engine.batch.prefix_waits import cached_blocks, pick_leader
+    from mlx_kvserve.engine.batch.prefix_waits import pick_leader
+    from mlx_kvserve.engine.cache.prefix_cache import leading_blocks
 
     mine = [b"a", b"b", b"c", b"d"]
     prefilling = {1: [b"a", b"x"], 2: [b"a", b"b", b"c"], 3: [b"z"]}
     assert pick_leader(mine, prefilling, 0) == 2
     assert pick_leader(mine, prefilling, 3) is None  # the cache already holds what 2 would add
     assert pick_leader(mine, {}, 0) is None
-    assert cached_blocks(mine, {b"a", b"b"}.__contains__) == 2
+    assert leading_blocks(mine, {b"a", b"b"}.__contains__) == 2
 
 
 def test_logprobs_on_events(tiny):

@@ -63,6 +63,7 @@ def test_agreement_takes_the_shortest_prefix_any_rank_has(single):
         return lengths
 
     gen.prefix_cache.agree = other_rank_has
+    gen.scheduler.distributed = True  # as a rank's: no direct joins or shared-prefix waits
     ids, _, cached = greedy(gen, prompt, 10)
     assert cached == 3 * BS and ids == cold[0]
     assert seen[0][0] > 3 * BS and seen[-1] == [3 * BS, 3 * BS]

@@ -55,7 +55,7 @@ def stored(tiny, tmp_path_factory):
     text = " ".join(f"Step {i}: move disk {i % 3} from peg {i % 2} to peg {(i + 1) % 3}." for i in range(40))
     prompt = tiny.tokenizer.encode(text)[: NUM_BLOCKS * BS + 5]
     engine = _engine(tiny, root)
-    cold = greedy(engine.generator, prompt, MAX_TOKENS)
+    cold = greedy(engine.scheduler, prompt, MAX_TOKENS)
     assert cold[2] == 0
     engine.stop()
     return root, prompt, cold[0]
@@ -72,7 +72,7 @@ def _restarted(tiny, root, share: float | None) -> Engine:
 def test_every_split_point_gives_the_cold_output(tiny, stored, computed):
     root, prompt, cold = stored
     engine = _restarted(tiny, root, (computed + 0.5) / NUM_BLOCKS if computed < NUM_BLOCKS else 1.0)
-    ids, _, cached = greedy(engine.generator, prompt, MAX_TOKENS)
+    ids, _, cached = greedy(engine.scheduler, prompt, MAX_TOKENS)
     assert ids == cold
     assert cached == len(prompt) - 1  # every block (computed or read) and the tail
     stats = engine.local_cache_stats()
@@ -83,7 +83,7 @@ def test_every_split_point_gives_the_cold_output(tiny, stored, computed):
     manager = engine.prefix_cache.manager
     assert all(manager.in_ram(h) for h in manager.hasher.hash_blocks(prompt))  # the computed ones too
     manager.check_integrity()
-    again = greedy(engine.generator, prompt, MAX_TOKENS)
+    again = greedy(engine.scheduler, prompt, MAX_TOKENS)
     assert again[0] == cold and engine.local_cache_stats()["ssd_hits"] == stats["ssd_hits"]  # all from RAM
     engine.stop()
 
@@ -101,7 +101,7 @@ def test_damage_in_the_read_part_only_shortens_the_hit(tiny, stored, tmp_path):
     data[-40] ^= 0x55
     path.write_bytes(bytes(data))
     engine = _restarted(tiny, copy, 2.5 / NUM_BLOCKS)
-    ids, _, cached = greedy(engine.generator, prompt, MAX_TOKENS)
+    ids, _, cached = greedy(engine.scheduler, prompt, MAX_TOKENS)
     assert ids == cold and cached == victim * BS
     stats = engine.local_cache_stats()
     assert stats["kv_split_computed_blocks"] == 2 and stats["ssd_hits"] == 2 and stats["ssd_corrupt"] == 1
@@ -133,7 +133,7 @@ def test_the_first_hit_after_a_restart_splits_by_the_last_runs_speeds(tiny, stor
     copy = tmp_path / "kv"
     shutil.copytree(root, copy)
     engine = _engine(tiny, copy)
-    greedy(engine.generator, list(reversed(prompt)), 2)  # measures a prefill
+    greedy(engine.scheduler, list(reversed(prompt)), 2)  # measures a prefill
     engine.prefix_cache.ssd_tier.block_reads.add(100, 1.0)  # as if 100 blocks were read in 1 s
     read, prefill = engine.prefix_cache.front.speeds()
     engine.stop()
@@ -144,7 +144,7 @@ def test_the_first_hit_after_a_restart_splits_by_the_last_runs_speeds(tiny, stor
     front = engine.prefix_cache.front
     assert front.speeds() == (read, prefill)
     expected = front.blocks_to_compute(0, NUM_BLOCKS)
-    ids, _, cached = greedy(engine.generator, prompt, MAX_TOKENS)
+    ids, _, cached = greedy(engine.scheduler, prompt, MAX_TOKENS)
     assert ids == cold and cached == len(prompt) - 1
     stats = engine.local_cache_stats()
     assert stats["kv_split_computed_blocks"] == (expected if 0 < expected < NUM_BLOCKS else 0)
@@ -186,8 +186,8 @@ def test_ssd_hits_load_while_other_requests_run(tiny, stored, tmp_path, share):
     shutil.copytree(root, copy)
     other, shorter = list(reversed(prompt)), prompt[: 4 * BS + 3]  # a cold request; a shorter hit
     solo = _engine(tiny, tmp_path / "solo")  # the references, before any worker thread runs
-    other_alone = greedy(solo.generator, other, 24)[0]
-    shorter_alone = greedy(solo.generator, shorter, MAX_TOKENS)[0]
+    other_alone = greedy(solo.scheduler, other, 24)[0]
+    shorter_alone = greedy(solo.scheduler, shorter, MAX_TOKENS)[0]
     solo.stop()
     engine = _restarted(tiny, copy, share)
     engine.start()
@@ -222,9 +222,9 @@ def test_without_a_measured_read_one_block_is_read_first_and_the_rest_split(tiny
     meter = SlowDisk()
     engine.prefix_cache.ssd_tier.block_reads = meter
     front.blocks_read_per_s = meter.bytes_per_s
-    greedy(engine.generator, list(reversed(prompt)), 2)  # this run measures a prefill, no read yet
+    greedy(engine.scheduler, list(reversed(prompt)), 2)  # this run measures a prefill, no read yet
     assert front.wants_a_read_sample()
-    ids, _, cached = greedy(engine.generator, prompt, MAX_TOKENS)
+    ids, _, cached = greedy(engine.scheduler, prompt, MAX_TOKENS)
     assert ids == cold and cached == len(prompt) - 1
     expected = front.blocks_to_compute(1, NUM_BLOCKS - 1)  # the rest, split by the sampled speed
     assert 0 < expected < NUM_BLOCKS - 1
@@ -244,7 +244,7 @@ def test_a_failed_front_compute_is_a_miss_and_holds_nothing(tiny, stored, tmp_pa
         raise RuntimeError("out of memory")
 
     monkeypatch.setattr(engine.prefix_cache.front, "compute", fail)
-    ids, _, cached = greedy(engine.generator, prompt, MAX_TOKENS)
+    ids, _, cached = greedy(engine.scheduler, prompt, MAX_TOKENS)
     assert ids == cold and cached < BS  # prefilled instead (at most a tail under the namespace is reused)
     stats = engine.local_cache_stats()
     assert stats["kv_in_use_blocks"] == 0 and stats["kv_split_loads"] == 0

@@ -66,11 +66,11 @@ def test_a_drain_given_the_time_it_asks_for_writes_everything(tiny, tmp_path, ca
     prompts = _prompts(tiny.tokenizer, 3)
     engine = Engine(tiny, _config(root, write_hold_s=0.0))
     tier = engine.prefix_cache.ssd_tier
-    cold = [greedy(engine.generator, p, MAX_TOKENS)[0] for p in prompts[:1]]
+    cold = [greedy(engine.scheduler, p, MAX_TOKENS)[0] for p in prompts[:1]]
     assert tier.writer.wait_idle(30) == 0 and tier.writer.bandwidth.bytes_per_s()  # one measured batch
     tier.writer.hold(120)  # the disk "falls behind": everything after this is still queued at shutdown
     tier.hold_writes = tier.resume_writes = lambda: None  # requests' prefills must not lift the hold
-    cold += [greedy(engine.generator, p, MAX_TOKENS)[0] for p in prompts[1:]]
+    cold += [greedy(engine.scheduler, p, MAX_TOKENS)[0] for p in prompts[1:]]
     estimate = tier.writer.drain_estimate()
     assert estimate.num_jobs >= 2 * 4  # the last two prompts' blocks (and tails)
     engine.config = dataclasses.replace(
@@ -83,7 +83,7 @@ def test_a_drain_given_the_time_it_asks_for_writes_everything(tiny, tmp_path, ca
     again = Engine(tiny, _config(root))
     assert again.prefix_cache.ssd_tier.last_shutdown["shutdown_clean"] is True
     for prompt, ids in zip(prompts, cold, strict=True):
-        hit_ids, _, cached = greedy(again.generator, prompt, MAX_TOKENS)
+        hit_ids, _, cached = greedy(again.scheduler, prompt, MAX_TOKENS)
         assert cached == len(prompt) - 1 and hit_ids == ids  # every block and tail came back
     assert again.local_cache_stats()["ssd_hits"] == 3 * 4
     again.stop()
@@ -95,7 +95,7 @@ def _fill(tiny, root: Path, prompts: list[list[int]], pin: int | None = None) ->
     engine = Engine(tiny, _config(root))
     cold = []
     for prompt in prompts:
-        cold.append(greedy(engine.generator, prompt, MAX_TOKENS)[0])
+        cold.append(greedy(engine.scheduler, prompt, MAX_TOKENS)[0])
         time.sleep(0.01)  # distinct access times on the SSD
     manager = engine.prefix_cache.manager
     if pin is not None:

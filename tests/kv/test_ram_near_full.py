@@ -47,7 +47,7 @@ def test_an_exact_repeat_of_a_prefix_near_the_ram_size_hits_at_least_what_a_new_
     ids = lambda n: rng.integers(3, 200, size=n).tolist()  # noqa: E731
     prefix, questions = ids(PREFIX_BLOCKS * BS), [ids(QUESTION) for _ in range(2)]
     probe = _engine(tiny)
-    cold, _, _ = greedy(probe.generator, prefix + questions[0], 4)
+    cold, _, _ = greedy(probe.scheduler, prefix + questions[0], 4)
     stats = probe.local_cache_stats()
     block_bytes = stats["kv_ram_bytes"] // stats["kv_ram_blocks"]
     probe.stop()
@@ -57,12 +57,12 @@ def test_an_exact_repeat_of_a_prefix_near_the_ram_size_hits_at_least_what_a_new_
     engine = _engine(tiny, int(PREFIX_BLOCKS * block_bytes * 1.06))
     capacity = engine.prefix_cache.manager.stats()["kv_ram_max_bytes"] // block_bytes
     assert capacity < PREFIX_BLOCKS  # the prefix does not fit whole
-    first, _, cached = greedy(engine.generator, prefix + questions[0], 4)
+    first, _, cached = greedy(engine.scheduler, prefix + questions[0], 4)
     assert cached == 0 and first == cold
-    repeat, _, repeat_cached = greedy(engine.generator, prefix + questions[0], 4)
+    repeat, _, repeat_cached = greedy(engine.scheduler, prefix + questions[0], 4)
     assert repeat == cold  # the hit's output is the cold output
     assert repeat_cached == capacity * BS  # the chain's head kept: its deep end was given up
-    _, _, new_cached = greedy(engine.generator, prefix + questions[1], 4)
+    _, _, new_cached = greedy(engine.scheduler, prefix + questions[1], 4)
     assert repeat_cached >= new_cached > 0
     engine.prefix_cache.manager.check_integrity()
     engine.stop()

@@ -38,9 +38,9 @@ def test_the_product_imports_neither_the_harness_nor_the_tests():
 
 PACKAGE = ROOT / "mlx_kvserve"
 
-# An import a circle may close through, named (issue 48): the Scheduler's solo path is half of one class, split
-# off for the size rule; its annotation-only import of `Scheduler` goes when the Scheduler is one class again.
-NAMED_EXCEPTIONS = {("mlx_kvserve.engine.batch.solo_path", "mlx_kvserve.engine.batch.scheduler")}
+# Imports a circle may close through, named with the reason (issue 48). None now: the Scheduler's solo path, which
+# closed one, is a method of the Scheduler again.
+NAMED_EXCEPTIONS: set[tuple[str, str]] = set()
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -132,8 +132,63 @@ def test_the_circle_check_sees_deferred_and_type_only_imports(tmp_path):
     assert import_circle({k: graph[k] for k in "cd"}) == ["c", "d", "c"]
 
 
+# Modules allowed past the size rule, each with its reason: a class lives in one file (STYLE.md), and a rule that
+# pushed half of it into helpers reading its privates would be worse than one named long file.
+LONG_MODULES = {
+    # The Scheduler: each request's Run through its phases, mlx-lm's batch, and the paths outside it (a direct
+    # join, a side prefill, the speculative path), which all read and change the same running requests.
+    "mlx_kvserve/engine/batch/scheduler.py": 700,
+}
+
+
 def test_modules_stay_small():
     """~400 lines per module (STYLE.md); kv/blocks.py, the one door to mlx-lm's cache classes, a little more."""
     for path in PACKAGE.rglob("*.py"):
         lines = len(path.read_text().splitlines())
-        assert lines <= 470, f"{path.relative_to(ROOT)} has {lines} lines: split it by job"
+        limit = LONG_MODULES.get(path.relative_to(ROOT).as_posix(), 470)
+        assert lines <= limit, f"{path.relative_to(ROOT)} has {lines} lines: split it by job"
+
+
+def private_names(path: Path, cls: str) -> set[str]:
+    """The private members of class `cls` in `path`: its `_name` methods and the `self._name` it assigns."""
+    tree = ast.parse(path.read_text(), str(path))
+    (node,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls]
+    names = {f.name for f in node.body if isinstance(f, ast.FunctionDef) and f.name.startswith("_")}
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Attribute) and isinstance(sub.ctx, ast.Store) and isinstance(sub.value, ast.Name):
+            if sub.value.id == "self" and sub.attr.startswith("_"):
+                names.add(sub.attr)
+    return {n for n in names if not n.startswith("__")}
+
+
+def private_reads(path: Path, names: set[str]) -> list[str]:
+    """`x._name` in `path` for any `_name` of `names` on a value other than `self`/`cls` (another object's
+    privates), as "line: source"."""
+    source = path.read_text()
+    found = []
+    for node in ast.walk(ast.parse(source, str(path))):
+        if isinstance(node, ast.Attribute) and node.attr in names:
+            if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                found.append(f"{node.lineno}: {ast.get_source_segment(source, node)}")
+    return found
+
+
+def test_the_schedulers_privates_are_read_only_in_its_file():
+    """The Scheduler is one class in one file (issue 48): no other module of the package reaches into it."""
+    home = PACKAGE / "engine" / "batch" / "scheduler.py"
+    names = private_names(home, "Scheduler")
+    assert {"_running", "_pending", "_waiting", "_generator", "_end"} <= names  # the scan sees what it guards
+    for path in PACKAGE.rglob("*.py"):
+        if path != home:
+            reads = private_reads(path, names)
+            assert not reads, f"{path.relative_to(ROOT)} reads the Scheduler's privates: {reads}"
+
+
+def test_the_private_read_check_can_fail(tmp_path):
+    (tmp_path / "s.py").write_text(
+        "class S:\n    def __init__(self):\n        self._running = {}\n    def _go(self): ...\n"
+    )
+    (tmp_path / "f.py").write_text("def f(sched):\n    self = sched\n    return sched._running, sched._go(), self._x\n")
+    names = private_names(tmp_path / "s.py", "S")
+    assert names == {"_running", "_go"}
+    assert private_reads(tmp_path / "f.py", names) == ["3: sched._running", "3: sched._go"]

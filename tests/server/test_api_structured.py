@@ -115,7 +115,7 @@ def test_text_completions_take_a_schema_too(client):
 def test_unconstrained_requests_batched_with_a_constrained_one_keep_their_output(engine, loaded):
     tokenizer = loaded.tokenizer
     prompts = [tokenizer.encode("The harbour at night " * 6), tokenizer.encode("Mountains and rivers " * 5)]
-    scheduler = engine.generator.scheduler
+    scheduler = engine.scheduler
 
     def run(reqs):
         for r in reqs:

@@ -127,18 +127,18 @@ def test_blocks_one_server_writes_are_hits_for_the_other(tiny, home, tmp_path):
     prompt = _prompt(tiny.tokenizer)
     other = list(reversed(prompt))
     try:
-        cold = greedy(guest.generator, prompt, 6)
+        cold = greedy(guest.scheduler, prompt, 6)
         hashes = guest.prefix_cache.manager.hasher.hash_blocks(prompt)
         assert hashes and _wait_for(lambda: all((guest.folder_lock.folder / _relpath(h)).is_file() for h in hashes))
-        hit = greedy(owner.generator, prompt, 6)
+        hit = greedy(owner.scheduler, prompt, 6)
         assert hit[:2] == cold[:2] and cold[2] == 0 and hit[2] >= (len(prompt) - 1) // BS * BS > 0
         owner_stats = owner.local_cache_stats()  # some blocks may be computed while the rest are read
         assert owner_stats["ssd_hits"] >= 1 and owner_stats["ssd_adopted"] >= 1
 
-        cold_other = greedy(owner.generator, other, 6)
+        cold_other = greedy(owner.scheduler, other, 6)
         other_hashes = owner.prefix_cache.manager.hasher.hash_blocks(other)
         assert _wait_for(lambda: all((owner.folder_lock.folder / _relpath(h)).is_file() for h in other_hashes))
-        hit_other = greedy(guest.generator, other, 6)
+        hit_other = greedy(guest.scheduler, other, 6)
         assert hit_other[:2] == cold_other[:2] and hit_other[2] >= (len(other) - 1) // BS * BS > cold_other[2]
         assert guest.local_cache_stats()["ssd_hits"] >= 1
     finally:
@@ -336,7 +336,7 @@ def test_everything_the_server_writes_is_private(tiny, home, tmp_path, umask, ma
     root = tmp_path / "kv"
     engine = Engine(tiny, _config(root))
     prompt = _prompt(tiny.tokenizer)
-    greedy(engine.generator, prompt, 4)
+    greedy(engine.scheduler, prompt, 4)
     manager = engine.prefix_cache.manager
     manager.pins.pin(manager.hasher.hash_blocks(prompt)[:1])
     engine.stop()  # drains the writer: blocks, tails, index, shutdown record

@@ -16,8 +16,8 @@ sampler, on the prompt as their context), and it enters mlx-lm's decode batch wi
 its next input, as if the batch had sampled it: the step's decode pass reports it and computes the
 second. What the prompt batch would have done for it (its KV, its tokens) is the same; its cache is
 its assembled prefix, joined without a copy (kv/blocks.py `_merge_alone`). The first token's text
-goes to the client as soon as it is sampled (`send_ahead`), not after that decode pass: a later
-turn's first token no longer waits for the running requests' next token.
+goes to the client as soon as it is sampled (Scheduler._send_ahead), not after that decode pass: a
+later turn's first token no longer waits for the running requests' next token.
 
 Only where the batch prefills prompts together (no recurrent state), with no checkpoint or image on
 the way, on one machine (ranks must run the same passes); at most `prefill_step_size` tokens of such
@@ -27,23 +27,17 @@ running requests' next token no more than one chunk would.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import mlx.core as mx
 
 
-def fits(sched: Any, req: Any, cached: int, points: list[int]) -> bool:
-    """Whether `req` (its first `cached` prompt tokens held by its cache) joins decoding directly."""
-    rest = len(req.prompt_tokens) - cached
-    return (
-        sched.short_joins
-        and 0 < rest <= min(sched.short_prefill_tokens, sched.direct_join_budget)
-        and not points
-        and not req.images
-        and sched.prefix_cache.agree is None
-        and sched.vision is None
-    )
+def fits(rest: int, room: int, plain: bool) -> bool:
+    """Whether a request whose uncached rest is `rest` tokens (its last included) joins decoding
+    directly: `room` tokens of direct joins are left this step (at most short_prefill_tokens), and
+    `plain` says nothing stands in the way (see above: the batch prefills prompts together, no
+    checkpoint or image on the way, one machine). The scheduler asks (Scheduler._start)."""
+    return plain and 0 < rest <= room
 
 
 def first_token(model: Any, cache: list[Any], tokens: list[int], start: int, sampler: Any, processors: list[Any]):
@@ -59,37 +53,3 @@ def first_token(model: Any, cache: list[Any], tokens: list[int], start: int, sam
     token = sampler(logprobs)
     mx.eval(token, logprobs, [c.state for c in cache])
     return token, logprobs
-
-
-def join(sched: Any, req: Any, cache: list[Any], cached: int, sampler: Any, processors: list[Any]):
-    """Prefill `req`'s rest (last token included) on `cache`, sample its first token and put it in
-    the decode batch; returns its uid and (first token [1], its log-probabilities [1, V]). `sched` is
-    the engine's Scheduler (its prefill counted there)."""
-    started = time.perf_counter()
-    tokens, batch = req.prompt_tokens, sched._generator()
-    token, logprobs = first_token(sched.model, cache, tokens, cached, sampler or batch.sampler, processors)
-    rest = len(tokens) - cached
-    sched.direct_join_budget -= rest
-    if rest > 1:  # counted as the batch counts a prompt: all but its last token (a one-token pass is no prefill speed)
-        sched.stats.prefill_tokens += rest - 1
-        sched.stats.prefill_s += time.perf_counter() - started
-    uid = batch.insert_decoding(cache, tokens, token, logprobs, req.params.max_tokens, sampler, processors, sched._eos)
-    return uid, (token, logprobs)
-
-
-def send_ahead(sched: Any, uids: list[int], tokens: list[int], logprobs: list[mx.array]) -> None:
-    """Send first tokens to their clients as soon as they are sampled, before the decode pass that
-    reports them: a direct join's (above), and those of prompts the batch just moved to decoding
-    (batch_generator.py `on_first_tokens`). The pass reports each again (`Running.sent_ahead`: the
-    scheduler then only ends the request if it must: a stop string, max_tokens, a cancel). An eos is
-    left to that report (it ends the request, no text). `logprobs`: one [V] row per token."""
-    for uid, token, row in zip(uids, tokens, logprobs, strict=True):
-        run = sched._running.get(uid)
-        if run is not None and token not in sched.tokenizer.eos_token_ids:
-            sched._guard(run, _send_one, sched, run, token, row)
-
-
-def _send_one(sched: Any, run: Any, token: int, logprobs: mx.array) -> None:
-    sched._first_token(run, token)
-    run.send(token, logprobs)
-    run.sent_ahead = True

@@ -1,10 +1,11 @@
 """Shared-prefix arrival: a request whose uncached prefix another request is prefilling right now
 waits for that request's blocks instead of computing the same KV again (eight agents sharing one
-system prompt prefill it once). Pure functions of block hashes; the scheduler applies them."""
+system prompt prefill it once). Pure functions of block hashes; the scheduler applies them (how many
+leading blocks the RAM tier holds: PrefixCache.cached_in_ram)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 
 def shared_blocks(a: Sequence[bytes], b: Sequence[bytes]) -> int:
@@ -12,16 +13,6 @@ def shared_blocks(a: Sequence[bytes], b: Sequence[bytes]) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
-            break
-        n += 1
-    return n
-
-
-def cached_blocks(hashes: Sequence[bytes], in_ram: Callable[[bytes], bool]) -> int:
-    """How many leading blocks of `hashes` the RAM tier holds now."""
-    n = 0
-    for h in hashes:
-        if not in_ram(h):
             break
         n += 1
     return n

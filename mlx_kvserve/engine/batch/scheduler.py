@@ -8,30 +8,37 @@ more than a chunk; a short rest joins decoding directly with its first token (di
 A request leaves at eos, max_tokens, a stop string or cancellation; its sequence's KV is then
 extracted from the batch cache and registered as blocks. Its prompt's blocks are registered
 earlier, right after its first token, so requests arriving later reuse them.
+
+One class, one file: each request is one `Run` (state.py) whose `phase` the Scheduler moves on
+(pending -> waiting for a shared prefix -> prefilling -> decoding, or solo on the speculative path);
+the paths a request may take outside mlx-lm's batch (a direct join, a side prefill, the speculative
+path) are methods here, their pure parts in direct_join.py, side_prefill.py and engine/speculative/.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm.generate import StopSequences
 
 from ...kv.blocks import shift_positions
-from ..cache.prefix_cache import PrefixCache
+from ..cache.prefix_cache import PrefixCache, Prepared
 from ..memory.device import release_after_out_of_memory
-from ..request import Failed, Finished, GenerationRequest, Usage, request_hashes
+from ..request import Failed, Finished, GenerationRequest, Usage
 from ..sampling.constrain import grammars_for
 from ..sampling.sampler import RequestFault, make_request_processors, make_request_sampler, repair_random_state
+from ..speculative.acceptance import resumed_sampler
 from ..speculative.speculator import Speculator
-from . import direct_join
+from . import direct_join, side_prefill
+from .kv_room import KvRoom
 from .mlx_batch import KVServeBatchGenerator
 from .order import StartOrder
-from .prefix_waits import cached_blocks, pick_leader
-from .side_prefill import prefill_rest
-from .solo_path import speculate
-from .state import Pending, PrefillProgress, Running, SchedulerStats, Waiting, prefill_progress
+from .prefix_waits import pick_leader
+from .state import Phase, PrefillProgress, Run, SchedulerStats, prefill_progress
 from .stops import StopMatcher
 
 log = logging.getLogger(__name__)
@@ -47,8 +54,6 @@ class Scheduler:
     apart) and the batch starts afresh.
     """
 
-    kv_room: Any = None  # engine/kv_room.KvRoom: pending requests start only while their KV fits (None: no bound)
-
     def __init__(
         self,
         model: Any,
@@ -61,7 +66,18 @@ class Scheduler:
         prefill_batch_size: int = 0,
         max_pending: int = 0,
         short_prefill_tokens: int = 0,
+        *,
+        share_prefill_step: bool = True,
+        kv_room: KvRoom | None = None,
+        speculation: Speculator | None = None,
+        vision: Any = None,
+        distributed: bool = False,
     ):
+        """`kv_room`: pending requests start only while their KV fits (engine/batch/kv_room.py; None: no
+        bound). `speculation`: a request that runs alone decodes by drafts (engine/speculative/).
+        `vision`: a vision-language model's images (vision/runtime.py). `distributed`: every rank runs
+        this batch in lockstep (engine/distributed.py), so nothing rank-local may change its passes: no
+        shared-prefix waits, direct joins or side prefills."""
         self.model = model
         self.tokenizer = tokenizer
         self.prefix_cache = prefix_cache
@@ -83,17 +99,18 @@ class Scheduler:
         self.short_prefill_tokens = short_prefill_tokens or max(1, prefill_step_size // 4)
         self.direct_join_budget = prefill_step_size  # tokens left this step for direct joins (direct_join.py)
         self.stats = stats if stats is not None else SchedulerStats()
-        self.share_prefill_step = True  # prompts prefilling together share a step (batch_generator.py)
+        self.share_prefill_step = share_prefill_step  # prompts prefilling together share a step (mlx_batch.py)
+        self.kv_room = kv_room
+        self.speculation = speculation
+        self.vision = vision
+        self.distributed = distributed
         self._eos = StopSequences([[t] for t in tokenizer.eos_token_ids])
         self._batch: KVServeBatchGenerator | None = None
-        self._running: dict[int, Running] = {}  # by BatchGenerator uid
-        self._waiting: list[Waiting] = []
-        self._pending: list[Pending] = []
+        # Each request's Run sits in the one of these that its phase names.
+        self._pending: list[Run] = []  # PENDING, in arrival order
+        self._waiting: list[Run] = []  # WAITING for a leader's prompt blocks
+        self._running: dict[int, Run] = {}  # PREFILLING, DECODING or SOLO, by BatchGenerator uid
         self._arrivals = 0
-        # Speculative decoding for a request that runs alone (engine/speculative/speculator.py); set by the engine.
-        self.speculation: Speculator | None = None
-        # A vision-language model's images (vision/runtime.py); set by the engine.
-        self.vision: Any = None
 
     @property
     def num_running(self) -> int:
@@ -148,14 +165,22 @@ class Scheduler:
                 prefill_step_size=self.prefill_step_size,
             )
             self._batch.share_step = self.share_prefill_step
-            self._batch.on_first_tokens = lambda *firsts: direct_join.send_ahead(self, *firsts)
+            self._batch.on_first_tokens = self._send_ahead
         return self._batch
 
     def admit(self, req: GenerationRequest) -> None:
         """Take `req`: it starts at a later step, when a prefill slot is free and `order` picks
         it (never raises: a request that cannot start gets a Failed event)."""
         self._arrivals += 1
-        self._pending.append(Pending(req, time.perf_counter(), self._arrivals))
+        self._pending.append(Run(req, time.perf_counter(), self._arrivals))
+
+    def run(self, req: GenerationRequest) -> None:
+        """Generate for `req` alone, sending TextDelta events and one Finished (or Failed) event
+        through req.emit, and register its KV blocks; returns when all of that is done. Only for
+        callers on the thread that owns MLX while the worker is not serving (tests, tools)."""
+        self.admit(req)
+        while self.is_running(req):
+            self.step()
 
     def _start_pending(self) -> None:
         """Start pending requests, in the order's choice, while the batch has room: up to
@@ -171,11 +196,11 @@ class Scheduler:
                 if not self.short_joins:
                     return
                 short = self.short_prefill_tokens
-                candidates = [p for p in self._pending if self._uncached_tokens(p.req) <= short]
+                candidates = [p for p in self._pending if self.prefix_cache.uncached_tokens(p.req) <= short]
                 if not candidates:
                     return
             now = time.perf_counter()
-            pick = self.order.pick(candidates, self._uncached_tokens, now)
+            pick = self.order.pick(candidates, self.prefix_cache.uncached_tokens, now)
             held = (r.req for r in [*self._running.values(), *self._waiting])
             if self.kv_room is not None and not pick.req.cancelled.is_set() and not self.kv_room.fits(pick.req, held):
                 return  # its KV would not fit beside the batch's (engine/batch/kv_room.py): nothing starts past it
@@ -183,44 +208,36 @@ class Scheduler:
             self.order.passed(self._pending, pick, now)
             self.stats.max_wait_s = max(self.stats.max_wait_s, now - pick.started)
             self.stats.overdue_starts += self.order.overdue(pick, now)
-            self._begin(pick.req, pick.started)
+            self._begin(pick)
 
-    def _uncached_tokens(self, req: GenerationRequest) -> int:
-        """Prompt tokens `req` would prefill if it started now (its leading blocks in RAM or on
-        the SSD count as cached)."""
-        manager = self.prefix_cache.manager
-        if manager is None:
-            return len(req.prompt_tokens)
-        tier = manager.next_tier
-        hashes = request_hashes(req, manager.hasher)
-        held = cached_blocks(hashes, lambda h: manager.in_ram(h) or (tier is not None and tier.contains(h)))
-        return len(req.prompt_tokens) - held * manager.block_size
-
-    def _begin(self, req: GenerationRequest, started: float) -> None:
-        """Assemble `req`'s cached prefix and put it in the batch (it prefills from the next step).
-        When a request in the batch is prefilling more of `req`'s prompt than the cache holds,
-        `req` waits until that request's prompt blocks are registered, then looks up again."""
+    def _begin(self, run: Run) -> None:
+        """Assemble the request's cached prefix and put it in the batch (it prefills from the next
+        step). When a request in the batch is prefilling more of its prompt than the cache holds, it
+        waits (WAITING) until that request's prompt blocks are registered, then looks up again."""
+        req = run.req
         if req.cancelled.is_set():
             self._emit_end(req, Finished("cancelled", Usage(len(req.prompt_tokens), 0), 0.0))
             return
-        hashes: list[bytes] = []
-        manager = self.prefix_cache.manager
-        if manager is not None and self.prefix_cache.agree is None:  # distributed: no waits (rank-local)
+        cache = self.prefix_cache
+        if cache.enabled and not self.distributed:  # distributed: no waits (the cache is rank-local)
             try:
-                usable = max(0, len(req.prompt_tokens) - 1)  # what a lookup may use
-                hashes = request_hashes(req, manager.hasher)[: usable // manager.block_size]
-                prefilling = {u: r.block_hashes for u, r in self._running.items() if not r.prompt_registered}
-                leader = pick_leader(hashes, prefilling, cached_blocks(hashes, manager.in_ram)) if prefilling else None
+                hashes = cache.lookup_hashes(req)
+                prefilling = {
+                    u: cache.lookup_hashes(r.req) for u, r in self._running.items() if not r.prompt_registered
+                }
+                leader = pick_leader(hashes, prefilling, cache.cached_in_ram(hashes)) if prefilling else None
             except Exception as exc:
                 self._emit_end(req, Failed(exc))
                 return
             if leader is not None:
-                self._waiting.append(Waiting(req, started, leader, hashes))
+                run.phase, run.leader = Phase.WAITING, leader
+                self._waiting.append(run)
                 self.stats.shared_prefix_waits += 1
                 return
-        self._start(req, started, hashes)
+        self._start(run)
 
-    def _start(self, req: GenerationRequest, started: float, hashes: list[bytes]) -> None:
+    def _start(self, run: Run) -> None:
+        req = run.req
         try:
             prepared = self.prefix_cache.prepare(req.cache_keys(req.prompt_tokens), req.block_hashes, req.cache_root)
         except Exception as exc:
@@ -230,10 +247,13 @@ class Scheduler:
             cached = prepared.match.num_tokens
             params = req.params
             points = self.prefix_cache.checkpoints(req.prompt_tokens, cached, req.checkpoint_at)
-            direct = direct_join.fits(self, req, cached, points)  # a short rest: first token from its prefill
+            # A short rest: its first token from its own prefill (direct_join.py).
+            plain = self.short_joins and not points and not req.images and not self.distributed and self.vision is None
+            room = min(self.short_prefill_tokens, self.direct_join_budget)
+            direct = direct_join.fits(len(req.prompt_tokens) - cached, room, plain)
             first = None
             if not direct:
-                cached, points = prefill_rest(self, req, prepared, cached, points)  # images, a short rest
+                cached, points = self._prefill_rest(req, prepared, cached, points)  # images, a short rest
             if self.vision is not None and (delta := self.vision.rope_delta(req.images)) is not None:
                 shift_positions(prepared.prompt_cache, delta)  # M-RoPE: tokens after an image (vision/qwen.py)
             fault = RequestFault()
@@ -242,7 +262,7 @@ class Scheduler:
                 processors.append(grammars_for(self.tokenizer).processor(params.json_schema, params.grammar))
             sampler, processors = fault.sampler(make_request_sampler(params)), [fault.processor(p) for p in processors]
             if direct:
-                uid, first = direct_join.join(self, req, prepared.prompt_cache, cached, sampler, processors)
+                uid, first = self._join_directly(req, prepared.prompt_cache, cached, sampler, processors)
             else:
                 (uid,) = self._generator().insert_segments(
                     [_segments(req.prompt_tokens, cached, points)],
@@ -259,36 +279,108 @@ class Scheduler:
             return
         detok = self.tokenizer.detokenizer
         detok.reset()
-        run = Running(uid, req, prepared, started, detok, StopMatcher(params.stop), block_hashes=hashes)
-        run.checkpoints, run.fault, run.prefill_done = set(points), fault, direct
+        run.uid, run.prepared, run.detok, run.stops = uid, prepared, detok, StopMatcher(params.stop)
+        run.checkpoints, run.fault = set(points), fault
+        run.phase = Phase.DECODING if direct else Phase.PREFILLING
         self._running[uid] = run
         if direct:  # its first token to the client now, before the batch's decode pass reports it
-            direct_join.send_ahead(self, [uid], [int(first[0].item())], [first[1][0]])
+            self._send_ahead([uid], [int(first[0].item())], [first[1][0]])
+
+    def _prefill_rest(self, req: GenerationRequest, prepared: Prepared, cached: int, points: list[int]):
+        """Prefill what of `req`'s prompt goes outside the batch (side_prefill.py: images, a short rest
+        beside a long prefill); returns the position its cache has reached and the checkpoints still ahead."""
+        cache = prepared.prompt_cache
+        if req.images and self.vision is not None and self.vision.needs_prefill(req.images, cached):
+            step, capture = (
+                self.prefill_step_size,
+                lambda position: self.prefix_cache.capture(prepared, cache, position),
+            )
+            reached = self._timed_prefill(
+                cached,
+                lambda: self.vision.prefill(
+                    self.model, cache, req.prompt_tokens, req.images, cached, step, points, capture
+                ),
+            )
+            return reached, [p for p in points if p > reached]
+        short = self.short_prefill_tokens
+        long_prefilling = any(
+            not r.prefill_done and len(r.req.prompt_tokens) - r.prepared.match.num_tokens > short
+            for r in self._running.values()
+        )
+        plain = self.short_joins and not points and not req.images and not self.distributed
+        if side_prefill.short_beside_long(len(req.prompt_tokens) - 1 - cached, short, long_prefilling, plain):
+            tokens = req.prompt_tokens
+            return self._timed_prefill(
+                cached, lambda: side_prefill.prefill_alone(self.model, cache, tokens, cached)
+            ), points
+        return cached, points
+
+    def _timed_prefill(self, cached: int, prefill: Callable[[], int]) -> int:
+        """Run a prefill outside the batch, counting its tokens and time in the stats."""
+        started = time.perf_counter()
+        reached = prefill()
+        self.stats.prefill_tokens += reached - cached
+        self.stats.prefill_s += time.perf_counter() - started
+        return reached
+
+    def _join_directly(
+        self, req: GenerationRequest, cache: list[Any], cached: int, sampler: Any, processors: list[Any]
+    ):
+        """Prefill `req`'s rest (last token included) on `cache`, sample its first token and put it in
+        the decode batch (direct_join.py); returns its uid and (first token [1], its log-probabilities [1, V])."""
+        started = time.perf_counter()
+        tokens, batch = req.prompt_tokens, self._generator()
+        token, logprobs = direct_join.first_token(
+            self.model, cache, tokens, cached, sampler or batch.sampler, processors
+        )
+        rest = len(tokens) - cached
+        self.direct_join_budget -= rest
+        if (
+            rest > 1
+        ):  # counted as the batch counts a prompt: all but its last token (a one-token pass is no prefill speed)
+            self.stats.prefill_tokens += rest - 1
+            self.stats.prefill_s += time.perf_counter() - started
+        uid = batch.insert_decoding(
+            cache, tokens, token, logprobs, req.params.max_tokens, sampler, processors, self._eos
+        )
+        return uid, (token, logprobs)
+
+    def _send_ahead(self, uids: list[int], tokens: list[int], logprobs: list[mx.array]) -> None:
+        """Send first tokens to their clients as soon as they are sampled, before the decode pass that
+        reports them: a direct join's, and those of prompts the batch just moved to decoding
+        (mlx_batch.py `on_first_tokens`). The pass reports each again (`Run.sent_ahead`: the request
+        then only ends if it must: a stop string, max_tokens, a cancel). An eos is left to that report
+        (it ends the request, no text). `logprobs`: one [V] row per token."""
+        for uid, token, row in zip(uids, tokens, logprobs, strict=True):
+            run = self._running.get(uid)
+            if run is not None and token not in self.tokenizer.eos_token_ids:
+                self._guard(run, self._send_first, run, token, row)
+
+    def _send_first(self, run: Run, token: int, logprobs: mx.array) -> None:
+        self._first_token(run, token)
+        run.send(token, logprobs)
+        run.sent_ahead = True
 
     def _start_waiting(self) -> None:
         """Start the waiting requests whose leader registered its prompt's blocks (or left)."""
         waiting, self._waiting = self._waiting, []
-        for w in waiting:
-            leader = self._running.get(w.leader)
-            if w.req.cancelled.is_set():
-                self._emit_end(w.req, Finished("cancelled", Usage(len(w.req.prompt_tokens), 0), 0.0))
+        for run in waiting:
+            leader = self._running.get(run.leader)
+            if run.req.cancelled.is_set():
+                self._emit_end(run.req, Finished("cancelled", Usage(len(run.req.prompt_tokens), 0), 0.0))
             elif leader is None or leader.prompt_registered:
-                self._start(w.req, w.started, w.block_hashes)
+                self._start(run)
             else:
-                self._waiting.append(w)
+                self._waiting.append(run)
 
     def cancel_all(self) -> None:
-        for run in self._running.values():
+        for run in [*self._running.values(), *self._waiting, *self._pending]:
             run.req.cancel()
-        for w in self._waiting:
-            w.req.cancel()
-        for p in self._pending:
-            p.req.cancel()
 
     def step(self) -> None:
         """One decode step for the running requests and one prefill chunk for the joining ones;
         then cancelled requests leave (their KV is registered)."""
-        if self.speculation is not None and speculate(self):
+        if self.speculation is not None and self._speculate():
             return
         self.direct_join_budget = self.prefill_step_size
         if self._waiting:
@@ -316,7 +408,7 @@ class Scheduler:
             if run is None:
                 continue
             if r.end_of_prompt:
-                run.prefill_done = True
+                run.phase = Phase.DECODING
             elif r.end_of_segment and run.checkpoints:
                 self._guard(run, self._capture, run, r.progress[0])
         for r in responses:
@@ -332,7 +424,72 @@ class Scheduler:
             elif run.prefill_done and run.generated and not run.prompt_registered:
                 self._guard(run, self._register_prompt, run)
 
-    def _guard(self, run: Running, fn: Any, *args: Any) -> None:
+    def _speculate(self) -> bool:
+        """Decode a request that runs alone on the speculative path (engine/speculative/speculator.py):
+        one verify pass, True when it ran (the batch does not step). A request alone in the batch, its
+        first token out, leaves mlx-lm's batch for it (SOLO) and decodes by drafts verified k at a time
+        on its own cache; it goes back as soon as another request is admitted (`_rejoin`)."""
+        spec = self.speculation
+        assert spec is not None
+        alone = len(self._running) == 1 and not self._waiting and not self._pending
+        if spec.solo is None:
+            run = next(iter(self._running.values())) if alone else None
+            if run is None or not (run.prompt_registered and run.generated and spec.wants(run.req.params)):
+                return False
+            cache, tokens = self._generator().remove([run.uid], return_prompt_caches=True)[run.uid]
+            params, prompt_len = run.req.params, len(run.req.prompt_tokens)
+            root = run.req.cache_root  # the draft's block cache is salted per principal too
+            self._guard(run, spec.begin, run, cache, list(tokens), len(run.generated), params, prompt_len, root)
+            if spec.solo is None:  # it failed
+                return True
+            run.phase = Phase.SOLO
+        else:
+            run = spec.solo.key
+            if not alone:
+                self._guard(run, self._rejoin, run)
+                return False
+        if run.req.cancelled.is_set():
+            self._guard(run, self._end, run, "cancelled")
+        elif spec.solo is not None:
+            start = time.perf_counter()
+            try:
+                tokens = spec.step()
+            except Exception as exc:
+                log.exception("request %s failed on the speculative path", run.req.request_id)
+                tokens = []
+                self._drop(run, exc)
+            self.stats.decode_tokens += len(tokens)
+            self.stats.decode_s += time.perf_counter() - start
+            for token in tokens:
+                if self._running.get(run.uid) is not run:
+                    break
+                self._guard(run, self._on_token, run, token)
+        if spec.solo is not None and self._running.get(run.uid) is not run:  # it failed
+            spec.end(failed=True)
+        return True
+
+    def _rejoin(self, run: Run) -> None:
+        """Put the request decoding alone back into the batch, where its last token goes next (a
+        seeded sampler resumes its key chain at the next position)."""
+        assert self.speculation is not None
+        solo = self.speculation.end()
+        run.phase = Phase.DECODING
+        self.speculation.stats.rejoins += 1
+        params = run.req.params
+        (uid,) = self._generator().insert_segments(
+            [[solo.seq[-1:]]],
+            max_tokens=[params.max_tokens - solo.num_generated],
+            samplers=[run.fault.sampler(resumed_sampler(params, solo.num_generated))],
+            logits_processors=[[run.fault.processor(solo.grammar.processor())]] if solo.grammar is not None else None,
+            caches=[solo.cache],
+            all_tokens=[solo.kv_tokens],
+            stop_sequences=[self._eos],
+        )
+        del self._running[run.uid]
+        run.uid = uid
+        self._running[uid] = run
+
+    def _guard(self, run: Run, fn: Any, *args: Any) -> None:
         """Call fn; an exception fails this request alone."""
         try:
             fn(*args)
@@ -340,7 +497,7 @@ class Scheduler:
             log.exception("request %s failed", run.req.request_id)
             self._drop(run, exc)
 
-    def _on_token(self, run: Running, r: Any) -> None:
+    def _on_token(self, run: Run, r: Any) -> None:
         token, req = r.token, run.req
         ahead, run.sent_ahead = run.sent_ahead, False  # its first token, sent when sampled (never an eos)
         if not ahead:
@@ -358,15 +515,14 @@ class Scheduler:
             return self._end(run, "length", r)
         return None
 
-    def _first_token(self, run: Running, token: int) -> None:
+    def _first_token(self, run: Run, token: int) -> None:
         if run.record(token):
             self.prefix_cache.mark_first_token(run.prepared)
 
-    def _take_cache(self, run: Running, r: Any = None) -> tuple[list[Any], list[int]]:
+    def _take_cache(self, run: Run, r: Any = None) -> tuple[list[Any], list[int]]:
         """The request's (cache, tokens whose KV it holds), taking it out of the batch."""
-        spec = self.speculation
-        if spec is not None and spec.solo is not None and spec.solo.key is run:  # decoding alone
-            solo = spec.end()
+        if run.phase is Phase.SOLO:  # decoding alone
+            solo = self.speculation.end()
             return solo.cache, solo.kv_tokens
         if r is not None and r.finish_reason is not None:  # the batch already let it go
             return r.prompt_cache, list(r.all_tokens)
@@ -374,7 +530,7 @@ class Scheduler:
         cache, tokens = caches[run.uid]
         return cache, list(tokens)
 
-    def _end(self, run: Running, reason: str, r: Any = None) -> None:
+    def _end(self, run: Run, reason: str, r: Any = None) -> None:
         """Finish the request: send the held-back text, register its KV, then send Finished, so a
         client that has its whole reply finds its blocks cached (a flush or a repeat sent right
         after it sees them). Never raises: the client may be gone, the KV is still worth keeping."""
@@ -403,18 +559,18 @@ class Scheduler:
             if req.on_done is not None:
                 req.on_done()
 
-    def _capture(self, run: Running, done: int) -> None:
+    def _capture(self, run: Run, done: int) -> None:
         """A segment of the prompt ended: keep a checkpoint there if one was planned."""
         position = run.prepared.match.num_tokens + done
         if position in run.checkpoints:
             cache, _ = self._generator().extract_cache([run.uid])[run.uid]
             self.prefix_cache.capture(run.prepared, cache, position)
 
-    def _register_prompt(self, run: Running) -> None:
+    def _register_prompt(self, run: Run) -> None:
         """The prompt's blocks, as soon as its prefill is done (after its first token was sent,
         so this costs the first token nothing), for requests that share the prefix."""
         run.prompt_registered = True
-        if self.prefix_cache.manager is None:
+        if not self.prefix_cache.enabled:
             return
         prompt_len = len(run.req.prompt_tokens)
         try:
@@ -427,7 +583,7 @@ class Scheduler:
         finally:  # views of the batch's arrays: held on, the batch's next write would copy them whole
             run.prepared.prompt_cache = []
 
-    def _drop(self, run: Running, exc: Exception) -> None:
+    def _drop(self, run: Run, exc: Exception) -> None:
         """Take a failed request out of the batch without registering anything."""
         if self._running.pop(run.uid, None) is not None:
             try:

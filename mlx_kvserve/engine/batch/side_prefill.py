@@ -12,27 +12,22 @@ before it joins mlx-lm's BatchGenerator, which then takes the filled cache like 
   joins decoding directly with its first token (engine/batch/direct_join.py); this path takes those past
   that step's budget. Only for layouts that prefill several prompts together (no recurrent state),
   with no checkpoint to capture, on one machine (ranks must run the same passes).
+
+The scheduler decides and runs both (Scheduler._prefill_rest); here are the pure parts.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import mlx.core as mx
 
 
-def prefill_rest(sched: Any, req: Any, prepared: Any, cached: int, points: list[int]) -> tuple[int, list[int]]:
-    """Prefill what of `req`'s prompt goes outside the batch (see above); returns the position its
-    cache has reached and the checkpoints still ahead. `sched` is the engine's Scheduler."""
-    if req.images and sched.vision is not None and sched.vision.needs_prefill(req.images, cached):
-        reached = _timed(sched, cached, lambda: _vision(sched, req, prepared, cached, points))
-        return reached, [p for p in points if p > reached]
-    if _short_beside_long(sched, req, cached, points):
-        return _timed(
-            sched, cached, lambda: prefill_alone(sched.model, prepared.prompt_cache, req.prompt_tokens, cached)
-        ), points
-    return cached, points
+def short_beside_long(rest: int, short: int, long_prefilling: bool, plain: bool) -> bool:
+    """Whether a rest of `rest` tokens (all but the prompt's last) is prefilled alone before it
+    joins: it is short (at most `short`), a long prompt is prefilling in the batch, and `plain`
+    says nothing stands in the way (no checkpoint or image, prompts prefilled together, one machine)."""
+    return plain and long_prefilling and 0 < rest <= short
 
 
 def prefill_alone(model: Any, cache: list[Any], tokens: list[int], start: int) -> int:
@@ -43,43 +38,3 @@ def prefill_alone(model: Any, cache: list[Any], tokens: list[int], start: int) -
         model(mx.array(tokens[start:stop])[None], cache=cache)
         mx.eval([c.state for c in cache])
     return max(start, stop)
-
-
-def _short_beside_long(sched: Any, req: Any, cached: int, points: list[int]) -> bool:
-    rest = len(req.prompt_tokens) - 1 - cached
-    short = sched.short_prefill_tokens
-    long_prefilling = any(
-        not r.prefill_done and len(r.req.prompt_tokens) - r.prepared.match.num_tokens > short
-        for r in sched._running.values()
-    )
-    return (
-        sched.short_joins
-        and 0 < rest <= short
-        and long_prefilling
-        and not points
-        and not req.images
-        and sched.prefix_cache.agree is None
-    )
-
-
-def _vision(sched: Any, req: Any, prepared: Any, cached: int, points: list[int]) -> int:
-    cache = prepared.prompt_cache
-    return sched.vision.prefill(
-        sched.model,
-        cache,
-        req.prompt_tokens,
-        req.images,
-        cached,
-        sched.prefill_step_size,
-        points,
-        lambda position: sched.prefix_cache.capture(prepared, cache, position),
-    )
-
-
-def _timed(sched: Any, cached: int, run: Any) -> int:
-    """Run a prefill, counting its tokens and time in the scheduler's stats."""
-    started = time.perf_counter()
-    reached = run()
-    sched.stats.prefill_tokens += reached - cached
-    sched.stats.prefill_s += time.perf_counter() - started
-    return reached

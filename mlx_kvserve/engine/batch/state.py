@@ -1,11 +1,12 @@
-"""What the scheduler keeps per request (Running in the batch, Waiting for a shared prefix,
-Pending before it starts) and its counters. Plain data: engine/batch/scheduler.py changes it (Running.send
-is the one thing a request does: a token's text to its client)."""
+"""What the scheduler keeps per request (one `Run`, its `phase` telling where it is) and its counters.
+Plain data: engine/batch/scheduler.py changes it (Run.send is the one thing a request does: a token's
+text to its client)."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, NamedTuple
 
 from ..cache.prefix_cache import Prepared
@@ -14,27 +15,45 @@ from ..sampling.sampler import RequestFault, token_logprobs
 from .stops import StopMatcher
 
 
-@dataclass(eq=False)
-class Running:
-    """One request in the batch (owned by the scheduler)."""
+class Phase(Enum):
+    """Where a request is in the scheduler (engine/batch/scheduler.py moves it on)."""
 
-    uid: int
+    PENDING = "pending"  # admitted, waiting for its turn to start (engine/batch/order.py picks)
+    WAITING = "waiting"  # started, waiting for another request's prompt blocks (engine/batch/prefix_waits.py)
+    PREFILLING = "prefilling"  # in mlx-lm's batch, its prompt not all in the batch cache yet
+    DECODING = "decoding"  # in mlx-lm's batch, generating
+    SOLO = "solo"  # out of the batch, decoding alone on the speculative path (engine/speculative/)
+
+
+@dataclass(eq=False)
+class Run:
+    """One request in the scheduler, from admission to its end (owned by the scheduler). The fields
+    below `phase` are set when it starts (PENDING and WAITING have none of them yet)."""
+
     req: GenerationRequest
-    prepared: Prepared
-    started: float
-    detok: Any
-    stops: StopMatcher
+    started: float  # when it reached the scheduler (perf_counter)
+    seq: int  # arrival order
+    phase: Phase = Phase.PENDING
+    passed_at: float | None = None  # when a later request first started ahead of it (engine/batch/order.py)
+    leader: int = -1  # WAITING: the uid of the request prefilling the shared prefix
+    uid: int = -1  # in the batch: mlx-lm's BatchGenerator uid
+    prepared: Prepared | None = None  # its assembled prefix (engine/cache/prefix_cache.py)
+    detok: Any = None
+    stops: StopMatcher | None = None
     generated: list[int] = field(default_factory=list)  # every sampled token, eos included
     num_generated: int = 0  # completion tokens sent to the client (eos not counted)
     ended_by_eos: bool = False  # the last sampled token was eos (usage counts it, as vLLM and mlx-lm do)
     first_token_s: float = 0.0
-    prefill_done: bool = False  # the whole prompt's KV is in the batch cache
     prompt_registered: bool = False
-    block_hashes: list[bytes] = field(default_factory=list)  # of the prompt's blocks a lookup may use
     checkpoints: set[int] = field(default_factory=set)  # prompt positions to capture at (segment ends)
     fault: RequestFault = field(default_factory=RequestFault)  # what its sampler or processors raised
     # Its first token was sent when sampled, before the batch's decode pass reports it (engine/batch/direct_join.py).
     sent_ahead: bool = False
+
+    @property
+    def prefill_done(self) -> bool:
+        """The whole prompt's KV is in the batch cache (or the request decodes alone)."""
+        return self.phase in (Phase.DECODING, Phase.SOLO)
 
     def record(self, token: int) -> bool:
         """A sampled token (eos included); True when it is the first (its time is kept)."""
@@ -63,27 +82,6 @@ class Running:
             self.req.emit(TextDelta(tail, 0))
 
 
-@dataclass(eq=False)
-class Waiting:
-    """A request waiting for another's prompt blocks (shared-prefix arrival)."""
-
-    req: GenerationRequest
-    started: float
-    leader: int  # uid of the request prefilling the shared prefix
-    block_hashes: list[bytes]
-
-
-@dataclass(eq=False)
-class Pending:
-    """A request admitted to the scheduler, not yet in the batch (engine/batch/order.py picks which
-    starts next)."""
-
-    req: GenerationRequest
-    started: float  # when it reached the scheduler (perf_counter)
-    seq: int  # arrival order
-    passed_at: float | None = None  # when a later request first started ahead of it (engine/batch/order.py)
-
-
 @dataclass
 class SchedulerStats:
     """Counters since start (read by /health and /metrics from other threads: plain ints)."""
@@ -109,7 +107,7 @@ class PrefillProgress(NamedTuple):
     started: float
 
 
-def prefill_progress(by_uid: dict[int, tuple[int, int]], running: dict[int, Running]) -> list[PrefillProgress]:
+def prefill_progress(by_uid: dict[int, tuple[int, int]], running: dict[int, Run]) -> list[PrefillProgress]:
     """The prompts in `by_uid` (the batch generator's progress) still running; any thread: both maps
     are only ever replaced or changed one key at a time, and read here through copies."""
     runs = dict(running)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -16,6 +16,7 @@ from ...kv import blocks
 from ...kv.base import Block, MatchResult, NewBlock
 from ...kv.manager import KVManager
 from ...kv.salts import tail_parent
+from ..request import GenerationRequest, request_hashes
 from .front_prefill import FrontPrefill
 from .message_starts import message_starts
 
@@ -80,6 +81,29 @@ class PrefixCache:
     @property
     def enabled(self) -> bool:
         return self.manager is not None
+
+    def lookup_hashes(self, req: GenerationRequest) -> list[bytes]:
+        """The hashes of `req`'s prompt blocks a lookup may use (it leaves the last token to prefill),
+        read from the chain kept on the request; [] while block caching is off."""
+        if self.manager is None:
+            return []
+        usable = max(0, len(req.prompt_tokens) - 1)
+        return request_hashes(req, self.manager.hasher)[: usable // self.manager.block_size]
+
+    def cached_in_ram(self, hashes: Sequence[bytes]) -> int:
+        """How many leading blocks of `hashes` the RAM tier holds now."""
+        return leading_blocks(hashes, self.manager.in_ram) if self.manager is not None else 0
+
+    def uncached_tokens(self, req: GenerationRequest) -> int:
+        """Prompt tokens `req` would prefill if it started now (its leading blocks in RAM or on the
+        SSD count as cached)."""
+        manager = self.manager
+        if manager is None:
+            return len(req.prompt_tokens)
+        tier = manager.next_tier
+        hashes = request_hashes(req, manager.hasher)
+        held = leading_blocks(hashes, lambda h: manager.in_ram(h) or (tier is not None and tier.contains(h)))
+        return len(req.prompt_tokens) - held * manager.block_size
 
     def prepare(
         self, prompt: Sequence[int], hashes: Sequence[bytes] | None = None, root: bytes | None = None
@@ -271,3 +295,13 @@ def _stretches(indices: Sequence[int]) -> list[tuple[int, int]]:
         else:
             out.append((i, i + 1))
     return out
+
+
+def leading_blocks(hashes: Sequence[bytes], held: Callable[[bytes], bool]) -> int:
+    """How many leading blocks of `hashes` are `held`."""
+    n = 0
+    for h in hashes:
+        if not held(h):
+            break
+        n += 1
+    return n

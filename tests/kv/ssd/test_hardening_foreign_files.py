@@ -233,7 +233,7 @@ def stored(tiny, tmp_path_factory):
     text = " ".join(f"Step {i}: move disk {i % 3} from peg {i % 2} to peg {(i + 1) % 3}." for i in range(40))
     prompt = tiny.tokenizer.encode(text)[: NUM_BLOCKS * BS + 5]
     engine = _engine(tiny, root)
-    cold = greedy(engine.generator, prompt, MAX_TOKENS)
+    cold = greedy(engine.scheduler, prompt, MAX_TOKENS)
     _stop(engine)
     return root, prompt, cold[0]
 
@@ -252,7 +252,7 @@ def test_a_fifo_in_place_of_a_block_is_served_by_recomputing(tiny, stored, tmp_p
     engine = _engine(tiny, root, compute_while_loading=False)
     hashes = engine.prefix_cache.manager.hasher.hash_blocks(prompt)
     fifo = fifo_at(folder / block_relpath(hashes[2]))
-    ids, _, cached = promptly(lambda: greedy(engine.generator, prompt, MAX_TOKENS), fifo)
+    ids, _, cached = promptly(lambda: greedy(engine.scheduler, prompt, MAX_TOKENS), fifo)
     assert ids == cold and cached == 2 * BS
     stats = engine.local_cache_stats()
     assert stats["ssd_corrupt"] == 1 and stats["ssd_hits"] == 2
@@ -266,7 +266,7 @@ def test_a_fifo_in_place_of_a_block_is_served_by_recomputing(tiny, stored, tmp_p
 def test_shutdown_completes_with_fifos_at_the_index_and_record_temp_files(tiny, stored, tmp_path):
     root, folder = _copy(stored, tmp_path)
     engine = _engine(tiny, root)
-    greedy(engine.generator, stored[1][:40], 2)  # a use for the index to record
+    greedy(engine.scheduler, stored[1][:40], 2)  # a use for the index to record
     fifos = [fifo_at(folder / f"{INDEX_NAME}.{os.getpid()}.tmp"), fifo_at(folder / f".{SHUTDOWN_FILE}.tmp")]
     promptly(lambda: _stop(engine), *fifos)
     assert json.loads((folder / SHUTDOWN_FILE).read_text())["shutdown_clean"] is True
@@ -283,7 +283,7 @@ def test_an_out_of_range_speed_is_set_aside_and_the_ssd_hit_served(tiny, stored,
     _, prompt, cold = stored
     (folder / SPEEDS_FILE).write_text(f'{{"blocks_read_per_s": {read}, "prefill_tokens_per_s": 5000.0}}')
     engine = _engine(tiny, root)
-    ids, _, cached = greedy(engine.generator, prompt, MAX_TOKENS)
+    ids, _, cached = greedy(engine.scheduler, prompt, MAX_TOKENS)
     assert ids == cold and cached == len(prompt) - 1
     stats = engine.local_cache_stats()
     assert [d["file"] for d in stats["damaged_files"]] == [SPEEDS_FILE]

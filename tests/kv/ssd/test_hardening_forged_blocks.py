@@ -300,7 +300,7 @@ def stored(tiny, tmp_path_factory):
     text = " ".join(f"Step {i}: move disk {i % 3} from peg {i % 2} to peg {(i + 1) % 3}." for i in range(40))
     prompt = tiny.tokenizer.encode(text)[: NUM_BLOCKS * BS + 5]
     engine = _engine(tiny, root)
-    cold = greedy(engine.generator, prompt, MAX_TOKENS)
+    cold = greedy(engine.scheduler, prompt, MAX_TOKENS)
     hashes = engine.prefix_cache.manager.hasher.hash_blocks(prompt)
     _stop(engine)
     return root, prompt, cold[0], hashes
@@ -327,7 +327,7 @@ def test_a_forged_block_is_recomputed_across_restarts_and_listed_by_verify(tiny,
     root, path = _forged_copy(stored, tmp_path, edit, with_key)
     engine = _engine(tiny, root)  # a restart with the forged file in the folder
     for attempt in range(2):  # the first request meets the file; a retry finds what replaced it
-        ids, _, cached = greedy(engine.generator, prompt, MAX_TOKENS)
+        ids, _, cached = greedy(engine.scheduler, prompt, MAX_TOKENS)
         assert ids == cold
         if attempt == 0:
             assert cached == FORGED * BS
@@ -339,7 +339,7 @@ def test_a_forged_block_is_recomputed_across_restarts_and_listed_by_verify(tiny,
         header, _ = ssd_format.read_block_file(path, namespace, hashes[FORGED], key=(folder / KEY_FILE).read_bytes())
         assert header.token_ids == tuple(prompt[FORGED * BS : (FORGED + 1) * BS])
     again = _engine(tiny, root)  # and after another restart, the whole prefix from the SSD
-    ids, _, cached = greedy(again.generator, prompt, MAX_TOKENS)
+    ids, _, cached = greedy(again.scheduler, prompt, MAX_TOKENS)
     assert ids == cold and again.local_cache_stats()["ssd_corrupt"] == 0
     _stop(again)
 

@@ -142,7 +142,7 @@ def test_evict_only_writes_what_is_still_in_ram_at_shutdown(tiny, tiny_model_dir
 
     def run_engine() -> tuple[Engine, tuple[int, ...], int]:
         engine = Engine(loaded, config)
-        ids, _, cached = greedy(engine.generator, prompt, 8)
+        ids, _, cached = greedy(engine.scheduler, prompt, 8)
         return engine, ids, cached
 
     first, ids, cached = run_engine()
