@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..engine.front import EngineFront
 from ..engine.memory.device import memory_report
 
 ERROR_WINDOW_S = 300.0  # SSD write errors within this long make the server degraded
@@ -31,7 +32,7 @@ class RecentGrowth:
 class HealthMonitor:
     """`shutting_down` is set by the app's lifespan before it stops the engine (event loop only)."""
 
-    def __init__(self, engine: Any, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, engine: EngineFront, clock: Callable[[], float] = time.monotonic):
         self.engine = engine
         self.shutting_down = False
         self._clock = clock

@@ -16,6 +16,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ..engine.front import EngineFront
+
 PREFIX = "mlx_kvserve_"
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TIMEOUT_KINDS = {"first_token_timeout": "first_token", "request_timeout": "total", "body_timeout": "body"}
@@ -50,7 +52,7 @@ class RequestRecord:
 class EngineCollector(Collector):
     """Reads the engine's queue and cache counters when scraped; it keeps no state of its own."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: EngineFront):
         self.engine = engine
 
     def collect(self) -> Iterator[Metric]:
@@ -126,7 +128,7 @@ def _cache_metrics(s: dict[str, Any], ssd: bool) -> Iterator[Metric]:
 class ServerMetrics:
     """The app's metrics. `observe` is called once per finished HTTP request (on the event loop)."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: EngineFront):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(

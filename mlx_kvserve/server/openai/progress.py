@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from ...engine.front import EngineFront
 from ...engine.request import Event
 from .. import sse
 from ..deadlines import EventTracker
@@ -50,7 +51,7 @@ class PromptProgress:
                 return sse.KEEP_ALIVE
 
 
-def progress_reader(engine: Any, gen_req: Any) -> Callable[[], dict[str, int] | None]:
+def progress_reader(engine: EngineFront, gen_req: Any) -> Callable[[], dict[str, int] | None]:
     """Reads `gen_req`'s progress from `engine`; an engine without prefill progress (a model's own
     process behind a proxy) reads None, so the stream sends keep-alives only."""
     read = getattr(engine, "prompt_progress", None)
