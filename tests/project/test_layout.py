@@ -192,3 +192,17 @@ def test_the_private_read_check_can_fail(tmp_path):
     names = private_names(tmp_path / "s.py", "S")
     assert names == {"_running", "_go"}
     assert private_reads(tmp_path / "f.py", names) == ["3: sched._running", "3: sched._go"]
+
+
+def test_the_batch_asks_the_prefix_cache_and_never_reaches_through_it():
+    """engine/batch/ asks PrefixCache questions (uncached_tokens, lookup_hashes, cached_in_ram) and is told
+    whether it runs distributed (Scheduler(distributed=...)); it never reads the KVManager behind the cache."""
+    through = {"manager", "hasher", "in_ram", "next_tier", "block_size", "agree"}
+    for path in (PACKAGE / "engine" / "batch").glob("*.py"):
+        source = path.read_text()
+        found = [
+            f"{node.lineno}: {ast.get_source_segment(source, node)}"
+            for node in ast.walk(ast.parse(source, str(path)))
+            if isinstance(node, ast.Attribute) and node.attr in through
+        ]
+        assert not found, f"{path.relative_to(ROOT)} reaches through the prefix cache: {found}"
