@@ -136,6 +136,7 @@ def run_suite(wanted: list[str], params: dict, out: Path, model_dir: Path, args:
         for i, name in enumerate(v for v in args.variants.split(",") if v):
             servers.insert(1 + i, variant_server(servers[0], name))
         timings["server_start"] = round(time.perf_counter() - start, 1)
+        results["meta"]["servers"] = [s.name for s in servers]  # the reports' column order, ours first
         results["meta"]["machine"]["blas_servers"] = {s.name: process_blas(s.proc.pid) for s in servers}
         try:
             sizes = [int(w) for w in args.system_words.split(",")]
@@ -186,9 +187,6 @@ def run_suite(wanted: list[str], params: dict, out: Path, model_dir: Path, args:
     if "ssd" in wanted:
         results["ssd_write_cost"] = timed("ssd", ssd_write_cost, model_dir, reps, params["decode_tokens"])
         save()
-    results["meta"]["servers"] = [OURS, *(v for v in args.variants.split(",") if v), THEIRS] + (
-        ["vllm-mlx"] * bool(args.vllm_mlx)
-    )
     timings["total"] = round(time.perf_counter() - suite_start, 1)
     save()
     return results
