@@ -24,6 +24,7 @@ floor beside them: one memory copy of the prefix's bytes.
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import time
 from pathlib import Path
@@ -102,6 +103,7 @@ def _hit(gen: KVStack, prompt: list[int], counter: _JoinCounter) -> tuple[float,
         events.append(event)
 
     req = GenerationRequest("bench", prompt, SamplingParams(max_tokens=1), emit)
+    gc.collect()  # an earlier stack's arrays freed by a collection inside the hit would hide its own peak
     mx.synchronize()
     before = mx.get_active_memory()
     mx.reset_peak_memory()
