@@ -6,10 +6,12 @@ are made once and written to a cache folder on the disk (`--dir`), then, `--reps
 - raw read: the same files read with plain sequential reads, from a cold page cache
   (posix_fadvise(DONTNEED) per file);
 - restore: a new engine on the folder (RAM empty), the files dropped from the page cache, the prompt
-  sent (every stored block read: [ssd] compute_while_loading = false); its time to the first token,
-  and the part spent in the SSD tier's reads (read, checksum, arrays);
+  sent (every stored block read: [ssd] compute_while_loading = false), mlx's buffer cache emptied
+  first as in a new process; its time to the first token, and the part spent in the SSD tier's reads
+  (read, checksum, arrays);
 - RAM hit: the same prompt again on that engine (every block in RAM);
-- with --before, a restore with the reads as they were before kv/ssd/readahead.py, alternated.
+- with --before, a restore reading block by block as before kv/ssd/run_reads.py (one array per file,
+  joined one per block per layer; readahead and pooled checksums kept), alternated.
 floor = raw read + RAM hit; the target is restore <= 1.3x floor, the reads >= 80% of the raw speed.
 A cold prefill at this length takes this CPU minutes to hours, so the blocks are made with attention
 skipped (the output of that pass is not used); `--cold` times one real cold prefill for scale.
@@ -92,6 +94,7 @@ def run_length(loaded, tokens: int, reps: int, folder: Path, cold: bool, before:
         for variant in variants if rep % 2 == 0 else variants[::-1]:
             engine = make_engine(loaded, folder)
             ttft(engine, warm)
+            mx.clear_cache()  # as after a restart: the allocator holds no freed buffers of the last engine
             reads = timed_reads(engine)
             drop_files(files) if CAN_DROP else None
             with previous_reads() if variant else nullcontext():
@@ -119,26 +122,16 @@ def run_length(loaded, tokens: int, reps: int, folder: Path, cold: bool, before:
 
 @contextmanager
 def previous_reads():
-    """The store's chain reads as they were before readahead.py: each window of files read, then
-    checked, then the next, with no readahead (the checksums still on the pool's threads)."""
+    """The store's chain reads as they were before run_reads.py: a file per block read into an
+    array of its own (windows of 8, the kernel reading ahead, checksums on the pool's threads), each
+    block joined apart when the prefix is assembled."""
     from mlx_kvserve.kv.ssd import reads
 
-    def load_blocks(store, wanted):
-        out = []
-        for start in range(0, len(wanted), reads.LOAD_WINDOW):
-            window = wanted[start : start + reads.LOAD_WINDOW]
-            got = store.end_load(store.begin_load(window))
-            out += got
-            if len(got) < len(window):
-                break
-        return out
-
-    current = reads.StoreReads.load_blocks
-    reads.StoreReads.load_blocks = load_blocks
+    reads.StoreReads.run_reads = False
     try:
         yield
     finally:
-        reads.StoreReads.load_blocks = current
+        reads.StoreReads.run_reads = True
 
 
 def timed_reads(engine) -> list[float]:

@@ -9,6 +9,7 @@ import mlx.core as mx
 
 from mlx_kvserve.kv.ssd.reads import StoreReads
 from mlx_kvserve.kv.ssd.store import SSDStore
+from mlx_kvserve.kv.ssd.table_check import ArrayRule, TableExpectation
 
 bench = importlib.import_module("bench_restore_big")
 
@@ -36,8 +37,9 @@ def test_the_report_gives_each_restore_against_its_floor():
     )
 
 
-def test_the_previous_reads_load_the_same_chain_and_are_put_back(tmp_path):
-    store = SSDStore(tmp_path / "kv", b"\x01" * 32)
+def test_the_previous_reads_load_the_same_chain_block_by_block_and_are_put_back(tmp_path):
+    rules = TableExpectation({n: ArrayRule("float32", (1, 1, 1, 2), True, True) for n in ("0.k", "0.v")}, 2)
+    store = SSDStore(tmp_path / "kv", b"\x01" * 32, table_rules=rules)
     tokens, parent, hashes = (1, 2), b"\x01" * 32, []
     for i in range(10):
         block_hash = bytes([i + 1]) * 32
@@ -46,11 +48,11 @@ def test_the_previous_reads_load_the_same_chain_and_are_put_back(tmp_path):
         )
         hashes.append(block_hash)
         parent = block_hash
-    current = StoreReads.load_blocks
     with bench.previous_reads():
-        assert StoreReads.load_blocks is not current
+        assert not StoreReads.run_reads
         before = store.load_blocks([(h, tokens) for h in hashes])
-    assert StoreReads.load_blocks is current
+    assert StoreReads.run_reads
     now = store.load_blocks([(h, tokens) for h in hashes])
+    assert [b.run for b in before] == [None] * 10 and now[0].run is not None and now[0].run.num_blocks == 10
     assert [b.arrays["0.k"][0, 0, 0, 0].item() for b in before] == [b.arrays["0.k"][0, 0, 0, 0].item() for b in now]
     assert len(now) == 10

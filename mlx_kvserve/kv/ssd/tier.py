@@ -16,6 +16,7 @@ from typing import Any
 
 from ...checked_json import Bool, DamagedFile, Obj, load_json, remove_leftover_temps
 from ...fsmode import open_private
+from .. import runs
 from ..base import Block
 from .format import BlockHeader, block_relpath, read_header, tail_key
 from .reads import PendingLoad
@@ -159,10 +160,21 @@ class SSDTier:
         return len(hashes)
 
     def _payloads(self, wanted: Sequence[tuple[bytes, Sequence[int]]], loaded: list) -> list[tuple[Any, int]]:
+        """(payload, nbytes) of each loaded block; blocks read into a run (run_reads.py) stay one in
+        RAM (kv/runs.py): their full-attention entries views of its arrays, a hit joining a few."""
         out = []
+        made: dict[int, runs.Run] = {}  # by id of the LoadedRun
         for (block_hash, _), block in zip(wanted, loaded, strict=False):
             try:
-                out.append(self._from_arrays(block.arrays))
+                payload, nbytes = self._from_arrays(block.arrays)
+                if block.run is not None:
+                    run = made.get(id(block.run))
+                    if run is None:
+                        run = made[id(block.run)] = runs.Run(
+                            self._from_arrays(block.run.arrays)[0], block.run.num_blocks
+                        )
+                    payload = runs.RunPayload(payload, run, block.position * block.run.block_size)
+                out.append((payload, nbytes))
             except Exception as exc:  # a file whose arrays make no payload is damaged: never a 500
                 self.store.discard(block_hash, exc)
                 break
