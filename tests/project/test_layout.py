@@ -206,3 +206,21 @@ def test_the_batch_asks_the_prefix_cache_and_never_reaches_through_it():
             if isinstance(node, ast.Attribute) and node.attr in through
         ]
         assert not found, f"{path.relative_to(ROOT)} reaches through the prefix cache: {found}"
+
+
+def test_the_scheduler_is_built_with_what_it_needs():
+    """The Engine passes the Scheduler everything in its constructor (issue 48): nothing in the package sets
+    an attribute on a scheduler from outside (as `engine.generator.scheduler.kv_room = ...` did)."""
+    home = PACKAGE / "engine" / "batch" / "scheduler.py"
+    for path in PACKAGE.rglob("*.py"):
+        if path == home:
+            continue
+        source = path.read_text()
+        found = []
+        for node in ast.walk(ast.parse(source, str(path))):
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                owner = node.value
+                name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
+                if name in ("scheduler", "sched"):
+                    found.append(f"{node.lineno}: {ast.get_source_segment(source, node)}")
+        assert not found, f"{path.relative_to(ROOT)} sets the scheduler's attributes: {found}"
