@@ -1,17 +1,14 @@
-"""The pieces of scripts/bench_restore_big.py that need no engine run: the report's arithmetic and the
-previous read path it compares against (a full run: docs/benchmarks.md, "A restore at disk speed")."""
+"""The pieces of scripts/bench_engine.py restore (scripts/harness/engine/restore.py) that need no engine run:
+the report's arithmetic and the previous read path it compares against (a full run: docs/benchmarks.md, "A restore at disk speed")."""
 
 from __future__ import annotations
 
-import importlib
-
 import mlx.core as mx
+from harness.engine import restore as bench
 
 from mlx_kvserve.kv.ssd.reads import StoreReads
 from mlx_kvserve.kv.ssd.store import SSDStore
 from mlx_kvserve.kv.ssd.table_check import ArrayRule, TableExpectation
-
-bench = importlib.import_module("bench_restore_big")
 
 
 def test_the_report_gives_each_restore_against_its_floor():

@@ -1,6 +1,6 @@
 """scripts/' entry points through their scenario command line (harness/cli.py): every one lists its scenarios,
-an unknown scenario is refused, and two cheap scenarios run end to end in a subprocess (the long-context journey
-on a 1% prompt, the tiny VLM builder)."""
+an unknown scenario is refused, and three cheap scenarios run end to end in a subprocess (the long-context
+journey on a 1% prompt, the tiny VLM builder, a restore of a 320-token prompt)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from conftest import ROOT
 
 ENTRY_POINTS = {
-    "bench_engine.py": ["lengths", "hit-blocks", "ssd-io"],
+    "bench_engine.py": ["lengths", "hit-blocks", "restore", "ssd-io"],
     "features.py": ["tiny-vlm", "models", "model-threads"],
     "journeys.py": ["quickstart", "hybrid-restart", "long-context"],
     "agents.py": ["session"],
@@ -46,3 +46,14 @@ def test_the_tiny_vlm_builder_writes_a_model_folder(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
     assert json.loads((out / "config.json").read_text())["model_type"] == "qwen2_vl"
+
+
+def test_the_restore_scenario_restores_a_short_prompt_from_the_disk_end_to_end(tmp_path):
+    out = tmp_path / "out"
+    args = ["restore", "--tokens", "320", "--reps", "1", "--before", "--dir", str(tmp_path), "--out", str(out)]
+    proc = script("scripts/bench_engine.py", *args, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = json.loads((out / "results.json").read_text())["results"][0]
+    assert row["tokens"] == 320 and row["files"] >= 320 // 64  # at least the five full blocks were read
+    assert row["cached_tokens"] == 319  # every token but the last, read back from the block files
+    assert row["restore"] > 0 and row["before_restore"] > 0 and row["floor"] == row["raw_read_cold"] + row["ram_hit"]

@@ -17,7 +17,7 @@ A cold prefill at this length takes this CPU minutes to hours, so the blocks are
 skipped (the output of that pass is not used); `--cold` times one real cold prefill for scale.
 Engines run in-process: no HTTP. The folder is deleted at the end.
 
-Usage: .venv/bin/python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/bench_restore_big.py
+Usage: .venv/bin/python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/bench_engine.py restore
        [--tokens 4352,16384] [--reps 3] [--before] [--cold] [--dir /tmp] [--out results/restore_big]
 """
 
@@ -31,6 +31,7 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import mlx.core as mx
+
 from harness.diskio import CAN_DROP, block_files, drop_files, raw_read_s
 from harness.reports import median, write_report
 from harness.restart import ttft
@@ -190,15 +191,16 @@ def report_lines(results: list[dict]) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", default="4352,16384", help="prompt lengths, comma-separated")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--cold", action="store_true", help="also time a real cold prefill (slow on a CPU)")
     parser.add_argument("--before", action="store_true", help="also the reads before readahead, alternated")
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()), help="disk for the cache folder")
     parser.add_argument("--out", type=Path, default=Path("results/restore_big"))
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> list[dict]:
     lengths = [int(t) for t in args.tokens.split(",")]
     results = []
     with tempfile.TemporaryDirectory(prefix="kvserve-restore-", dir=args.dir) as tmp:
@@ -210,7 +212,3 @@ def main(argv: list[str] | None = None) -> list[dict]:
             shutil.rmtree(folder)  # the disk and the page cache back before the next length
     write_report({"results": results}, args.out, report_lines(results))
     return results
-
-
-if __name__ == "__main__":
-    main()
