@@ -343,6 +343,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out-dir", type=Path, default=ROOT / "docs" / "img")
     out_dir = parser.parse_args().out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
     against = draw_packages(out_dir / "packages.png")
     draw_request_path(out_dir / "architecture.png")
     for line in against:
