@@ -3,7 +3,8 @@ imports read from the code (every import statement of mlx_kvserve/, deferred one
 docs/img/architecture.png, the request path and the cache tiers.
 
 Usage: .venv/bin/python scripts/draw_architecture.py [--out-dir docs/img]
-(an import against the layers, from a lower box to a higher one, is drawn red and printed)
+(an import against the layers, from a lower box to a higher one, is drawn red and printed; `--check` only checks,
+without matplotlib: every package has a place in the picture and no import goes against the layers)
 """
 
 from __future__ import annotations
@@ -13,16 +14,27 @@ import ast
 import textwrap
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.patches import FancyArrowPatch, FancyBboxPatch  # noqa: E402
+# matplotlib (the `bench` extra) is imported only to draw (use_matplotlib): `--check` runs without it, as in CI.
+plt: Any = None
+FancyArrowPatch: Any = None
+FancyBboxPatch: Any = None
 
 ROOT = Path(__file__).resolve().parents[1]
 
 HTTP, WORKER, CACHE, DISK, BG = "#dbe9f6", "#fde9c9", "#d9f0d3", "#e6dcf0", "#f2f2f2"
+
+
+def use_matplotlib() -> None:
+    global plt, FancyArrowPatch, FancyBboxPatch
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as pyplot
+    from matplotlib import patches
+
+    plt, FancyArrowPatch, FancyBboxPatch = pyplot, patches.FancyArrowPatch, patches.FancyBboxPatch
 
 
 def box(ax, x, y, w, h, title, body="", color=CACHE, size=9):
@@ -275,12 +287,19 @@ def box_edges(graph: dict[str, set[str]]) -> tuple[dict[str, list[str]], Counter
     return members, edges
 
 
-def draw_packages(out: Path) -> list[str]:
-    """Draw the boxes with their modules and the imports between them; return the imports against the layers."""
+def problems(members: dict[str, list[str]], edges: Counter) -> list[str]:
+    """What the picture cannot show as the layers promise: a box with no place in BOXES (a new package), an import
+    from a box to one of a higher layer."""
+    found = [f"no place in BOXES for {name}" for name in sorted(set(members) - set(BOXES))]
+    for (a, b), count in sorted(edges.items()):
+        if a in BOXES and b in BOXES and BOXES[a][1] < BOXES[b][1]:
+            found.append(f"against the layers: {a} -> {b} ({count} imports)")
+    return found
+
+
+def draw_packages(out: Path) -> None:
+    """Draw the boxes with their modules and the imports between them (those against the layers red, dashed)."""
     members, edges = box_edges(package_imports())
-    unplaced = sorted(set(members) - set(BOXES))
-    if unplaced:  # a new package: give it a place in BOXES
-        raise SystemExit(f"no place in BOXES for {unplaced}")
     fig, ax = plt.subplots(figsize=(16, 15))
     ax.set_xlim(0, 16)
     ax.set_ylim(0, 15.2)
@@ -295,7 +314,6 @@ def draw_packages(out: Path) -> list[str]:
         ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.02", fc=colors[layer], ec="#444", lw=1.0))
         ax.text(x + 0.08, y + h - 0.08, title, fontsize=8.5, weight="bold", va="top")
         ax.text(x + 0.08, y + h - 0.36, body, fontsize=6.6, va="top", color="#333", linespacing=1.25)
-    against = []
     for (a, b), count in sorted(edges.items()):
         (ax_, ay, aw, ah), la, _ = BOXES[a]
         (bx, by, bw, bh), lb, _ = BOXES[b]
@@ -311,7 +329,6 @@ def draw_packages(out: Path) -> list[str]:
             color, style = "#1f5fa8", "-"
         else:
             start, end, color, style = (start_x, ay + ah), (end_x, by), "#c62828", "--"
-            against.append(f"{a} -> {b} ({count} imports)")
         rad = 0.25 if la == lb else 0.0
         ax.add_patch(
             FancyArrowPatch(
@@ -336,18 +353,26 @@ def draw_packages(out: Path) -> list[str]:
     )
     fig.savefig(out, dpi=100, bbox_inches="tight")
     print(f"wrote {out}")
-    return against
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out-dir", type=Path, default=ROOT / "docs" / "img")
-    out_dir = parser.parse_args().out_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
-    against = draw_packages(out_dir / "packages.png")
-    draw_request_path(out_dir / "architecture.png")
-    for line in against:
-        print(f"against the layers: {line}")
+    parser.add_argument("--check", action="store_true", help="only check the imports fit the picture (exit 1 if not)")
+    args = parser.parse_args()
+    members, edges = box_edges(package_imports())
+    found = problems(members, edges)
+    for line in found:
+        print(line)
+    if args.check:
+        print(f"{len(members)} boxes, {len(edges)} imports between them, {len(found)} problems")
+        raise SystemExit(1 if found else 0)
+    if any(line.startswith("no place") for line in found):
+        raise SystemExit("give the new package a place in BOXES first")
+    use_matplotlib()
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    draw_packages(args.out_dir / "packages.png")
+    draw_request_path(args.out_dir / "architecture.png")
 
 
 if __name__ == "__main__":

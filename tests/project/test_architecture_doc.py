@@ -6,7 +6,11 @@ names exists, so it cannot send a newcomer to a module that moved or went away."
 
 from __future__ import annotations
 
+import importlib.util
 import re
+import subprocess
+import sys
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,3 +86,31 @@ def test_the_file_check_finds_a_removed_module(tmp_path):
 def test_every_doc_the_doc_links_exists():
     links = re.findall(r"\]\(([\w.-]+\.md)(?:#[\w-]+)?\)", DOC.read_text())
     assert links and all((DOC.parent / link).is_file() for link in links), links
+
+
+def draw_script():
+    """scripts/draw_architecture.py as a module (its pure part: no matplotlib needed)."""
+    path = ROOT / "scripts" / "draw_architecture.py"
+    spec = importlib.util.spec_from_file_location("draw_architecture", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_packages_picture_can_be_drawn_from_the_imports():
+    """Every package has a place in the picture and no import goes against its layers (`--check`)."""
+    done = subprocess.run(
+        [sys.executable, "scripts/draw_architecture.py", "--check"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert " 0 problems" in done.stdout
+
+
+def test_the_picture_check_finds_a_new_package_and_an_import_upward():
+    draw = draw_script()
+    members = {"kv": ["manager"], "server": ["app"], "plugins": ["x"]}
+    edges = Counter({("server", "kv"): 3, ("kv", "server"): 1})
+    assert draw.problems(members, edges) == [
+        "no place in BOXES for plugins",
+        "against the layers: kv -> server (1 imports)",
+    ]
