@@ -19,8 +19,7 @@ import logging
 import stat
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import NamedTuple
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import mlx.core as mx
 
@@ -34,8 +33,9 @@ from .format import (
     read_header,
 )
 from .index import BlockIndex, IndexEntry, tokens_digest
+from .loaded import LoadedBlock, PendingLoad, reads_through_host
 from .readahead import Readahead
-from .run_reads import RunBuffers, RunLayout, read_into_run, rest_arrays, run_layout
+from .run_loads import StoreRunReads
 from .table_check import TableExpectation, table_checker
 
 log = logging.getLogger(__name__)
@@ -45,43 +45,7 @@ log = logging.getLogger(__name__)
 LOAD_WINDOW = 8
 
 
-def reads_through_host() -> bool:
-    """Whether this process reads block files through host memory: on a GPU that is not Apple's
-    (CUDA), whose arrays live apart from the CPU. On a Mac and on the CPU, mlx reads them."""
-    return mx.default_device() == mx.gpu and not mx.metal.is_available()
-
-
-class PendingLoad(NamedTuple):
-    """Block files being read (SSDStore.begin_load): their expected token ids and, for each,
-    (hash, index entry, header, payload not yet read) through mlx, or (hash, index entry, None,
-    future of read_block_host or, with `run`, of read_into_run) through host memory."""
-
-    expected: tuple[tuple[int, ...], ...]
-    opened: list[tuple]
-    run: RunBuffers | None = None  # the chain read into one buffer per full-attention array
-
-
-class LoadedRun(NamedTuple):
-    """The full-attention arrays of consecutive blocks read together (run_reads.py), by name:
-    (1, heads, num_blocks * block_size, dim) each."""
-
-    arrays: dict[str, mx.array]
-    num_blocks: int
-    block_size: int
-
-
-class LoadedBlock(NamedTuple):
-    """A verified block: its named arrays (with `run`, its full-attention arrays are views of the
-    run's, at block `position` of it)."""
-
-    token_ids: tuple[int, ...]
-    arrays: dict[str, mx.array]
-    parent_hash: bytes
-    run: LoadedRun | None = None
-    position: int = 0
-
-
-class StoreReads:
+class StoreReads(StoreRunReads):
     """The read half of SSDStore, which sets these fields and provides `_path`, `_isolate` and
     `_remove` (called with `_lock` held)."""
 
@@ -97,7 +61,6 @@ class StoreReads:
     _pool_lock = threading.Lock()  # guards every store's _pool (held only to make or take one)
     _is_pinned: Callable[[bytes], bool]
     host_reads: bool | None = None  # None: reads_through_host(); tests set it to try either way
-    run_reads = True  # a chain's files read into one buffer per full-attention array (run_reads.py)
 
     def _read_pool(self) -> ThreadPoolExecutor:
         """This store's reading threads (made on first use; close_reads ends them). One pool a store, not
@@ -171,8 +134,9 @@ class StoreReads:
         ahead = Readahead([self._path(block_hash) for block_hash, _ in wanted])
         out: list[LoadedBlock] = []
         try:
-            if self._run_layout(wanted) is not None:  # one read into runs, the kernel reading ahead of it
-                return self._end_run_load(self.begin_load(wanted), ahead.consumed)
+            layout = self._run_layout(wanted)
+            if layout is not None:  # one read into a run, the kernel reading ahead of it
+                return self._load_run(wanted, layout, ahead.consumed)
             pending = self.begin_load(windows[0]) if windows else None
             for i, window in enumerate(windows):
                 whole = len(pending.opened) == len(window)
@@ -203,7 +167,7 @@ class StoreReads:
         """The blocks of a `begin_load`, in order, up to the first that fails verification."""
         opened = pending.opened
         if pending.run is not None:
-            return self._end_run_load(pending)
+            return self._collect_run([(h, e, f) for h, e, _, f in opened], pending.run)
         if opened and isinstance(opened[0][3], Future):
             return self._end_host_load(pending)
         if opened:
@@ -316,78 +280,6 @@ class StoreReads:
                 self._index.touch(block_hash, self._clock())
                 self._dirty = True
             self._stats["hits"] += 1
-
-    def _run_layout(self, wanted: Sequence[tuple[bytes, Sequence[int]]]) -> RunLayout | None:
-        """The run arrays to read `wanted` into, or None for the per-block read (switched off, no
-        layout known, or a block that is not whole)."""
-        layout = run_layout(self.table_rules) if self.run_reads else None
-        if layout is None or not wanted or any(len(ids) != layout.block_size for _, ids in wanted):
-            return None
-        return layout
-
-    def _begin_run_load(self, wanted: Sequence[tuple[bytes, Sequence[int]]], layout: RunLayout) -> PendingLoad:
-        """Start reading the indexed blocks of `wanted` (up to the first that is not) into one run:
-        a block a reading thread, each read, placed and verified there (run_reads.py)."""
-        entries = []
-        for block_hash, _ in wanted:
-            with self._lock:
-                entry = self._index.get(block_hash)
-            entry = entry if entry is not None else self._adopt(block_hash)
-            if entry is None:
-                with self._lock:
-                    self._stats["misses"] += 1
-                break
-            entries.append((block_hash, entry))
-        expected = tuple(tuple(ids) for _, ids in wanted[: len(entries)])
-        if not entries:
-            return PendingLoad(expected, [])
-        in_place = not (self.host_reads if self.host_reads is not None else reads_through_host())
-        buffers = RunBuffers(layout, len(entries), in_place)
-        pool = self._read_pool()
-        opened = [
-            (block_hash, entry, None, pool.submit(
-                read_into_run, self._path(block_hash), self.namespace, block_hash, ids, i, buffers,
-                key=self.key, expect=self.table_rules,
-            ))
-            for i, ((block_hash, entry), ids) in enumerate(zip(entries, expected, strict=True))
-        ]  # fmt: skip
-        return PendingLoad(expected, opened, buffers)
-
-    def _end_run_load(self, pending: PendingLoad, consumed: Callable[[int], None] | None = None) -> list[LoadedBlock]:
-        """The blocks of a run read, in order, up to the first that fails: the run's arrays made
-        once, each block's full-attention arrays views of them (one split per array)."""
-        reads = []
-        for block_hash, entry, _, future in pending.opened:
-            try:
-                read = future.result()
-            except Exception as exc:  # FormatError (checksum, table) or OSError
-                self._drop_unreadable(block_hash, entry, exc)
-                break
-            if read.other_tokens:
-                self._other_tokens(block_hash)
-                break
-            reads.append((block_hash, entry, read))
-            if consumed is not None:
-                consumed(len(reads))
-        futures = [future for *_, future in pending.opened]
-        for future in futures:
-            future.cancel()  # past a failed block: not read
-        wait(futures)  # nothing writes into the run's buffers after this
-        if not reads:
-            return []
-        run = LoadedRun(pending.run.arrays(len(reads)), len(reads), pending.run.layout.block_size)
-        parts = {n: mx.split(a, run.num_blocks, axis=2) if run.num_blocks > 1 else [a] for n, a in run.arrays.items()}
-        mx.eval(parts)
-        out: list[LoadedBlock] = []
-        for i, (block_hash, entry, read) in enumerate(reads):
-            try:
-                arrays = {n: p[i] for n, p in parts.items()} | rest_arrays(read)
-            except Exception as exc:  # FormatError: a table mlx cannot use
-                self._drop_unreadable(block_hash, entry, exc)
-                break
-            self._count_hit(block_hash, entry)
-            out.append(LoadedBlock(read.header.token_ids, arrays, read.header.parent_hash, run, i))
-        return out
 
     def discard(self, block_hash: bytes, exc: Exception) -> None:
         """A loaded block turned out unusable (its arrays do not make a payload): a damaged file,

@@ -62,24 +62,44 @@ def run_layout(expect: TableExpectation | None) -> RunLayout | None:
 
 class RunBuffers:
     """One byte buffer per run array for `num_blocks` blocks, writable from any thread through
-    `host` (numpy views, made here, on mlx's thread). `in_place`: the buffers are mlx arrays
-    written in place (CPU, Apple silicon); else host memory, copied to the device by `arrays`."""
+    `host` (numpy views) once `allocate` (on mlx's thread) made them: the reading threads read and
+    verify their first files meanwhile and wait (`ready`) only to place them. `in_place`: the
+    buffers are mlx arrays written in place (CPU, Apple silicon); else host memory, copied to the
+    device by `arrays`."""
 
     def __init__(self, layout: RunLayout, num_blocks: int, in_place: bool):
         self.layout = layout
         self.num_blocks = num_blocks
+        self.in_place = in_place
         bs = layout.block_size
         self.shapes = {n: _with_positions(r.shape, num_blocks * bs) for n, r in layout.rules.items()}
-        sizes = {n: math.prod(s) * _DTYPES[layout.rules[n].dtype].size for n, s in self.shapes.items()}
         self.device: dict[str, mx.array] = {}
-        if in_place:
-            self.device = {n: mx.zeros((size,), mx.uint8) for n, size in sizes.items()}
-            mx.eval(list(self.device.values()))
-            self.host = {n: np.asarray(memoryview(a)) for n, a in self.device.items()}
-            if not all(h.flags.writeable and h.flags.c_contiguous and h.size == sizes[n] for n, h in self.host.items()):
-                self.device = {}  # mlx gave no plain writable memory: host buffers after all
-        if not self.device:
-            self.host = {n: np.empty(size, np.uint8) for n, size in sizes.items()}
+        self.host: dict[str, np.ndarray] = {}
+        self._made = threading.Event()  # set by allocate, whether it worked or not (then host stays empty)
+
+    def allocate(self) -> None:
+        """Make the buffers (mlx's thread; the reading threads wait for it). Raises what mlx or
+        numpy raise (out of memory): the reading threads then fail their blocks."""
+        try:
+            sizes = {n: math.prod(s) * _DTYPES[self.layout.rules[n].dtype].size for n, s in self.shapes.items()}
+            if self.in_place:
+                self.device = {n: mx.zeros((size,), mx.uint8) for n, size in sizes.items()}
+                mx.eval(list(self.device.values()))
+                host = {n: np.asarray(memoryview(a)) for n, a in self.device.items()}
+                if all(h.flags.writeable and h.flags.c_contiguous and h.size == sizes[n] for n, h in host.items()):
+                    self.host = host
+                else:  # mlx gave no plain writable memory: host buffers after all
+                    self.device = {}
+            if not self.device:
+                self.host = {n: np.empty(size, np.uint8) for n, size in sizes.items()}
+        finally:
+            self._made.set()
+
+    def ready(self) -> None:
+        """Wait for `allocate`; raises MemoryError when it failed."""
+        self._made.wait()
+        if not self.host:
+            raise MemoryError("the run's buffers could not be made")
 
     def place(self, name: str, shape: Sequence[int], block: int) -> np.ndarray:
         """Where a block's array `name` of `shape` goes in the run, as a writable (outer, bytes)
@@ -152,11 +172,28 @@ def read_into_run(
             if not got:
                 raise FormatError("file ended early")
             done += got
-    if payload_checksum(namespace, header, view, key=key) != header.checksum:
+    return verify_into_run(namespace, header, view, expected, block, buffers, key=key)
+
+
+def verify_into_run(
+    namespace: bytes,
+    header: BlockHeader,
+    payload: memoryview,
+    expected: Sequence[int],
+    block: int,
+    buffers: RunBuffers,
+    *,
+    key: bytes,
+) -> BlockRead:
+    """Verify a read payload (its header and table checked already) against its keyed checksum,
+    then place it as block `block` of `buffers`. Raises FormatError when it fails (nothing placed);
+    a verified payload of other token ids is reported, not placed. Thread-safe and mlx-free."""
+    if payload_checksum(namespace, header, payload, key=key) != header.checksum:
         raise FormatError("checksum mismatch")
     if header.token_ids != tuple(expected):
         return BlockRead(header, None, (), other_tokens=True)
-    return _place(header, payload, buffers, block)
+    buffers.ready()
+    return _place(header, np.frombuffer(payload, np.uint8), buffers, block)
 
 
 def _place(header: BlockHeader, payload: np.ndarray, buffers: RunBuffers, block: int) -> BlockRead:
