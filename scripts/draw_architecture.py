@@ -38,9 +38,8 @@ def use_matplotlib() -> None:
 
 
 def box(ax, x, y, w, h, title, body="", color=CACHE, size=9):
-    ax.add_patch(
-        FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.02,rounding_size=0.12", fc=color, ec="#444", lw=1.0)
-    )
+    rounded = "round,pad=0.02,rounding_size=0.12"
+    ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle=rounded, fc=color, ec="#444", lw=1.0))
     ax.text(x + w / 2, y + h - 0.17, title, ha="center", va="top", fontsize=size, weight="bold")
     if body:
         ax.text(x + w / 2, y + h - 0.47, body, ha="center", va="top", fontsize=size - 1.5, linespacing=1.35)
@@ -65,16 +64,8 @@ def draw_request_path(out: Path) -> None:
     ax.text(0.25, 8.85, "asyncio event loop (uvicorn + Starlette)", fontsize=8, style="italic", va="top")
     box(ax, 0.3, 7.0, 2.0, 1.55, "client", "OpenAI SDK, curl,\nany HTTP client", "#ffffff")
     box(ax, 2.9, 7.0, 2.6, 1.55, "gate", "API keys (401/403)\nin-flight limit (429)\nbody size (413), logs", HTTP)
-    box(
-        ax,
-        6.1,
-        7.0,
-        3.0,
-        1.55,
-        "CompletionHandler",
-        "parse + validate (4xx)\nchat template -> token ids\nbudget, deadlines (504)",
-        HTTP,
-    )
+    handler = "parse + validate (4xx)\nchat template -> token ids\nbudget, deadlines (504)"
+    box(ax, 6.1, 7.0, 3.0, 1.55, "CompletionHandler", handler, HTTP)
     box(ax, 9.7, 7.0, 1.9, 1.55, "/v1/cache", "pin, unpin, pins,\nstats, flush, prune", HTTP)
     box(ax, 12.0, 7.0, 1.8, 1.55, "/health, /metrics", "tiers, writer,\nshutdown record", HTTP, size=8)
     arrow(ax, (2.3, 7.78), (2.9, 7.78))
@@ -85,41 +76,28 @@ def draw_request_path(out: Path) -> None:
     ax.text(0.25, 6.5, 'the one MLX thread ("mlx-worker"): continuous batching', fontsize=8, style="italic", va="top")
     box(ax, 0.3, 4.95, 2.4, 1.3, "InferenceWorker", "bounded queue\n(full: 429)\nthe mlx-worker thread", WORKER)
     box(ax, 0.3, 3.7, 2.4, 1.05, "kv/blocks.py", "mlx-lm cache <-> blocks:\nslice, assemble runs", WORKER, size=8)
-    box(
-        ax,
-        3.1,
-        3.7,
-        4.9,
-        2.55,
-        "Scheduler  (engine/batch/scheduler.py)",
+    steps = (
         "1. start order: fewest uncached tokens first, waits bounded\n"
         "2. PrefixCache.prepare: lookup, assemble the match\n"
         "    (block hashes computed once per request)\n"
         "3. mlx-lm BatchGenerator: prefill chunks + batched\n"
         "    decode; stop strings, eos, cancel\n"
         "4. PrefixCache.register / finish: new blocks and tails\n"
-        "    -> KVManager; release the request's blocks",
-        WORKER,
+        "    -> KVManager; release the request's blocks"
     )
+    box(ax, 3.1, 3.7, 4.9, 2.55, "Scheduler  (engine/batch/scheduler.py)", steps, WORKER)
     arrow(ax, (6.6, 7.0), (1.9, 6.25), "GenerationRequest", offset=(-2.6, 0.05))
     arrow(ax, (2.7, 5.6), (3.1, 5.6))
     arrow(ax, (3.1, 4.25), (2.7, 4.25))
-    arrow(
-        ax, (7.4, 6.25), (8.2, 7.0), "TextDelta, Finished\n(call_soon_threadsafe)", color="#1f5fa8", offset=(0.15, -0.1)
-    )
+    replies = "TextDelta, Finished\n(call_soon_threadsafe)"
+    arrow(ax, (7.4, 6.25), (8.2, 7.0), replies, color="#1f5fa8", offset=(0.15, -0.1))
 
     # Cache tiers
-    box(
-        ax,
-        9.0,
-        4.35,
-        4.85,
-        1.9,
-        "KVManager  (kv/manager.py)",
+    manager = (
         "chained blake3 block hashes, token check on every hit\nrefs (in use: never evicted), pins (pins.json)\n"
-        "evict: pinned share -> unpinned LRU -> demote pinned\nlookup: RAM -> SSD (promoted) -> tail",
-        CACHE,
+        "evict: pinned share -> unpinned LRU -> demote pinned\nlookup: RAM -> SSD (promoted) -> tail"
     )
+    box(ax, 9.0, 4.35, 4.85, 1.9, "KVManager  (kv/manager.py)", manager, CACHE)
     arrow(ax, (8.0, 5.3), (9.0, 5.3))
     ax.text(8.05, 5.75, "lookup\ncache_block\nrelease", fontsize=7, va="center")
     arrow(ax, (10.65, 7.0), (10.65, 6.25), "pin, flush", offset=(0.08, 0.0))
@@ -128,70 +106,30 @@ def draw_request_path(out: Path) -> None:
     arrow(ax, (10.0, 4.35), (10.0, 3.85))
     arrow(ax, (12.8, 4.35), (12.8, 3.85))
     arrow(ax, (11.42, 4.35), (11.42, 2.15), color="#6a3d9a")
-    ax.text(
-        11.42,
-        3.1,
-        "next tier",
-        fontsize=7,
-        color="#6a3d9a",
-        rotation=90,
-        ha="center",
-        va="center",
-        bbox={"fc": "white", "ec": "none", "pad": 1},
-    )
+    label = {"fontsize": 7, "color": "#6a3d9a", "rotation": 90, "ha": "center", "va": "center"}
+    ax.text(11.42, 3.1, "next tier", **label, bbox={"fc": "white", "ec": "none", "pad": 1})
 
     # SSD
-    box(
-        ax,
-        0.3,
-        0.6,
-        4.6,
-        2.3,
-        "SSDStore  (kv/ssd/store.py, kv/ssd/index.py)",
+    store = (
         "<cache_dir>/<namespace>/<hh>/<hash>.safetensors\n+ tails/, index.json, pins.json, shutdown.json\n"
         "keyed blake3 checksum; temp + fsync + rename\ncorrupt, foreign, truncated -> miss + deleted\n"
-        "disk budget, TTL, free-space floor",
-        DISK,
+        "disk budget, TTL, free-space floor"
     )
-    box(
-        ax,
-        5.3,
-        0.6,
-        3.3,
-        2.3,
-        "SSDWriterThread",
+    box(ax, 0.3, 0.6, 4.6, 2.3, "SSDStore  (kv/ssd/store.py, kv/ssd/index.py)", store, DISK)
+    writer = (
         '"ssd-writer", non-daemon, nice +10\nbounded queue, pending dedup\nheld while a request prefills\n'
-        "queue closed, drained at shutdown",
-        DISK,
+        "queue closed, drained at shutdown"
     )
-    box(
-        ax,
-        9.0,
-        0.6,
-        4.85,
-        1.55,
-        "SSDTier  (kv/ssd/tier.py)",
-        "write_through | evict_only\nreads on the worker thread, verified, promoted",
-        DISK,
-    )
+    box(ax, 5.3, 0.6, 3.3, 2.3, "SSDWriterThread", writer, DISK)
+    tier = "write_through | evict_only\nreads on the worker thread, verified, promoted"
+    box(ax, 9.0, 0.6, 4.85, 1.55, "SSDTier  (kv/ssd/tier.py)", tier, DISK)
     arrow(ax, (9.0, 1.5), (8.6, 1.5), color="#6a3d9a")
     arrow(ax, (5.3, 1.5), (4.9, 1.5), color="#6a3d9a")
     ax.text(4.93, 1.7, "save", fontsize=7, color="#6a3d9a")
-    ax.add_patch(
-        FancyArrowPatch(
-            (10.2, 0.6),
-            (2.6, 0.6),
-            arrowstyle="-|>",
-            mutation_scale=12,
-            color="#6a3d9a",
-            lw=1.2,
-            linestyle="--",
-            connectionstyle="bar,fraction=-0.04",
-        )
-    )
-    ax.text(
-        6.4, 0.12, "load_blocks: windows of 8 read ahead, verified, promoted", fontsize=7, color="#6a3d9a", ha="center"
-    )
+    purple = {"arrowstyle": "-|>", "mutation_scale": 12, "color": "#6a3d9a", "lw": 1.2, "linestyle": "--"}
+    ax.add_patch(FancyArrowPatch((10.2, 0.6), (2.6, 0.6), **purple, connectionstyle="bar,fraction=-0.04"))
+    loads = "load_blocks: windows of 8 read ahead, verified, promoted"
+    ax.text(6.4, 0.12, loads, fontsize=7, color="#6a3d9a", ha="center")
 
     fig.savefig(out, dpi=110, bbox_inches="tight")
     print(f"wrote {out}")
@@ -329,28 +267,11 @@ def draw_packages(out: Path) -> None:
             color, style = "#1f5fa8", "-"
         else:
             start, end, color, style = (start_x, ay + ah), (end_x, by), "#c62828", "--"
-        rad = 0.25 if la == lb else 0.0
-        ax.add_patch(
-            FancyArrowPatch(
-                start,
-                end,
-                arrowstyle="-|>",
-                mutation_scale=9,
-                color=color,
-                lw=0.5 + 0.2 * min(count, 8),
-                linestyle=style,
-                alpha=0.6,
-                connectionstyle=f"arc3,rad={rad}",
-            )
-        )
-    ax.text(
-        15.7,
-        0.05,
-        "arrow: imports (width: module pairs); blue: within a layer; red dashed: against the layers",
-        fontsize=7,
-        ha="right",
-        color="#555",
-    )
+        looks = {"arrowstyle": "-|>", "mutation_scale": 9, "color": color, "linestyle": style, "alpha": 0.6}
+        bend = f"arc3,rad={0.25 if la == lb else 0.0}"
+        ax.add_patch(FancyArrowPatch(start, end, **looks, lw=0.5 + 0.2 * min(count, 8), connectionstyle=bend))
+    key = "arrow: imports (width: module pairs); blue: within a layer; red dashed: against the layers"
+    ax.text(15.7, 0.05, key, fontsize=7, ha="right", color="#555")
     fig.savefig(out, dpi=100, bbox_inches="tight")
     print(f"wrote {out}")
 
