@@ -5,17 +5,14 @@ the same home folder; the first question again."""
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import NamedTuple
 
 import httpx
 
-from harness import ROOT
-from harness.servers import free_port
+from harness import OURS
+from harness.servers import Server, free_port
 
 QUESTIONS = ("Which town is on river 3?", "And which one is on river 9?")
 
@@ -53,54 +50,29 @@ class Journey(NamedTuple):
         return self.shutdown_rc == 0 and hit and self.same_reply
 
 
-class ServerProcess:
-    """`mlx-kvserve run` as a child process with its own home folder (so its own cache folders)."""
+def start_server(model: Path, home: Path) -> Server:
+    """`mlx-kvserve run` as a child process with its own home folder (so its own cache folders), ready."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "mlx_kvserve", "run", "--model", str(model), "--port", str(port)]
+    server = Server(OURS, cmd, port, dict(os.environ, MLX_KVSERVE_HOME=str(home), PYTHONUNBUFFERED="1"), "/health")
+    server.wait("/health", timeout=180)
+    return server
 
-    def __init__(self, model: Path, home: Path, timeout_s: float = 180.0):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = home / f"server-{self.port}.log"
-        home.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "mlx_kvserve", "run", "--model", str(model), "--port", str(self.port)]
-        env = dict(os.environ, MLX_KVSERVE_HOME=str(home), PYTHONUNBUFFERED="1")
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout_s
-        while not self._healthy():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.proc.kill()
-                raise RuntimeError(f"the server did not start:\n{self.log_path.read_text()}")
-            time.sleep(0.2)
-        self.model = httpx.get(f"{self.url}/v1/models", timeout=5).json()["data"][0]["id"]
 
-    def _healthy(self) -> bool:
-        try:
-            return httpx.get(f"{self.url}/health", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
+def chat(server: Server, system: str, question: str, max_tokens: int = 12) -> Reply:
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    body = {"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
+    r.raise_for_status()
+    out = r.json()
+    cached = (out["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return Reply(out["choices"][0]["message"]["content"], out["usage"]["prompt_tokens"], cached)
 
-    def chat(self, system: str, question: str, max_tokens: int = 12) -> Reply:
-        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
-        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
-        r = httpx.post(f"{self.url}/v1/chat/completions", json=body, timeout=120)
-        r.raise_for_status()
-        out = r.json()
-        usage = out["usage"]
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-        return Reply(out["choices"][0]["message"]["content"], usage["prompt_tokens"], cached)
 
-    def stop(self, timeout_s: float = 60.0) -> int:
-        """SIGTERM, as a service manager or Ctrl-C would, and wait for the exit."""
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            return -9
-
-    def log(self) -> str:
-        return self.log_path.read_text()
+def stop(server: Server) -> int:
+    """SIGTERM, as a service manager or Ctrl-C would; the exit status (-9: killed after 60 s)."""
+    server.stop()
+    return server.proc.wait()
 
 
 def ssd_files(home: Path) -> dict[str, int]:
@@ -114,16 +86,16 @@ def run_journey(model: Path, home: Path, system: str = "", questions: tuple[str,
     """Cold, again, another question under the same system prompt (default: system_prompt());
     SIGTERM; a new process on the same home folder; the first question again."""
     system = system or system_prompt()
-    server = ServerProcess(model, home)
+    server = start_server(model, home)
     try:
-        cold, again = server.chat(system, questions[0]), server.chat(system, questions[0])
-        other = server.chat(system, questions[1])
+        cold, again = chat(server, system, questions[0]), chat(server, system, questions[0])
+        other = chat(server, system, questions[1])
     finally:
-        rc = server.stop()
+        rc = stop(server)
     files = ssd_files(home)
-    server = ServerProcess(model, home)
+    server = start_server(model, home)
     try:
-        restarted = server.chat(system, questions[0])
+        restarted = chat(server, system, questions[0])
     finally:
         server.stop()
     return Journey(cold, again, other, restarted, rc, files)
