@@ -30,6 +30,11 @@ log = logging.getLogger(__name__)
 
 WINDOW = 8  # files mlx reads together (reads.LOAD_WINDOW)
 WINDOWS_AHEAD = 2  # windows read but not yet placed, at most: the payloads held beside the run
+# A run's array at most this big (bigger chains: a run per so many blocks, each joined once): glibc maps
+# a larger allocation apart and unmaps it when freed, so each restore would start on fresh pages (on the
+# CPU, 1 s of page faults for a 16k-token Llama-3-8B prefix here); the heap keeps smaller ones for the
+# next (cpu/warm_memory.py: the mmap threshold's largest value).
+RUN_BYTES = 32 * 2**20
 
 
 class StoreRunReads:
@@ -68,8 +73,21 @@ class StoreRunReads:
     def _load_run(
         self, wanted: Sequence[tuple[bytes, Sequence[int]]], layout: RunLayout, consumed: Callable[[int], None]
     ) -> list[LoadedBlock]:
-        """The blocks of `wanted` up to the first that misses, read as one run: mlx reads a window
-        of files while the reading threads verify and place the windows before it."""
+        """The blocks of `wanted` up to the first that misses, read as runs of at most RUN_BYTES an
+        array (one for most chains): mlx reads a window of files while the reading threads verify
+        and place the windows before it."""
+        size = max(1, RUN_BYTES // layout.block_bytes())
+        out: list[LoadedBlock] = []
+        for start in range(0, len(wanted), size):
+            part = wanted[start : start + size]
+            out += self._load_one_run(part, layout, _after(consumed, start))
+            if len(out) < start + len(part):
+                break
+        return out
+
+    def _load_one_run(
+        self, wanted: Sequence[tuple[bytes, Sequence[int]]], layout: RunLayout, consumed: Callable[[int], None]
+    ) -> list[LoadedBlock]:
         if not self._in_place():
             started, buffers = self._begin_run(wanted, layout)
             return self._collect_run(started, buffers, consumed)
@@ -184,3 +202,8 @@ class StoreRunReads:
             self._count_hit(block_hash, entry)
             out.append(LoadedBlock(read.header.token_ids, arrays, read.header.parent_hash, run, i))
         return out
+
+
+def _after(consumed: Callable[[int], None], done: int) -> Callable[[int], None]:
+    """`consumed` for a run that starts `done` blocks into the chain."""
+    return lambda n: consumed(done + n)

@@ -50,6 +50,13 @@ class RunLayout(NamedTuple):
     rules: Mapping[str, ArrayRule]
     block_size: int
 
+    def block_bytes(self) -> int:
+        """The most bytes one block adds to any of the run's arrays."""
+        sizes = (
+            math.prod(_with_positions(r.shape, self.block_size)) * _DTYPES[r.dtype].size for r in self.rules.values()
+        )
+        return max(sizes)
+
 
 def run_layout(expect: TableExpectation | None) -> RunLayout | None:
     """The run arrays of a table expectation (kv/table_rules.py), or None when it has none (no

@@ -78,6 +78,20 @@ def test_a_chain_is_read_into_one_run_with_the_arrays_it_was_saved_with(tmp_path
     assert store.stats()["ssd_hits"] == 10
 
 
+def test_a_long_chain_is_read_as_runs_of_a_bounded_size(tmp_path, monkeypatch):
+    from mlx_kvserve.kv.ssd import run_loads
+
+    monkeypatch.setattr(run_loads, "RUN_BYTES", 2 * HEADS * BS * DIM * 4)  # two blocks an array
+    store = _store(tmp_path)
+    saved = _blocks(5)
+    store.save_blocks(saved)
+    loaded = store.load_blocks(_wanted(saved))
+    assert [(b.run.num_blocks, b.position) for b in loaded] == [(2, 0), (2, 1), (2, 0), (2, 1), (1, 0)]
+    assert loaded[0].run is loaded[1].run and loaded[1].run is not loaded[2].run
+    for block, got in zip(saved, loaded, strict=True):
+        assert all(mx.array_equal(got.arrays[n], a).item() for n, a in block.arrays.items())
+
+
 def _damage(store: SSDStore, block_hash: bytes, how: str) -> None:
     path = store._path(block_hash)
     data = bytearray(path.read_bytes())
