@@ -169,20 +169,21 @@ class KVManager:
 
     def _walk_ram(self, tokens: Sequence[int], hashes: list[bytes]) -> tuple[list[Block], bool]:
         """Referenced RAM blocks of the chain, and whether it stopped at a plain miss. Lock held."""
-        bs, found = self.block_size, []
+        bs, found, missed = self.block_size, [], False
         for i, block_hash in enumerate(hashes):
             block = self._ram.get(block_hash)
             if block is None:
                 self._stats["misses"] += 1
-                return found, True
+                missed = True
+                break
             if block.token_ids != tuple(tokens[i * bs : (i + 1) * bs]):
                 self._stats["collisions"] += 1
                 log.warning("block hash collision at block %d (%s); treated as a miss", i, block_hash.hex()[:16])
-                return found, False
+                break
             block.ref_count += 1
             found.append(block)
         self._touch_chain(found)
-        return found, False
+        return found, missed
 
     def _touch_chain(self, chain: Sequence[Block]) -> None:
         """Mark a chain's blocks used, its deepest least recently: a full RAM tier then gives up a
