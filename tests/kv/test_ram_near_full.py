@@ -140,7 +140,7 @@ def test_a_partial_hit_marks_the_blocks_it_found_used():
     a, b = list(range(2 * BS)), [6000 + t for t in range(2 * BS)]
     _register(mgr, a)
     _register(mgr, b)  # a is now the least recently used
-    assert _cached(mgr, a + [1, 2, 3, 4, 5]) == 2 * BS  # a's two blocks, then a miss (no next tier)
+    assert _cached(mgr, a + [1] * BS + [0]) == 2 * BS  # a's two blocks, then a miss (no next tier)
     _register(mgr, [8000 + t for t in range(BS)])  # one block over: b's deep end goes, not a's
     assert _cached(mgr, a + [0]) == 2 * BS and _cached(mgr, b + [0]) == BS
     mgr.check_integrity()
