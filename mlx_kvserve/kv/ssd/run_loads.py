@@ -119,6 +119,7 @@ class StoreRunReads:
                 placed.append((block_hash, entry, task))
                 futures.append(task)
             in_flight.append(futures)
+            consumed(len(placed))  # read: the kernel's lead moves on
             if len(in_flight) > WINDOWS_AHEAD:  # bounded: the payloads wait beside the run
                 wait(in_flight.popleft())
             if len(opened) < len(window) or following is None:
