@@ -150,7 +150,7 @@ def test_kill9_in_the_middle_of_a_batch_serves_nothing_torn(tmp_path, phase, exp
     """A process killed while it fsyncs (or renames) a batch: after a restart the folder holds only
     whole, verified blocks (those renamed before the kill) and no temp file."""
     folder = tmp_path / "store"
-    script = _CHILD.format(root=str(ROOT), tests=str(ROOT / "tests"), folder=str(folder), phase=phase)
+    script = _CHILD.format(root=str(ROOT), tests=str(Path(__file__).resolve().parent), folder=str(folder), phase=phase)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
     assert list(folder.rglob(f"*{TEMP_SUFFIX}"))  # the kill left temp files behind
