@@ -1,18 +1,21 @@
-"""Agent sessions against our server and its peers: `agents.py SCENARIO [flags]`.
+"""Agent sessions and agent clients against our server: `agents.py SCENARIO [flags]`.
 
   session   a Claude Code-shaped session (its system prompt, tool schemas and billing line, 10 turns) on
             mlx-kvserve, mlx_lm.server and optionally vllm-mlx, one after the other, over /v1/messages
             or chat: the later turns' TTFT against the peers' (docs/benchmarks.md "Agent sessions")
+  clients   the real agent clients (Claude Code, Codex, opencode, Qwen Code, Cline, aider, llm) and SDKs run
+            for two turns against our server: works, turn 2's cached share; --record refreshes
+            tests/data/client_requests/ (docs/agent-clients.md)
 
-`agents.py session --help` lists its flags.
+`agents.py SCENARIO --help` lists its flags.
 """
 
 from __future__ import annotations
 
-from harness import agent_session
+from harness import agent_clients, agent_session
 from harness.cli import run_scenario
 
-SCENARIOS = {"session": agent_session}
+SCENARIOS = {"session": agent_session, "clients": agent_clients}
 
 if __name__ == "__main__":
     run_scenario(__doc__, SCENARIOS)

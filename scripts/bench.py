@@ -145,19 +145,12 @@ def run_suite(wanted: list[str], params: dict, out: Path, model_dir: Path, args:
                 results[key] = timed(f"system {words} words", scenario_system_prompt, servers, reps, words)
                 save()
             if "conversation" in wanted:
-                results["conversation"] = timed(
-                    "conversation", scenario_conversation, servers, params["conversation_turns"]
-                )
+                turns = params["conversation_turns"]
+                results["conversation"] = timed("conversation", scenario_conversation, servers, turns)
                 save()
             if "interleaved" in wanted:
-                results["interleaved"] = timed(
-                    "interleaved",
-                    interleaved.scenario_interleaved,
-                    servers,
-                    params["interleaved_conversations"],
-                    params["interleaved_turns"],
-                    params["interleaved_max_tokens"],
-                )
+                case = [params[f"interleaved_{k}"] for k in ("conversations", "turns", "max_tokens")]
+                results["interleaved"] = timed("interleaved", interleaved.scenario_interleaved, servers, *case)
                 save()
             if "concurrent" in wanted:
                 case = [*params["concurrent"].values(), *([args.rounds] if args.rounds > 1 else [])]
@@ -171,15 +164,8 @@ def run_suite(wanted: list[str], params: dict, out: Path, model_dir: Path, args:
         finally:
             stop_servers(servers)
     if "pins" in wanted:
-        results["pins"] = timed(
-            "pins",
-            pins.run_pins,
-            model_dir,
-            server_env(),
-            params["pin_depths"],
-            params["pin_rules"],
-            params["pin_flood"],
-        )
+        case = [params[f"pin_{k}"] for k in ("depths", "rules", "flood")]
+        results["pins"] = timed("pins", pins.run_pins, model_dir, server_env(), *case)
         save()
     if "decode" in wanted:
         results["decode"] = timed("decode", decode_speed, model_dir, reps, params["decode_tokens"])
@@ -201,60 +187,30 @@ def targets(results: dict) -> list[tuple[str, str, bool]]:
     if "system_prompt" in results:
         a, b = results["system_prompt"][OURS], results["system_prompt"][THEIRS]
         for key, label in (("repeat", "Repeat"), ("new_question", "New-question")):
-            rows.append(
-                (
-                    f"{label} TTFT no worse than mlx_lm.server",
-                    f"{a[key]:.3f} s vs {b[key]:.3f} s ({b[key] / a[key]:.2f}x)",
-                    a[key] <= b[key],
-                )
-            )
+            figure = f"{a[key]:.3f} s vs {b[key]:.3f} s ({b[key] / a[key]:.2f}x)"
+            rows.append((f"{label} TTFT no worse than mlx_lm.server", figure, a[key] <= b[key]))
     if "restart" in results:
         r = results["restart"][OURS]
         frac = r["cold"] / r["after_restart"]
-        rows.append(
-            (
-                "First request after restart under 1/10 of cold",
-                f"{r['after_restart']:.3f} s vs cold {r['cold']:.3f} s (1/{frac:.1f})",
-                frac >= 10,
-            )
-        )
+        figure = f"{r['after_restart']:.3f} s vs cold {r['cold']:.3f} s (1/{frac:.1f})"
+        rows.append(("First request after restart under 1/10 of cold", figure, frac >= 10))
     if "pins" in results:
         pins = results["pins"]
         depth = 16 if 16 in pins["depths"] else max(pins["depths"])
         p, u = pins["pinned"][depth]["ttft_s"], pins["unpinned"][depth]["ttft_s"]
-        rows.append(
-            (
-                f"Pinned depth-{depth} turn under a flood at least 8x faster than unpinned",
-                f"{p:.3f} s vs {u:.3f} s ({u / p:.1f}x)",
-                u / p >= 8,
-            )
-        )
+        target = f"Pinned depth-{depth} turn under a flood at least 8x faster than unpinned"
+        rows.append((target, f"{p:.3f} s vs {u:.3f} s ({u / p:.1f}x)", u / p >= 8))
     if "decode" in results:
         d = results["decode"]
-        rows.append(
-            (
-                "Decode within 5% of plain mlx-lm",
-                f"{d['ours_tps']:.1f} vs {d['mlx_lm_tps']:.1f} tok/s ({d['ratio']:.3f})",
-                d["ratio"] >= 0.95,
-            )
-        )
+        figure = f"{d['ours_tps']:.1f} vs {d['mlx_lm_tps']:.1f} tok/s ({d['ratio']:.3f})"
+        rows.append(("Decode within 5% of plain mlx-lm", figure, d["ratio"] >= 0.95))
     if "ssd_write_cost" in results:
         w = results["ssd_write_cost"]
-        rows.append(
-            (
-                "Decode with SSD write-through at least 95% of SSD off",
-                f"{w['decode_tps_ssd_on']:.1f} vs {w['decode_tps_ssd_off']:.1f} tok/s ({w['ratio']:.3f})",
-                w["ratio"] >= 0.95,
-            )
-        )
-        rows.append(
-            (
-                "Cache hit while the writer is busy: TTFT within 10% of SSD off",
-                f"{w['hit_ttft_ssd_on']:.3f} vs {w['hit_ttft_ssd_off']:.3f} s "
-                f"(never held: {w['hit_ttft_ssd_on_no_hold']:.3f} s)",
-                w["hit_ttft_ssd_on"] <= 1.1 * w["hit_ttft_ssd_off"],
-            )
-        )
+        figure = f"{w['decode_tps_ssd_on']:.1f} vs {w['decode_tps_ssd_off']:.1f} tok/s ({w['ratio']:.3f})"
+        rows.append(("Decode with SSD write-through at least 95% of SSD off", figure, w["ratio"] >= 0.95))
+        on, off, unheld = w["hit_ttft_ssd_on"], w["hit_ttft_ssd_off"], w["hit_ttft_ssd_on_no_hold"]
+        target = "Cache hit while the writer is busy: TTFT within 10% of SSD off"
+        rows.append((target, f"{on:.3f} vs {off:.3f} s (never held: {unheld:.3f} s)", on <= 1.1 * off))
     return rows
 
 
@@ -299,12 +255,8 @@ def report_markdown(results: dict) -> str:
         lines += report(results["concurrent"], names) + [""]
     if "pins" in results:
         p = results["pins"]
-        lines += [
-            f"## Flood + pin ({p['flood_conversations']} flood conversations, {p['rules']} rules)",
-            "",
-            *pins.report_lines(p),
-            "",
-        ]
+        title = f"## Flood + pin ({p['flood_conversations']} flood conversations, {p['rules']} rules)"
+        lines += [title, "", *pins.report_lines(p), ""]
     return "\n".join(lines)
 
 

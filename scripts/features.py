@@ -17,11 +17,7 @@ from harness import tiny_vlm
 from harness.cli import run_scenario
 from harness.features import model_threads, models
 
-SCENARIOS = {
-    "tiny-vlm": tiny_vlm,
-    "models": models,
-    "model-threads": model_threads,
-}
+SCENARIOS = {"tiny-vlm": tiny_vlm, "models": models, "model-threads": model_threads}
 
 if __name__ == "__main__":
     run_scenario(__doc__, SCENARIOS)

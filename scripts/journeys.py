@@ -13,11 +13,7 @@ from __future__ import annotations
 from harness.cli import run_scenario
 from harness.journeys import hybrid_restart, long_context, quickstart
 
-SCENARIOS = {
-    "quickstart": quickstart,
-    "hybrid-restart": hybrid_restart,
-    "long-context": long_context,
-}
+SCENARIOS = {"quickstart": quickstart, "hybrid-restart": hybrid_restart, "long-context": long_context}
 
 if __name__ == "__main__":
     run_scenario(__doc__, SCENARIOS)

@@ -1,8 +1,8 @@
 """The code behind scripts/' entry points, shared with the tests (tests/conftest.py puts scripts/ on sys.path).
 
 An entry point is `SCRIPT SCENARIO [flags]` (cli.py); each scenario is a module with `add_args(parser)` and
-`run(args)`: engine/ (bench_engine.py), features/ (features.py), journeys/ (journeys.py), agent_session.py
-(agents.py), tiny_vlm.py (features.py tiny-vlm); scenarios/ holds the server suite's measurements (bench.py).
+`run(args)`: engine/ (bench_engine.py), features/ (features.py), journeys/ (journeys.py), agent_session.py and
+agent_clients.py (agents.py), tiny_vlm.py (features.py tiny-vlm); scenarios/: the server suite's (bench.py).
 No script imports another; they share these:
   servers.py    server processes: free port, start, wait ready, restart, stop; the pair ours + mlx_lm.server,
                 and vllm-mlx from a scratch venv as a third; variants.py: ours configured otherwise

@@ -31,13 +31,9 @@ def bias_eos(model: Any, config: dict, eos_id: int, boost: float) -> None:
     update = {
         "model.embed_tokens.weight": mx.concatenate([mx.full((emb.shape[0], 1), boost, emb.dtype), emb[:, 1:]], 1)
     }
+    zeroed = ("self_attn.o_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight")
     for i in range(config["num_hidden_layers"]):
-        for name in (
-            "self_attn.o_proj.weight",
-            "mlp.down_proj.weight",
-            "input_layernorm.weight",
-            "post_attention_layernorm.weight",
-        ):
+        for name in (*zeroed, "post_attention_layernorm.weight"):
             update[f"model.layers.{i}.{name}"] = zero_row(params[f"model.layers.{i}.{name}"])
     head = params["lm_head.weight"]
     column = mx.zeros((head.shape[0], 1), head.dtype)
@@ -45,6 +41,14 @@ def bias_eos(model: Any, config: dict, eos_id: int, boost: float) -> None:
     update["lm_head.weight"] = mx.concatenate([column, head[:, 1:]], 1)
     model.update(tree_unflatten(list(update.items())))
     mx.eval(model.parameters())
+
+
+def cached_model(context: int = 131072, num_layers: int = 1, num_heads: int = 1) -> Path:
+    """build_model's model in the user's cache (~/.cache/mlx-kvserve-try-clients/model*), one folder per recipe."""
+    tag = "" if context == 131072 else f"-{context}"
+    tag += "" if num_layers == num_heads == 1 else f"-{num_layers}l{num_heads}h"
+    folder = Path.home() / ".cache" / "mlx-kvserve-try-clients" / f"model{tag}"
+    return build_model(folder, context, 12.0, num_layers, num_heads)
 
 
 def build_model(folder: Path, context: int, boost: float, num_layers: int = 1, num_heads: int = 1) -> Path:

@@ -39,7 +39,7 @@ import httpx
 
 from harness import OURS, ROOT, VLLM
 from harness import THEIRS as MLX_LM
-from harness.agent_model import build_model
+from harness.agent_model import cached_model
 from harness.agent_workload import USER_TURNS, agent_instructions, tool_schemas
 from harness.clients import stream_turn
 from harness.reports import write_report
@@ -95,13 +95,8 @@ def synthetic_shape() -> Shape:
     for i in range(25):
         f = tool_schemas(20)[i % 20]["function"]
         notes = agent_instructions(f"tool {i}", 500).split("\n", 1)[1]
-        tools.append(
-            {
-                "name": f"{f['name']}_{i}",
-                "description": f"{f['description']}\n\n{notes}",
-                "input_schema": f["parameters"],
-            }
-        )
+        description = f"{f['description']}\n\n{notes}"
+        tools.append({"name": f"{f['name']}_{i}", "description": description, "input_schema": f["parameters"]})
     system = [
         {"type": "text", "text": "You are a Claude agent."},
         {"type": "text", "text": agent_instructions("", 4300)},
@@ -110,6 +105,7 @@ def synthetic_shape() -> Shape:
     return Shape(system, tools, opening, "synthetic")
 
 
+REFUND, INVOICE = "/repo/services/payments/refund.py", "/repo/services/payments/invoice.py"
 # The assistant part of turns 1-9: text, or (text, tool name, input, the tool's result). Scripted, so
 # every server gets the same requests.
 ASSISTANT = [
@@ -131,11 +127,11 @@ ASSISTANT = [
         "Switching to Decimal.",
         "Edit",
         {
-            "file_path": "/repo/services/payments/refund.py",
+            "file_path": REFUND,
             "old_string": "amount = total * share",
             "new_string": "amount = Decimal(total) * Decimal(str(share))",
         },
-        "The file /repo/services/payments/refund.py has been updated.",
+        f"The file {REFUND} has been updated.",
     ),
     (
         "Running the refund tests.",
@@ -152,12 +148,8 @@ ASSISTANT = [
     (
         "Fixing the invoice.",
         "Edit",
-        {
-            "file_path": "/repo/services/payments/invoice.py",
-            "old_string": "float(subtotal)",
-            "new_string": "Decimal(subtotal)",
-        },
-        "The file /repo/services/payments/invoice.py has been updated.",
+        {"file_path": INVOICE, "old_string": "float(subtotal)", "new_string": "Decimal(subtotal)"},
+        f"The file {INVOICE} has been updated.",
     ),
     ("Running the suite.", "Bash", {"command": "pytest services/payments -q"}, "213 passed in 8.12s"),
 ]
@@ -211,24 +203,15 @@ def as_chat(body: dict, billing: bool = False) -> tuple[list[dict], list[dict]]:
         for r in (b for b in m["content"] if b["type"] == "tool_result"):
             messages.append({"role": "tool", "tool_call_id": r["tool_use_id"], "content": r["content"]})
         if uses:
-            calls = [
-                {
-                    "id": u["id"],
-                    "type": "function",
-                    "function": {"name": u["name"], "arguments": json.dumps(u["input"])},
-                }
-                for u in uses
-            ]
+            functions = [{"name": u["name"], "arguments": json.dumps(u["input"])} for u in uses]
+            calls = [{"id": u["id"], "type": "function", "function": f} for u, f in zip(uses, functions, strict=True)]
             messages.append({"role": "assistant", "content": texts, "tool_calls": calls})
         elif texts:
             messages.append({"role": m["role"], "content": texts})
-    tools = [
-        {
-            "type": "function",
-            "function": {"name": t["name"], "description": t["description"], "parameters": t["input_schema"]},
-        }
-        for t in body["tools"]
+    functions = [
+        {"name": t["name"], "description": t["description"], "parameters": t["input_schema"]} for t in body["tools"]
     ]
+    tools = [{"type": "function", "function": f} for f in functions]
     return messages, tools
 
 
@@ -238,13 +221,8 @@ def as_chat(body: dict, billing: bool = False) -> tuple[list[dict], list[dict]]:
 def stream_messages(url: str, body: dict) -> Turn:
     """One streamed /v1/messages request; TTFT to the first content_block_delta."""
     start, ttft, usage = time.perf_counter(), None, {}
-    with httpx.stream(
-        "POST",
-        url + "/v1/messages",
-        json=body,
-        timeout=900,
-        headers={"anthropic-version": "2023-06-01", "x-api-key": "unused"},
-    ) as resp:
+    headers = {"anthropic-version": "2023-06-01", "x-api-key": "unused"}
+    with httpx.stream("POST", url + "/v1/messages", json=body, timeout=900, headers=headers) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"{url}/v1/messages -> {resp.status_code}: {resp.read().decode()[:500]}")
         for line in resp.iter_lines():
@@ -419,14 +397,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", type=int, default=1, help="attention heads of the built model (64 dimensions each)")
     parser.add_argument("--vllm-mlx", help="the vllm-mlx executable of a scratch venv (left out: not run)")
     parser.add_argument("--turns", type=int, default=10)
-    parser.add_argument(
-        "--rounds", type=int, default=1, help="the session this many times per server, rotated; medians"
-    )
+    parser.add_argument("--rounds", type=int, default=1, help="sessions per server, in rotation; medians")
     parser.add_argument("--synthetic", action="store_true", help="the synthetic shape even when a recording exists")
     parser.add_argument("--ours-config", type=Path, help="a config file for both of our servers")
-    parser.add_argument(
-        "--baseline", type=Path, help="another source tree of ours (e.g. `git archive` of a commit), run too"
-    )
+    parser.add_argument("--baseline", type=Path, help="another source tree of ours (`git archive` of a commit)")
     parser.add_argument("--recording", type=Path, help="a recorded Claude Code /v1/messages request body (JSON)")
     parser.add_argument("--no-chat", action="store_true", help="ours over /v1/messages only")
     parser.add_argument("--chat-billing", action="store_true", help="the billing line in the chat requests too")
@@ -435,13 +409,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     if args.model is None:
-        folder = (
-            Path.home()
-            / ".cache"
-            / "mlx-kvserve-try-clients"
-            / ("model" if (args.layers, args.heads) == (1, 1) else f"model-{args.layers}l{args.heads}h")
-        )
-        args.model = build_model(folder, 131072, 12.0, args.layers, args.heads)
+        args.model = cached_model(131072, args.layers, args.heads)
     files = [args.recording] if args.recording else []
     shape = (None if args.synthetic else recorded_shape(files)) or synthetic_shape()
     ours = [OURS, *([] if args.no_chat else [OURS_CHAT])]

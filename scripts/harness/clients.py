@@ -31,6 +31,15 @@ class ChatReply(NamedTuple):
     done_s: float = 0.0  # seconds to the last content piece (decode rate: tokens after the first over done - ttft)
 
 
+def sse_chunks(server: Server, body: dict, timeout_s: float):
+    """The parsed `data:` chunks of a streamed /v1/chat/completions request (an error status raises)."""
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=timeout_s) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])
+
+
 def stream_chat(server: Server, messages: list[dict], max_tokens: int, timeout_s: float = 600) -> ChatReply:
     """One streamed greedy chat completion, timed from the request to its first content token."""
     body = {
@@ -44,23 +53,17 @@ def stream_chat(server: Server, messages: list[dict], max_tokens: int, timeout_s
     body = {k: v for k, v in body.items() if v is not None}
     start = time.perf_counter()
     first, last, text, cached, completion = None, 0.0, [], None, 0
-    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=timeout_s) as resp:
-        resp.raise_for_status()
-        for line in resp.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            for choice in chunk.get("choices") or []:
-                piece = (choice.get("delta") or {}).get("content")
-                if piece:
-                    last = time.perf_counter() - start
-                    if first is None:
-                        first = last
-                    text.append(piece)
-            usage = chunk.get("usage")
-            if usage:
-                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-                completion = usage.get("completion_tokens") or 0
+    for chunk in sse_chunks(server, body, timeout_s):
+        for choice in chunk.get("choices") or []:
+            piece = (choice.get("delta") or {}).get("content")
+            if piece:
+                last = time.perf_counter() - start
+                first = last if first is None else first
+                text.append(piece)
+        usage = chunk.get("usage")
+        if usage:
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+            completion = usage.get("completion_tokens") or 0
     ttft = first if first is not None else time.perf_counter() - start
     return ChatReply(ttft, "".join(text), cached, completion, last)
 
@@ -92,18 +95,13 @@ def stream_turn(server: Server, messages: list[dict], tools: list[dict], max_tok
         body["model"] = "default"
     start = time.perf_counter()
     ttft, first, usage = None, "none", {}
-    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=900) as resp:
-        resp.raise_for_status()
-        for line in resp.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            for choice in chunk.get("choices") or []:
-                delta = choice.get("delta") or {}
-                kind = next((k for k in ("content", "tool_calls", "reasoning_content") if delta.get(k)), None)
-                if kind and ttft is None:
-                    ttft, first = time.perf_counter() - start, kind
-            usage = chunk.get("usage") or usage
+    for chunk in sse_chunks(server, body, 900):
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            kind = next((k for k in ("content", "tool_calls", "reasoning_content") if delta.get(k)), None)
+            if kind and ttft is None:
+                ttft, first = time.perf_counter() - start, kind
+        usage = chunk.get("usage") or usage
     if ttft is None:  # nothing streamed before the end
         ttft = time.perf_counter() - start
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")

@@ -5,14 +5,12 @@ the same home folder; the first question again."""
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from typing import NamedTuple
 
 import httpx
 
-from harness import OURS
-from harness.servers import Server, free_port
+from harness.servers import Server, kvserve_server
 
 QUESTIONS = ("Which town is on river 3?", "And which one is on river 9?")
 
@@ -52,9 +50,7 @@ class Journey(NamedTuple):
 
 def start_server(model: Path, home: Path) -> Server:
     """`mlx-kvserve run` as a child process with its own home folder (so its own cache folders), ready."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "mlx_kvserve", "run", "--model", str(model), "--port", str(port)]
-    server = Server(OURS, cmd, port, dict(os.environ, MLX_KVSERVE_HOME=str(home), PYTHONUNBUFFERED="1"), "/health")
+    server = kvserve_server(model, dict(os.environ, PYTHONUNBUFFERED="1"), home)
     server.wait("/health", timeout=180)
     return server
 

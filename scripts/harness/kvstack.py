@@ -69,14 +69,9 @@ def make_generator(
         store.validate_index()
         holder: list[SSDTier] = []
         writer = SSDWriterThread(save_batch=lambda jobs: holder[0].save_jobs(jobs))  # as engine/build.py
+        codec = (layout.to_arrays, layout.from_arrays)
         tier = SSDTier(
-            store,
-            writer,
-            "write_through",
-            layout.to_arrays,
-            layout.from_arrays,
-            write_hold_s=write_hold_s,
-            exact_tails=layout.exact_tails,
+            store, writer, "write_through", *codec, write_hold_s=write_hold_s, exact_tails=layout.exact_tails
         )
         holder.append(tier)
         OPEN_TIERS.append(tier)

@@ -63,6 +63,14 @@ class Server:
             self.proc.kill()
 
 
+def kvserve_server(model: Path, env: dict[str, str], home: Path | str, *args: str, name: str = OURS) -> Server:
+    """`mlx-kvserve run --model model` (and `args`) on a free port with `home` as its MLX_KVSERVE_HOME, ready at
+    /health; started, not waited for."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "mlx_kvserve", "run", "--model", str(model), "--port", str(port), *args]
+    return Server(name, cmd, port, dict(env, MLX_KVSERVE_HOME=str(home)), "/health")
+
+
 def server_env() -> dict[str, str]:
     """This process's environment with OpenBLAS preloaded where installed (the same BLAS for both servers)."""
     return preload_env(dict(os.environ, PYTHONUNBUFFERED="1"))
@@ -74,17 +82,8 @@ def vllm_mlx_server(executable: str, model_dir: Path, home: Path, env: dict[str,
     `home` becomes its HOME: it saves its prefix cache under ~/.cache/vllm-mlx and loads it on start,
     so a fresh one keeps first turns cold, as on the other servers."""
     port = free_port()
-    cmd = [
-        executable,
-        "serve",
-        str(model_dir),
-        "--port",
-        str(port),
-        "--continuous-batching",
-        "--enable-prefix-cache",
-        "--served-model-name",
-        "default",
-    ]
+    cmd = [executable, "serve", str(model_dir), "--port", str(port), "--continuous-batching"]
+    cmd += ["--enable-prefix-cache", "--served-model-name", "default"]
     return Server(VLLM, cmd, port, dict(env or server_env(), HOME=str(home)), "/v1/models")
 
 
@@ -122,25 +121,18 @@ def start_servers(model_dir: Path | None = None, vllm_mlx: str | None = None) ->
     model_dir = model_dir or default_model_dir()
     env = server_env()
     home = tempfile.mkdtemp(prefix="kvserve-bench-")
-    ours_port, theirs_port = free_port(), free_port()
+    theirs_port = free_port()
     share = shared_device_bytes(3 if vllm_mlx else 2)
     config = {"server": {"mlx_cache_limit_bytes": share}, "cache": {"ram_max_bytes": share}} if share else {}
-    ours_cmd = [sys.executable, "-m", "mlx_kvserve", "run", "--model", str(model_dir), "--port", str(ours_port)]
     if config:
         (Path(home) / "config.toml").write_text(toml_text(config))
-        ours_cmd += ["--config", str(Path(home) / "config.toml")]
-    ours = Server(OURS, ours_cmd, ours_port, dict(env, MLX_KVSERVE_HOME=home), "/health")
+    ours = kvserve_server(model_dir, env, home, *(["--config", str(Path(home) / "config.toml")] if config else []))
     ours.config = config
     theirs_cmd = [sys.executable, "-m", "mlx_lm.server"]
     if share:
         theirs_cmd = [sys.executable, "-c", BOUNDED_MLX_LM_SERVER, str(share), "--prompt-cache-bytes", str(share)]
-    theirs = Server(
-        THEIRS,
-        theirs_cmd + ["--model", str(model_dir), "--port", str(theirs_port)],
-        theirs_port,
-        env,
-        "/v1/models",
-    )
+    theirs_cmd += ["--model", str(model_dir), "--port", str(theirs_port)]
+    theirs = Server(THEIRS, theirs_cmd, theirs_port, env, "/v1/models")
     servers = [ours, theirs]
     if vllm_mlx:
         servers.append(vllm_mlx_server(vllm_mlx, model_dir, Path(tempfile.mkdtemp(prefix="vllm-mlx-home-")), env))

@@ -121,14 +121,8 @@ def _with_overrides(config: dict[str, Any], overrides: dict[str, Any]) -> dict[s
 
 def llama_config(shape: str = "tiny", **overrides: Any) -> dict[str, Any]:
     """config.json for a llama of a named shape (see SHAPES), with overrides."""
-    config: dict[str, Any] = {
-        "model_type": "llama",
-        "rms_norm_eps": 1e-5,
-        "tie_word_embeddings": False,
-        "eos_token_id": [2],
-        **SHAPES[shape],
-    }
-    return _with_overrides(config, overrides)
+    config = {"model_type": "llama", "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "eos_token_id": [2]}
+    return _with_overrides({**config, **SHAPES[shape]}, overrides)
 
 
 def random_llama(config: dict[str, Any], seed: int = 0, dtype: mx.Dtype = mx.float32, scale: float = 1.0) -> nn.Module:
@@ -154,18 +148,20 @@ def random_llama(config: dict[str, Any], seed: int = 0, dtype: mx.Dtype = mx.flo
 # windows (RotatingKVCache) and recurrent layers (ArraysCache) mixed with full attention (KVCache).
 # Field names follow each family's mlx-lm ModelArgs; shapes are small enough for CPU tests.
 _ATTENTION = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+_DELTANET = {  # Gated DeltaNet layers (ArraysCache: conv + recurrent state), full attention every 2nd layer
+    "num_hidden_layers": 4,
+    "intermediate_size": 128,
+    "full_attention_interval": 2,
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+}
 FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
-    # Gated DeltaNet (ArraysCache: conv + recurrent state) with full attention every 2nd layer.
     "qwen3_5": {
         **_ATTENTION,
-        "num_hidden_layers": 4,
-        "intermediate_size": 128,
-        "full_attention_interval": 2,
-        "linear_num_value_heads": 4,
-        "linear_num_key_heads": 2,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
-        "linear_conv_kernel_dim": 4,
+        **_DELTANET,
         "rms_norm_eps": 1e-6,
         "max_position_embeddings": 4096,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
@@ -173,14 +169,7 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
     # Qwen3.5's predecessor: the same layer mix, with a small mixture of experts.
     "qwen3_next": {
         **_ATTENTION,
-        "num_hidden_layers": 4,
-        "intermediate_size": 128,
-        "full_attention_interval": 2,
-        "linear_num_value_heads": 4,
-        "linear_num_key_heads": 2,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
-        "linear_conv_kernel_dim": 4,
+        **_DELTANET,
         "num_experts": 4,
         "num_experts_per_tok": 2,
         "decoder_sparse_step": 1,

@@ -1,26 +1,32 @@
 """scripts/' entry points through their scenario command line (harness/cli.py): every one lists its scenarios,
-an unknown scenario is refused, and three cheap scenarios run end to end in a subprocess (the long-context
-journey on a 1% prompt, the tiny VLM builder, a restore of a 320-token prompt)."""
+an unknown scenario is refused, and cheap scenarios run end to end in a subprocess (the long-context
+journey on a 1% prompt, the tiny VLM builder, a restore of a 320-token prompt, the real `llm` client for two turns;
+a client not installed named with its install command)."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import ROOT
+
+from mlx_kvserve.launch.clients import CLIENTS
 
 ENTRY_POINTS = {
     "bench_engine.py": ["lengths", "hit-blocks", "restore", "ssd-io"],
     "features.py": ["tiny-vlm", "models", "model-threads"],
     "journeys.py": ["quickstart", "hybrid-restart", "long-context"],
-    "agents.py": ["session"],
+    "agents.py": ["session", "clients"],
 }
 
 
-def script(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+def script(*args: str, timeout: int = 120, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 @pytest.mark.parametrize("name", sorted(ENTRY_POINTS))
@@ -57,3 +63,44 @@ def test_the_restore_scenario_restores_a_short_prompt_from_the_disk_end_to_end(t
     assert row["tokens"] == 320 and row["files"] >= 320 // 64  # at least the five full blocks were read
     assert row["cached_tokens"] == 319  # every token but the last, read back from the block files
     assert row["restore"] > 0 and row["before_restore"] > 0 and row["floor"] == row["raw_read_cold"] + row["ram_hit"]
+
+
+def test_the_clients_scenario_names_the_install_command_of_a_client_not_installed(tmp_path):
+    env = dict(os.environ, PATH=str(tmp_path))  # an empty folder: no client on PATH (the venv's bin has none asked)
+    args = ["clients", "--clients", "claude,codex", "--out", str(tmp_path / "out")]
+    proc = script("scripts/agents.py", *args, env=env)
+    assert proc.returncode == 2, proc.stderr[-2000:]  # none installed: nothing ran, no server started
+    for name in ("claude", "codex"):
+        assert f"{name}: not installed; install it with: {CLIENTS[name].install}" in proc.stdout
+    assert not (tmp_path / "out").exists()
+    wrong = script("scripts/agents.py", "clients", "--clients", "claude,notepad", env=env)
+    assert wrong.returncode == 1 and "unknown client(s) notepad" in wrong.stderr
+
+
+LLM = shutil.which("llm", path=str(Path(sys.executable).parent))  # `make setup` installs it (the test extras)
+if LLM is None and os.environ.get("CI") == "true":  # CI must not turn green with the real client's run dropped
+    pytest.fail("CI=true: the llm client is not installed in the venv (pip install -e '.[test]')", pytrace=False)
+
+
+@pytest.mark.skipif(LLM is None, reason="the llm client is not installed in the venv (pip install llm)")
+def test_the_clients_scenario_runs_the_real_llm_client_and_records_its_requests(tmp_path):
+    from harness.agent_clients import load_all
+    from harness.agent_model import build_model
+
+    model = build_model(tmp_path / "model", 4096, 12.0)
+    args = ["--clients", "llm", "--model", str(model), "--record", "--data", str(tmp_path / "data")]
+    proc = script(
+        "scripts/agents.py", "clients", *args, "--out", str(tmp_path / "out"), "--timeout", "120", timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [run_dir] = (tmp_path / "out").iterdir()
+    [row] = json.loads((run_dir / "results.json").read_text())["results"]
+    assert row["client"] == "llm" and row["works"] and row["failure"] == ""
+    assert row["turn2_prompt"] > row["turn1_prompt"] > 0  # turn 2 resends turn 1 with the reply and "again"
+    assert row["turn2_cached"] >= row["turn1_prompt"] - 1  # ... and finds turn 1's prompt cached
+    [rec] = load_all(tmp_path / "data")
+    version = subprocess.run([LLM, "--version"], capture_output=True, text=True).stdout.split()[-1]
+    assert (rec["client"], rec["version"]) == ("llm", version)
+    chats = [r["body"] for r in rec["requests"] if r["method"] == "POST" and r["path"] == "/v1/chat/completions"]
+    assert len(chats) == 2 and chats[0]["messages"] == [{"role": "user", "content": "say hi"}]
+    assert chats[1]["messages"][-1] == {"role": "user", "content": "again"}

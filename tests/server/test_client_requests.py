@@ -1,6 +1,7 @@
 """Every request a recorded client version sent is served (issue 47): the bodies of Claude Code, Codex,
-opencode, Qwen Code, Cline, aider and llm as `try_clients.py --record` saved them (tests/data/client_requests/,
-long text cut; the script retired: `git show 77ef6db:scripts/try_clients.py`), replayed against the server with a tool-calling model.
+opencode, Qwen Code, Cline, aider and llm as `scripts/agents.py clients --record` saves them
+(tests/data/client_requests/, long text cut: scripts/harness/agent_clients.py), replayed against the server with a
+tool-calling model.
 A field a client sends that the server refuses (400, 422, 404) fails here, naming client, version,
 request and the server's message. The engine is scripted: parsing, the template and the reply's
 shape are what is checked, not the model's answer."""
@@ -10,7 +11,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from clientrequests import load_all
+from harness.agent_clients import load_all
 from starlette.testclient import TestClient
 from test_api_tools import _loaded
 from test_hardening_wire import make_engine

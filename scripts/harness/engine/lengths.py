@@ -44,6 +44,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import os
@@ -55,7 +56,7 @@ from pathlib import Path
 
 import numpy as np
 
-from harness.diskio import CAN_DROP, block_files, drop_files, raw_read_s
+from harness.diskio import CAN_DROP, block_files, drop_files, raw_read_s, read_file
 from harness.hits import JoinCounter, OneCache
 from harness.long_context import LONG_MEDIANS, copy_floor, long_lines, make_compute_free, peak_rss_during
 from harness.reports import machine, median, write_report
@@ -64,17 +65,9 @@ from harness.synthetic import kv_bytes_per_token
 
 QUESTION_TOKENS = 32
 MEDIANS = ("cold_s", "ram_hit_s", "ssd_hit_s", "ssd_split_s", "floor_s", "raw_read_gib_s", "mlx_lm_cold_s")
-ISSUE44_MEDIANS = (
-    "repeat_s",
-    "restore_s",
-    "restore_floor_s",
-    "raw_cold_read_gib_s",
-    "mlx_lm_repeat_s",
-    "mlx_lm_new_question_s",
-    "repeat_over_mlx_lm",
-    "new_question_over_mlx_lm",
-    "restore_over_floor",
-    "restore_over_mlx_lm_cold",
+ISSUE44_MEDIANS = tuple(
+    "repeat_s restore_s restore_floor_s raw_cold_read_gib_s mlx_lm_repeat_s mlx_lm_new_question_s repeat_over_mlx_lm "
+    "new_question_over_mlx_lm restore_over_floor restore_over_mlx_lm_cold".split()
 )
 KV_DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 
@@ -90,11 +83,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="results/gpu")
     parser.add_argument("--layers", type=int, default=0, help="0: the shape's")
     parser.add_argument("--compute-free", action="store_true", help="attention without scores (harness/long_context)")
-    parser.add_argument(
-        "--ram-max-bytes",
-        default="",
-        help="the RAM tier budget, e.g. 5GiB (default: the plan's; 1GiB on a small shape)",
-    )
+    ram_help = "the RAM tier budget, e.g. 5GiB (default: the plan's; 1GiB on a small shape)"
+    parser.add_argument("--ram-max-bytes", default="", help=ram_help)
     parser.add_argument("--prefill-step", type=int, default=0, help="[generation] prefill_step_size (0: by device)")
     parser.add_argument("--warmup-tokens", type=int, default=0, help="the throwaway warm-up prefix (0: each length)")
 
@@ -178,19 +168,13 @@ def build_model(args: argparse.Namespace, folder: Path):
 
 
 def raw_read_bps(folder: Path) -> float:
-    """Bytes per second of plain sequential reads of every file under `folder` (as they are: the
+    """Bytes per second of plain sequential reads of every block file under `folder` (as they are: the
     restart hits just read them, so mostly from the page cache, like the hits themselves)."""
-    buf, total = memoryview(bytearray(8 << 20)), 0
-    start = time.perf_counter()
-    for path in folder.rglob("*.safetensors"):
-        if path.name.startswith(".") or ".tmp" in path.name:
-            continue  # a save in progress (the writer may still be running): not a stored file
-        try:
-            with open(path, "rb", buffering=0) as f:
-                while n := f.readinto(buf):
-                    total += n
-        except FileNotFoundError:  # evicted or replaced since the listing
-            continue
+    files = [p for p in block_files(folder) if not p.name.startswith(".")]  # not a save in progress
+    buf, total, start = memoryview(bytearray(8 << 20)), 0, time.perf_counter()
+    for path in files:
+        with contextlib.suppress(FileNotFoundError):  # evicted or replaced since the listing
+            total += read_file(path, buf)
     elapsed = time.perf_counter() - start
     return total / elapsed if elapsed > 0 and total else 0.0
 

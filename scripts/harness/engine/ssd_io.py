@@ -33,12 +33,7 @@ from xxhash import xxh3_128
 
 from harness.diskio import CAN_DROP, drop_file, read_file
 from harness.reports import median, write_report
-from mlx_kvserve.kv.ssd.format import (
-    FORMAT_VERSION,
-    BlockHeader,
-    block_checksum,
-    block_relpath,
-)
+from mlx_kvserve.kv.ssd.format import FORMAT_VERSION, BlockHeader, block_checksum, block_relpath
 from mlx_kvserve.kv.ssd.store import SaveResult, SSDStore
 from mlx_kvserve.kv.ssd.writer import WriteJob
 
@@ -75,11 +70,8 @@ def make_payloads(shape: Shape, count: int) -> list[dict[str, mx.array]]:
     """`count` random payloads (random bits do not compress); blocks reuse them under distinct hashes."""
     payloads = []
     for _ in range(count):
-        arrays = {
-            f"{i}.{kv}": mx.random.normal((1, shape.heads, shape.tokens, shape.head_dim)).astype(shape.dtype)
-            for i in range(shape.layers)
-            for kv in "kv"
-        }
+        dims = (1, shape.heads, shape.tokens, shape.head_dim)
+        arrays = {f"{i}.{kv}": mx.random.normal(dims).astype(shape.dtype) for i in range(shape.layers) for kv in "kv"}
         mx.eval(arrays)
         payloads.append(arrays)
     return payloads

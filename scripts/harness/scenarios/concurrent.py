@@ -182,15 +182,13 @@ def report_lines(result: dict, names: list[str]) -> list[str]:
     ours, peers = names[0], [n for n in (THEIRS, VLLM) if n in names[1:]]
     cases = [f"C={n}" for n in result["clients"]] + ["shared8"]
     turns = {case: max(len(result[n][case].get("ttft_mean", [])) for n in names) for case in cases}
+    heads = [f"{n} TTFT mean / p90 s" for n in names] + [f"ours / {p}" for p in peers]
     lines = [
         f"Concurrent clients: own ~{result['system_words']}-word system prompts, {result['turns']} turns, "
         f"{result['max_tokens']} tokens per reply; `shared8`: 8 clients at once on one cold system prompt. "
         "Servers one after the other; ratios are ours / peer (below 1: ours faster, for tokens/s above 1).",
         "",
-        "| case | turn | "
-        + " | ".join(f"{n} TTFT mean / p90 s" for n in names)
-        + "".join(f" | ours / {p}" for p in peers)
-        + " |",
+        "| case | turn | " + " | ".join(heads) + " |",
         "|---" * (len(names) + len(peers) + 2) + "|",
     ]
     for case in cases:

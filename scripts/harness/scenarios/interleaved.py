@@ -23,13 +23,11 @@ def short_system(tag: str, topic: str, rules: int = 6) -> str:
 def scenario_interleaved(servers: list[Server], conversations: int = 14, turns: int = 3, max_tokens: int = 12) -> dict:
     """{server: {"ttft_mean": [per turn], "cached_mean": [per turn], "ttft": [[per conversation] per turn]}}."""
     stamp = time.time()
-    chats = {
-        s.name: [
-            [{"role": "system", "content": short_system(f"{s.name}-{c}-{stamp}", TOPICS[c % len(TOPICS)])}]
-            for c in range(conversations)
-        ]
+    systems = {
+        s.name: [short_system(f"{s.name}-{c}-{stamp}", TOPICS[c % len(TOPICS)]) for c in range(conversations)]
         for s in servers
     }
+    chats = {name: [[{"role": "system", "content": text}] for text in texts] for name, texts in systems.items()}
     ttft = {s.name: [[] for _ in range(turns)] for s in servers}
     cached = {s.name: [[] for _ in range(turns)] for s in servers}
     for turn in range(turns):

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 
 from harness.clients import chat_ttft
-from harness.servers import Server, free_port
+from harness.servers import Server, free_port, kvserve_server
 
 QUESTIONS = ["Name a river.", "Name a mountain.", "Name a desert.", "Name an ocean.", "Name a lake."]
 
@@ -74,22 +74,10 @@ def run_pins(model_dir: Path, env: dict[str, str], depths: list[int], rules: int
     config.write_text(BUDGETS_TOML)
     results: dict = {"depths": depths, "flood_conversations": flood_n, "rules": rules}
     for variant, kind in VARIANTS:
-        port = free_port()
         if kind == "mlx-kvserve":
-            cmd = [
-                sys.executable,
-                "-m",
-                "mlx_kvserve",
-                "run",
-                "--model",
-                str(model_dir),
-                "--port",
-                str(port),
-                "--config",
-                str(config),
-            ]
-            server = Server(kind, cmd, port, dict(env, MLX_KVSERVE_HOME=str(home / variant)), "/health")
+            server = kvserve_server(model_dir, env, home / variant, "--config", str(config))
         else:
+            port = free_port()
             cmd = [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir), "--port", str(port)]
             server = Server(kind, cmd, port, env, "/v1/models")
         try:
