@@ -132,11 +132,13 @@ class Exchange(NamedTuple):
 
 
 class Proxy:
-    """Forwards each request to `upstream` and keeps an Exchange for it. A response is passed on whole once the server has sent it: a client reads a streamed reply that arrives at
+    """Forwards each request to `upstream`, keeps an Exchange for it and saves its body under `folder` (a Claude Code
+    one is what `agents.py session --recording` reads). A response is passed on whole once the server has sent it: a client reads a streamed reply that arrives at
     once just the same."""
 
-    def __init__(self, upstream: str):
-        self.upstream, self.exchanges = upstream, []
+    def __init__(self, upstream: str, folder: Path):
+        self.upstream, self.folder, self.exchanges = upstream, folder, []
+        folder.mkdir(parents=True)
         self.lock = threading.Lock()  # guards exchanges
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -159,6 +161,8 @@ class Proxy:
                 error = reply.text[:2000] if reply.status_code >= 400 else ""
                 with proxy.lock:
                     proxy.exchanges.append(Exchange(self.command, self.path, body, reply.status_code, error))
+                    name = f"{len(proxy.exchanges):03d}-{self.command}{self.path.split('?')[0].replace('/', '_')}.json"
+                (proxy.folder / name).write_bytes(body)
                 self.send_response(reply.status_code)
                 for key, value in reply.headers.items():
                     if key.lower() not in skip:
@@ -241,9 +245,8 @@ def run_client(client: str, env: dict[str, str], server: Server, proxy: Proxy, a
             failure = f"turn {turn} exit {rc}: {tail[-1] if tail else ''} (output: {out})"
     exchanges = proxy.exchanges[first_exchange:]
     refused = [e for e in exchanges if e.status >= 400 and e.method == "POST"]  # a refused GET a client gets past
-    if refused:  # the request kept beside the client's output
-        (folder / "refused.json").write_bytes(refused[0].body)
-        failure = f"{refused[0].path} -> {refused[0].status}: {refused[0].error[:300]} ({folder / 'refused.json'})"
+    if refused:
+        failure = f"{refused[0].path} -> {refused[0].status}: {refused[0].error[:300]} (bodies in {proxy.folder})"
     if args.record and (found := client_version(client, env, args.python)):
         rec = recording(RECORDED_NAMES.get(client, client), found, [(e.method, e.path, e.body) for e in exchanges])
         print(f"  recorded {len(exchanges)} requests in {save(rec, args.data)}", flush=True)
@@ -299,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
     results = []
     try:
         server.wait("/health", timeout=600)
-        proxy = Proxy(server.url)
+        proxy = Proxy(server.url, args.run_dir / "requests")
         print(f"server {server.url} (log {server.log.name}), proxy {proxy.url}, output in {args.run_dir}", flush=True)
         for client in clients:
             print(f"{client}:", flush=True)

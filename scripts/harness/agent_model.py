@@ -1,4 +1,4 @@
-"""The random-weight model the agent session (agents.py session) serves, as try_clients.py (retired) did
+"""The random-weight model the agent session (agents.py session) serves, as agents.py clients does
 to real agent clients: a tiny llama with SmolLM2's tokenizer and the Qwen-style tool template, biased to end
 its replies after a few tokens, built once into a folder and reused while its recipe is unchanged."""
 

@@ -1,7 +1,7 @@
 """A Claude Code-shaped session on three servers, one after the other, in one run (issue 24).
 
-The session: Claude Code's system prompt and tool schemas (from a recorded request, `--recording`, as the
-retired try_clients.py saved them, else a synthetic ~25k-token stand-in of the same shape), 10 turns; each
+The session: Claude Code's system prompt and tool schemas (from a request body, `--recording`, as `agents.py
+clients` saves them in requests/, else a synthetic ~25k-token stand-in of the same shape), 10 turns; each
 turn appends the previous assistant part (a scripted reply, or a scripted tool_use and its tool_result, as
 Claude Code sends them) and a new user message. Every request opens its system prompt with Claude Code's billing
 line, `x-anthropic-billing-header: cc_version=…; cch=<random per request>;`. Streamed, greedy, 16 tokens.

@@ -1,7 +1,7 @@
 """`mlx-kvserve launch CLIENT` (issue 47): what each client is given (`--dry-run`'s output), the key
 kept out of sight, the private files, a missing client, and a launch that runs a (stand-in) client
 with the profile's environment. A small HTTP server stands in for mlx-kvserve; no model, no real client
-(the real ones were run by try_clients.py, retired: `git show 77ef6db:scripts/try_clients.py`)."""
+(the real ones run with `scripts/agents.py clients`; tests/scripts/test_entry_points.py runs llm)."""
 
 from __future__ import annotations
 

@@ -95,6 +95,7 @@ def test_the_clients_scenario_runs_the_real_llm_client_and_records_its_requests(
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     [run_dir] = (tmp_path / "out").iterdir()
     [row] = json.loads((run_dir / "results.json").read_text())["results"]
+    assert len(list((run_dir / "requests").glob("*POST_v1_chat_completions.json"))) == 2  # each body kept
     assert row["client"] == "llm" and row["works"] and row["failure"] == ""
     assert row["turn2_prompt"] > row["turn1_prompt"] > 0  # turn 2 resends turn 1 with the reply and "again"
     assert row["turn2_cached"] >= row["turn1_prompt"] - 1  # ... and finds turn 1's prompt cached
