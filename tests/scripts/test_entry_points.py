@@ -107,3 +107,12 @@ def test_the_clients_scenario_runs_the_real_llm_client_and_records_its_requests(
     chats = [r["body"] for r in rec["requests"] if r["method"] == "POST" and r["path"] == "/v1/chat/completions"]
     assert len(chats) == 2 and chats[0]["messages"] == [{"role": "user", "content": "say hi"}]
     assert chats[1]["messages"][-1] == {"role": "user", "content": "again"}
+
+
+def test_the_sdk_runs_are_python_that_defines_its_tool_before_use():
+    from harness.agent_clients import SDK_SCRIPTS, SDK_TURNS, WEATHER
+
+    assert set(SDK_SCRIPTS) == set(SDK_TURNS) == {"agents", "langchain", "litellm"}
+    for name, script in SDK_SCRIPTS.items():
+        code = compile(WEATHER + script, name, "exec")  # a syntax error in a script run only with the SDK installed
+        assert "get_weather" in code.co_names or "schema" in code.co_names, name
