@@ -114,3 +114,29 @@ def test_the_picture_check_finds_a_new_package_and_an_import_upward():
         "no place in BOXES for plugins",
         "against the layers: kv -> server (1 imports)",
     ]
+
+
+DOTTED = re.compile(r"\b([A-Z]\w+)\.(\w+)\b")
+
+
+def missing_members(doc: str, package: Path = PACKAGE) -> list[str]:
+    """`Class.member` names in `doc` whose class the package defines but whose member none of its files defines."""
+    sources = [p.read_text() for p in package.rglob("*.py")]
+    missing = []
+    for cls, member in sorted(set(DOTTED.findall(doc))):
+        homes = [s for s in sources if re.search(rf"^class {cls}\b", s, re.M)]
+        defined = re.compile(rf"^\s+(?:async )?def {member}\(|^\s+{member}\s*[:=]", re.M)
+        if homes and not any(defined.search(s) for s in homes):
+            missing.append(f"{cls}.{member}")
+    return missing
+
+
+def test_every_method_the_doc_names_exists():
+    missing = missing_members(DOC.read_text())
+    assert not missing, f"docs/architecture.md names {missing}, which their classes do not define"
+
+
+def test_the_member_check_finds_a_renamed_method(tmp_path):
+    (tmp_path / "a.py").write_text("class Engine:\n    limit = 1\n\n    def start(self):\n        pass\n")
+    doc = "`Engine.start` · `Engine.limit` · `Engine.begin` · `BatchGenerator.insert`"
+    assert missing_members(doc, tmp_path) == ["Engine.begin"]
