@@ -2,7 +2,8 @@
 there: a module counts as named by its path under mlx_kvserve/ (`server/slots.py`), or by its file name in a
 list under its folder (`kv/` ... `ram.py`); a sub-package's list (`openai/` (`parse` · `tools`)) may give
 stems; a package is named by its folder (`launch/`). And the other way: every `.py` file and `.md` page the doc
-names exists, so it cannot send a newcomer to a module that moved or went away."""
+names exists, and every `Class.member` it names is defined, so it cannot send a newcomer to a module or a
+method that moved or went away."""
 
 from __future__ import annotations
 
