@@ -8,7 +8,7 @@ line, `x-anthropic-billing-header: cc_version=…; cch=<random per request>;`. S
 
 - mlx-kvserve through `POST /v1/messages` (cached tokens: usage.cache_read_input_tokens), and again, fresh,
   through `POST /v1/chat/completions` with the chat form of the same conversation (as mlx_lm.server gets it);
-- vllm-mlx (a scratch venv, `--vllm-mlx`) through its `POST /v1/messages`, same bodies;
+- vllm-mlx (a scratch venv, `--vllm-mlx`) through its `POST /v1/messages`, same bodies, then fresh over chat;
 - mlx_lm.server through `POST /v1/chat/completions`: the same conversation as chat messages, without the
   billing line (a chat client sends no Anthropic billing line; with its per-request nonce at the start of
   the prompt no server reuses anything: `--chat-billing` keeps it as the system message's first line).
@@ -46,9 +46,9 @@ from harness.reports import write_report
 from harness.servers import Server, free_port, server_env, vllm_mlx_server
 
 CC_VERSION = "2.1.197.123"
-OURS_CHAT = f"{OURS} (chat)"  # ours again, over /v1/chat/completions
+OURS_CHAT, VLLM_CHAT = f"{OURS} (chat)", f"{VLLM} (chat)"  # again, over /v1/chat/completions
 BASE, BASE_CHAT = f"{OURS} (baseline)", f"{OURS} (baseline, chat)"  # ours from another source tree
-CHAT_SERVERS = (MLX_LM, OURS_CHAT, BASE_CHAT)
+CHAT_SERVERS = (MLX_LM, OURS_CHAT, BASE_CHAT, VLLM_CHAT)
 OUR_SERVERS = (OURS, OURS_CHAT, BASE, BASE_CHAT)
 MAX_TOKENS = 16
 
@@ -281,8 +281,8 @@ def start(name: str, args: argparse.Namespace, work: Path) -> Server:
         cmd = [sys.executable, "-m", "mlx_kvserve", "run", "--model", str(model), "--port", str(port)]
         cmd += ["--config", str(args.ours_config)] if args.ours_config else []
         server = Server(name, cmd, port, env, "/health")
-    elif name == VLLM:
-        server = vllm_mlx_server(args.vllm_mlx, model, work / "vllm-home", env)  # a fresh HOME: turn 1 cold
+    elif name in (VLLM, VLLM_CHAT):  # a fresh HOME each (it reloads its saved prefix cache): turn 1 cold
+        server = vllm_mlx_server(args.vllm_mlx, model, work / f"vllm-home-{name == VLLM_CHAT}", env)
         cmd = server.cmd
     else:
         cmd = [sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--port", str(port)]
@@ -308,7 +308,7 @@ def run_server(name: str, shape: Shape, turns: int, args: argparse.Namespace, wo
                 if name in CHAT_SERVERS
                 else stream_messages(server.url, body)
             )
-            if name == VLLM:
+            if server.name == VLLM:  # both routes (its Server's name is VLLM: the model named in each body)
                 result = vllm_logged(result, Path(server.log.name), log_start)
             rows.append(result._asdict())
             print(
@@ -412,9 +412,8 @@ def run(args: argparse.Namespace) -> None:
         args.model = cached_model(131072, args.layers, args.heads)
     files = [args.recording] if args.recording else []
     shape = (None if args.synthetic else recorded_shape(files)) or synthetic_shape()
-    ours = [OURS, *([] if args.no_chat else [OURS_CHAT])]
-    base = [BASE, *([] if args.no_chat else [BASE_CHAT])] if args.baseline else []
-    names = [*ours, *base, *([VLLM] if args.vllm_mlx else []), MLX_LM]
+    pairs = [(OURS, OURS_CHAT)] + [(BASE, BASE_CHAT)] * bool(args.baseline) + [(VLLM, VLLM_CHAT)] * bool(args.vllm_mlx)
+    names = [n for pair in pairs for n in pair[: 1 if args.no_chat else 2]] + [MLX_LM]
     work, start_s = Path(tempfile.mkdtemp(prefix="kvserve-claude-session-")), time.perf_counter()
     results: dict = {
         "source": shape.source,
