@@ -100,7 +100,7 @@ class StoreRunReads:
         pool, placed, in_flight = self._read_pool(), [], deque()
         opened = self._open_window(windows[0])
         mx.async_eval([payload for *_, payload in opened])
-        self._allocate(buffers)  # while mlx reads the first window
+        buffers.start()  # while mlx reads the first window
         for i, window in enumerate(windows):
             following = None
             if len(opened) == len(window) and i + 1 < len(windows):
@@ -120,6 +120,8 @@ class StoreRunReads:
                 futures.append(task)
             in_flight.append(futures)
             consumed(len(placed))  # read: the kernel's lead moves on
+            if i == 0:
+                self._allocate(buffers)  # its tasks place it once the buffers are made
             if len(in_flight) > WINDOWS_AHEAD:  # bounded: the payloads wait beside the run
                 wait(in_flight.popleft())
             if len(opened) < len(window) or following is None:
