@@ -155,7 +155,10 @@ class SSDConfig:
     durability: str = "best_effort"  # best_effort: one attempt; persistent: retry failed writes
     persistent_max_retries: int = 3
     async_writes: bool = True  # false: write on the worker thread (slower decode; for debugging)
-    writer_queue_size: int = 512
+    # The writer's queue, by bytes; 0 = a quarter of the RAM budget (at least 256 MiB). Blocks shed
+    # from a full queue are taken back from RAM when it runs empty.
+    writer_queue_bytes: int = 0
+    writer_queue_size: int = 0  # deprecated: a bound by count as well (0 = none)
     # A full writer queue: "shed" drops the least valuable queued block (deep unpinned conversation
     # blocks before shallow shared ones; pinned never), "write_inline" makes the request's thread write it.
     writer_when_full: str = "shed"
@@ -298,7 +301,8 @@ def validate(config: Config) -> Config:
     _check(d.policy in ("write_through", "evict_only"), "ssd.policy", "must be write_through or evict_only")
     _check(d.durability in ("best_effort", "persistent"), "ssd.durability", "must be best_effort or persistent")
     _check(d.persistent_max_retries >= 0, "ssd.persistent_max_retries", "must be >= 0")
-    _check(d.writer_queue_size >= 1, "ssd.writer_queue_size", "must be >= 1")
+    _check(d.writer_queue_bytes >= 0, "ssd.writer_queue_bytes", "must be >= 0 (0 = a quarter of the RAM budget)")
+    _check(d.writer_queue_size >= 0, "ssd.writer_queue_size", "must be >= 0 (0 = no bound by count; deprecated)")
     when_full = ("shed", "write_inline")
     _check(d.writer_when_full in when_full, "ssd.writer_when_full", f"must be one of {', '.join(when_full)}")
     _check(d.prefetch_max_bytes >= 0, "ssd.prefetch_max_bytes", "must be >= 0 (0 = the RAM budget)")

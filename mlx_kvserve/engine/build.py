@@ -146,6 +146,9 @@ def _label_folder(folder: Path, loaded: LoadedModel) -> None:
         log.warning("cannot write the model label in %s: %s", folder, exc)
 
 
+WRITER_QUEUE_MIN_BYTES = 256 * 2**20  # the default queue bound never below this (a few batches)
+
+
 def build_ssd_tier(
     config: Config,
     namespace: bytes,
@@ -153,11 +156,13 @@ def build_ssd_tier(
     layout: blocks.CacheLayout,
     folder_lock: FolderLock | None = None,
     table_rules: TableExpectation | None = None,
+    ram_bytes: int = 0,
 ) -> SSDTier | None:
     """The SSD tier for this namespace, validated and pruned, with its writer running; None when
     [ssd] is off or its folder cannot be used (the server then runs on RAM alone, logged). A guest
     (see folder_lock) only reads the folder's state and adds blocks. `table_rules`: what a block
-    file's arrays may be (kv/table_rules.py), checked before each is read."""
+    file's arrays may be (kv/table_rules.py), checked before each is read. `ram_bytes`: the RAM
+    budget, which sizes the writer's queue when `ssd.writer_queue_bytes` is 0."""
     is_owner = folder_lock is None or folder_lock.is_owner
     ssd = config.ssd
     if not ssd.enabled:
@@ -185,9 +190,19 @@ def build_ssd_tier(
     pruned = store.prune_expired()
     log.info("%s", ssd_summary(store.cache_dir, store.stats(), ssd.policy, is_owner, report, pruned))
     holder: list[SSDTier] = []
+    # The queue names the blocks' own arrays: it costs memory only for blocks RAM drops while queued.
+    writer_queue_bytes = ssd.writer_queue_bytes or max(WRITER_QUEUE_MIN_BYTES, ram_bytes // 4)
+    if ssd.writer_queue_size:
+        log.warning(
+            "[ssd] writer_queue_size is deprecated: the writer's queue is bounded by writer_queue_bytes "
+            "(now %.0f MiB); the count bound of %d blocks still applies. Remove it to bound by bytes only.",
+            writer_queue_bytes / 2**20,
+            ssd.writer_queue_size,
+        )
     writer = SSDWriterThread(
         save_batch=lambda jobs: holder[0].save_jobs(jobs),
-        queue_size=ssd.writer_queue_size,
+        queue_size=ssd.writer_queue_size or None,
+        queue_bytes=writer_queue_bytes,
         durability=ssd.durability,
         max_retries=ssd.persistent_max_retries,
         after_job=lambda: holder[0].after_write() if holder else None,
@@ -207,6 +222,7 @@ def build_ssd_tier(
         exact_tails=layout.exact_tails,
     )
     holder.append(tier)
+    writer.attach_backlog(tier)  # blocks shed from its queue, taken back from RAM when it runs empty
     tier.validation = report._asdict()
     return tier
 
@@ -250,7 +266,9 @@ def build_prefix_cache(
         owns = folder_lock is not None and folder_lock.is_owner  # a guest keeps pins and leases in memory
         pins = PinRegistry(folder_lock.folder / PINS_FILE if owns else None, _leases(config, budget, folder_lock))
         ssd_tier = (
-            build_ssd_tier(config, store_namespace, pins, layout, folder_lock, table_rules) if folder_lock else None
+            build_ssd_tier(config, store_namespace, pins, layout, folder_lock, table_rules, budget)
+            if folder_lock
+            else None
         )
         if ssd_tier is not None and owns:
             _label_folder(folder_lock.folder, loaded)
@@ -262,6 +280,8 @@ def build_prefix_cache(
     ram = RAMStore(budget - tails.max_bytes)
     rules = layout if layout.needs_checkpoints else None
     manager = KVManager(hasher, ram, tails, ssd_tier, pins, config.cache.pinned_ram_share, rules)
+    if ssd_tier is not None:
+        ssd_tier.attach_ram(manager.blocks_in_ram)  # blocks shed from the writer's queue are offered again
     log.info(
         "RAM tier: %.2f GiB for blocks of %d tokens + %.2f GiB for tails; SSD tier %s; model fingerprint %s",
         ram.max_bytes / 2**30,

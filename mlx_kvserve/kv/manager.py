@@ -299,6 +299,11 @@ class KVManager:
         with self._lock:
             return list(self._ram)
 
+    def blocks_in_ram(self, hashes: Sequence[bytes]) -> dict[bytes, Block]:
+        """Those of `hashes` RAM holds now (the SSD writer takes back blocks shed from its queue)."""
+        with self._lock:
+            return {h: block for h in hashes if (block := self._ram.get(h)) is not None}
+
     def in_ram(self, block_hash: bytes) -> bool:
         with self._lock:
             return block_hash in self._ram

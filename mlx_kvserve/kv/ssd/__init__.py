@@ -7,7 +7,8 @@
 - index.py        the index (hash -> entry in LRU order), index.json, reconciling it with the files
 - store.py        SSDStore: its state, save path and disk budget; reads.py and upkeep.py its other halves
 - tails.py        SSDTailStore: tails (partial last blocks) as files under their parent's folder
-- writer.py       SSDWriterThread: saves off the MLX thread, in batches; write_queue.py its queue
+- writer.py       SSDWriterThread: saves off the MLX thread, in batches; write_queue.py its queue (by bytes),
+                  write_jobs.py its jobs, the backlog it refills from (shed blocks RAM holds) and drain logs
 - tier.py         SSDTier: what KVManager calls; routes writes to the writer, verifies reads
 - folder_lock.py  FolderLock: one owner and any number of guest servers per folder
 - budget.py       SSDBudget: one disk budget shared by several folders (the models of one server)

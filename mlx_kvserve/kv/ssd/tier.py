@@ -23,7 +23,7 @@ from .reads import PendingLoad
 from .store import SaveResult, SSDStore
 from .tails import SSDTailStore
 from .write_queue import Bandwidth, JobValue
-from .writer import SSDWriterThread, WriteJob
+from .writer import SSDWriterThread, WriteJob, job_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -85,10 +85,25 @@ class SSDTier:
         # Writer jobs that are tails, not blocks, each with its tail's last use (registered, or served
         # from RAM while queued): the file's mtime once written, whenever the writer gets to it.
         self._tail_keys: dict[bytes, float] = {}
+        # Blocks owed to the SSD beyond the writer's queue (shed from it, or RAM's at an evict_only
+        # shutdown): hash -> (depth, nbytes). The writer takes them back, shallowest first, while RAM
+        # still holds them (`ram_blocks`, set by attach_ram), whenever its queue runs empty.
+        self._owed_lock = threading.Lock()  # guards _owed
+        self._owed: dict[bytes, tuple[int, int]] = {}
+        self._ram_blocks: Callable[[Sequence[bytes]], dict[bytes, Block]] | None = None
+
+    def attach_ram(self, ram_blocks: Callable[[Sequence[bytes]], dict[bytes, Block]]) -> None:
+        """`ram_blocks(hashes)`: those of `hashes` RAM holds now (KVManager.blocks_in_ram). Without it
+        nothing shed is offered again."""
+        self._ram_blocks = ram_blocks
+
+    def _job(self, block: Block) -> WriteJob:
+        """The block's own arrays, named (no copy: a queued block costs memory only once RAM drops it)."""
+        arrays = self._to_arrays(block.payload)
+        return WriteJob(block.block_hash, block.parent_hash, block.token_ids, arrays, block.depth)
 
     def _write(self, block: Block) -> None:
-        arrays = self._to_arrays(block.payload)
-        job = WriteJob(block.block_hash, block.parent_hash, block.token_ids, arrays, block.depth)
+        job = self._job(block)
         if self.async_writes:
             self.writer.enqueue(job)
         else:
@@ -111,11 +126,25 @@ class SSDTier:
             for block in blocks:
                 if not self.store.contains(block.block_hash):
                     self._write(block)
+            return
+        with self._owed_lock:  # write_through: a block owed (shed) is queued once more on its way out
+            owed = [b for b in blocks if self._owed.pop(b.block_hash, None) is not None]
+        for block in owed:
+            if not self.store.contains(block.block_hash):
+                self._write(block)
 
     def persist_resident(self, blocks: list[Block]) -> int:
-        """At shutdown: under evict_only, hand the RAM blocks the SSD lacks to the writer (most
-        recently used first), so a clean restart finds them. Returns how many were queued."""
-        return self.persist(blocks[::-1]) if self.policy == "evict_only" else 0
+        """At shutdown: under evict_only, owe the SSD the RAM blocks it lacks, so that the drain
+        writes them, shallowest first, within its limit (a restart finds the longest prefixes).
+        Returns how many are owed."""
+        if self.policy != "evict_only":
+            return 0
+        if self._ram_blocks is None:  # nothing to take them back from: queue them (most recent first)
+            return self.persist(blocks[::-1])
+        missing = [b for b in blocks if not self.store.contains(b.block_hash)]
+        with self._owed_lock:
+            self._owed.update((b.block_hash, (b.depth, b.nbytes)) for b in missing)
+        return len(missing)
 
     def persist(self, blocks: list[Block]) -> int:
         """Write the given blocks the SSD lacks, whatever the policy (pinned blocks: so they can be
@@ -230,9 +259,41 @@ class SSDTier:
         return JobValue(self.store.is_pinned(job.block_hash), job.depth)
 
     def forget_job(self, job: WriteJob) -> None:
-        """The writer shed `job`: it will not reach save_jobs."""
+        """The writer shed `job`: it will not reach save_jobs. A block is owed: the writer takes it
+        back from RAM when its queue runs empty (a tail is not: RAM's tails are not looked up)."""
         with self._tail_lock:
-            self._tail_keys.pop(job.block_hash, None)
+            if self._tail_keys.pop(job.block_hash, None) is not None:
+                return
+        with self._owed_lock:
+            self._owed[job.block_hash] = (job.depth, job_nbytes(job))
+
+    def backlog_bytes(self) -> int:
+        """The bytes owed (some may have left RAM since: then they are not written)."""
+        with self._owed_lock:
+            return sum(nbytes for _, nbytes in self._owed.values())
+
+    def take_backlog(self, max_bytes: int) -> list[WriteJob]:
+        """The writer's queue ran empty: the owed blocks RAM still holds and the SSD lacks, shallowest
+        first, within `max_bytes` (at least one). Each is handed out once; one shed again is owed again."""
+        if self._ram_blocks is None:
+            return []
+        with self._owed_lock:
+            order = sorted(self._owed.items(), key=lambda item: item[1][0])
+        wanted = [h for h, _ in order if not self.store.contains(h)]
+        resident = self._ram_blocks(wanted) if wanted else {}
+        jobs, total, done = [], 0, []
+        for block_hash, (_, nbytes) in order:
+            block = resident.get(block_hash)
+            if block is not None:
+                if jobs and total + nbytes > max_bytes:
+                    break
+                jobs.append(self._job(block))
+                total += nbytes
+            done.append(block_hash)  # handed out, stored already, or gone from RAM
+        with self._owed_lock:
+            for block_hash in done:
+                self._owed.pop(block_hash, None)
+        return jobs
 
     def _save_tail(
         self, parent_hash: bytes, token_ids: Sequence[int], arrays: dict, used_at: float | None = None

@@ -1,9 +1,13 @@
 """WriteQueue: the SSD writer's bounded queue, with shedding by value and a measured bandwidth.
 
-- `put` queues a job when the queue is below its bound (waiting up to a timeout for room).
+- The bound is in bytes (`max_bytes`: the queue holds references to blocks that are mostly still in RAM,
+  so what it may cost is the bytes of those evicted while queued), and optionally in jobs (`bound`,
+  None: none). A job larger than the byte bound still goes into an empty queue.
+- `put` queues a job when the queue has room for it (waiting up to a timeout for room).
 - `put_shedding` never waits: when the queue is full it drops the least valuable job, the new one
   included: the deepest unpinned one (the newest among equals). Pinned jobs are never dropped; when
-  every candidate is pinned it drops nothing and says so (the caller writes the job itself).
+  every candidate is pinned it drops nothing and says so (the caller writes the job itself). One call
+  drops at most one job; `room_for` tells the caller whether another is needed.
 - `take` hands the writer thread a batch, oldest first; `close` lets it drain what is left and end;
   `drop_all` empties it (a drain past its limit).
 - `Bandwidth` is the writer's recent write speed, from which the shutdown drain sizes its wait.
@@ -46,8 +50,9 @@ class WriteQueue:
     """Thread-safe. `value(job)` is called under the queue's lock: it must be cheap and must not
     call the queue."""
 
-    def __init__(self, bound: int, value: Callable[[Any], JobValue]):
-        self.bound = bound
+    def __init__(self, bound: int | None, value: Callable[[Any], JobValue], max_bytes: int | None = None):
+        self.bound = bound  # jobs; None: no bound by count
+        self.max_bytes = max_bytes  # None: no bound by bytes
         self._value = value
         self._cond = threading.Condition()  # guards _items, _bytes, _closed, _seq
         self._items: deque[Queued] = deque()
@@ -64,6 +69,25 @@ class WriteQueue:
         with self._cond:
             return self._bytes
 
+    def _fits(self, nbytes: int) -> bool:
+        """Lock held. Room for a job of `nbytes` (an empty queue always has room)."""
+        if not self._items:
+            return True
+        if self.bound is not None and len(self._items) >= self.bound:
+            return False
+        return self.max_bytes is None or self._bytes + nbytes <= self.max_bytes
+
+    def room_for(self, nbytes: int) -> bool:
+        with self._cond:
+            return self._fits(nbytes)
+
+    def free_bytes(self) -> int:
+        """Bytes that fit before the byte bound (0 when full by count)."""
+        with self._cond:
+            if self.bound is not None and len(self._items) >= self.bound:
+                return 0
+            return 2**62 if self.max_bytes is None else max(0, self.max_bytes - self._bytes)
+
     def _append(self, job: Any, nbytes: int) -> None:
         """Lock held."""
         self._seq += 1
@@ -75,7 +99,7 @@ class WriteQueue:
         """Queue `job` if there is room now or within `timeout_s`. False: still full."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while len(self._items) >= self.bound:
+            while not self._fits(nbytes):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
@@ -85,9 +109,10 @@ class WriteQueue:
 
     def put_shedding(self, job: Any, nbytes: int) -> ShedResult:
         """Queue `job`, dropping the least valuable unpinned job (maybe `job` itself) if the queue is
-        full. Never waits."""
+        full. Never waits. When one dropped job did not make room (the byte bound, a bigger job), the
+        result is (False, that job): call again (the new job may be the next one dropped)."""
         with self._cond:
-            if len(self._items) < self.bound:
+            if self._fits(nbytes):
                 self._append(job, nbytes)
                 return ShedResult(True, None)
             new = Queued(job, nbytes, self._seq + 1)
@@ -99,6 +124,8 @@ class WriteQueue:
                 return ShedResult(False, new)
             self._items.remove(victim)
             self._bytes -= victim.nbytes
+            if not self._fits(nbytes):
+                return ShedResult(False, victim)
             self._append(job, nbytes)
             return ShedResult(True, victim)
 
@@ -131,6 +158,12 @@ class WriteQueue:
                     return False
                 self._cond.wait(remaining)
             return True
+
+    def put_all(self, items: list[tuple[Any, int]]) -> None:
+        """Queue jobs the writer took back from RAM (it sized them to the room; never sheds)."""
+        with self._cond:
+            for job, nbytes in items:
+                self._append(job, nbytes)
 
     def close(self) -> None:
         """No job is put after this (the writer's stop protocol ensures it); the writer drains and ends."""

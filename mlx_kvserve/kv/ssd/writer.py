@@ -1,7 +1,7 @@
 """SSDWriterThread: block saves off the MLX thread, in batches, with seed 003's shutdown protocol.
 
 Protocol:
-- One non-daemon thread takes WriteJobs from a bounded queue (write_queue.py) in batches: what is
+- One non-daemon thread takes WriteJobs from a queue bounded in bytes (write_queue.py) in batches: what is
   queued when it wakes, up to `max_batch_jobs` / `max_batch_bytes`, saved with one call of
   `save_batch` (the store writes every file, then fsyncs them back to back: one durability step per
   batch instead of one per file). With only `save` given, jobs are saved one by one.
@@ -14,6 +14,9 @@ Protocol:
   caller saves the job on its own thread; "shed" never waits: the least valuable job is dropped
   (the deepest unpinned block, tails first; `value`), the new one included. Pinned jobs are never
   shed: when every queued job is pinned, the caller saves the job itself. Each outcome is counted.
+- A `backlog` (the SSD tier: blocks shed from the queue while still in RAM) is asked for more jobs,
+  shallowest first, whenever the queue runs empty (after a batch, when idle, and in the drain while
+  its limit allows), so a prefix longer than the queue still reaches the disk whole, in the background.
 - Durability "best_effort": one attempt per job. "persistent": up to `max_retries` more
   attempts when the save returns ERROR (or raises), with a short linear backoff. Neither rolls
   anything back in RAM, and "persistent" is a retry policy, not an fsync promise.
@@ -21,7 +24,7 @@ Protocol:
   it is saving (`pause_point`, called by the save function), until `resume()` or `max_s` passed, so a
   request's prefill does not share the cores with background writes; `stop` ends a hold.
 - The thread measures its write bandwidth. `stop` drains for as long as the queued bytes take at
-  that speed (`drain_estimate`: with a margin), never longer than the caller's ceiling, the most
+  that speed (`drain_estimate`: the backlog's bytes included, with a margin), never longer than the caller's ceiling, the most
   valuable jobs first; what is still queued then is dropped and logged (count, bytes, depths), and
   the batch in progress is waited for: nothing is written after `stop` returns.
 """
@@ -32,34 +35,25 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any
 
 from .store import SaveResult
+from .write_jobs import MIB, Backlog, DrainEstimate, SaveBatchFn, SaveFn, WriteJob, job_nbytes, log_drain, log_dropped
 from .write_queue import Bandwidth, JobValue, Queued, WriteQueue
+
+__all__ = ["MIB", "Backlog", "DrainEstimate", "SSDWriterThread", "WriteJob", "job_nbytes"]  # their old home
 
 log = logging.getLogger(__name__)
 
 DURABILITIES = ("best_effort", "persistent")
 WHEN_FULL = ("write_inline", "shed")
 WRITER_NICENESS = 10
-MIB = 1024 * 1024
 ASSUMED_BYTES_PER_S = 128 * MIB  # before the first batch is measured: a slow disk, so the drain asks for more time
 # The drain asks for this many times its estimate, plus DRAIN_SLACK_S: a disk a third slower than
 # measured still drains whole; one stalled for longer is given up on, not waited for to the ceiling.
 DRAIN_MARGIN = 1.5
 DRAIN_SLACK_S = 2.0
-
-
-class DrainEstimate(NamedTuple):
-    num_jobs: int  # queued (the batch being saved not counted)
-    nbytes: int  # queued and being saved
-    bytes_per_s: float  # measured (or assumed before the first batch)
-    asked_s: float  # the time the drain asks for: nbytes / bytes_per_s with a margin
-
-    def limit_s(self, ceiling_s: float) -> float:
-        """How long a shutdown waits for this drain: what it asks for, at most `ceiling_s`."""
-        return max(0.0, min(ceiling_s, self.asked_s))
 
 
 def _lower_priority() -> None:
@@ -73,30 +67,11 @@ def _lower_priority() -> None:
         pass
 
 
-class WriteJob(NamedTuple):
-    """What SSDStore.save_block needs; the arrays must already be evaluated (mx.eval). `depth`:
-    the block's index in its chain (deep blocks are shed first under overload)."""
-
-    block_hash: bytes
-    parent_hash: bytes
-    token_ids: Sequence[int]
-    arrays: Mapping[str, Any]
-    depth: int = 0
-
-
-SaveFn = Callable[[bytes, bytes, Sequence[int], Mapping[str, Any]], SaveResult]
-SaveBatchFn = Callable[[list[WriteJob]], list[SaveResult]]
-
-
-def job_nbytes(job: WriteJob) -> int:
-    return sum(getattr(a, "nbytes", 0) for a in job.arrays.values())
-
-
 class SSDWriterThread:
     def __init__(
         self,
         save: SaveFn | None = None,
-        queue_size: int = 512,
+        queue_size: int | None = 512,
         durability: str = "best_effort",
         max_retries: int = 3,
         retry_backoff_s: float = 0.05,
@@ -109,20 +84,26 @@ class SSDWriterThread:
         when_full: str = "write_inline",
         value: Callable[[WriteJob], JobValue] | None = None,
         on_shed: Callable[[WriteJob], None] | None = None,
+        queue_bytes: int | None = None,
+        backlog: Backlog | None = None,
     ):
         """Starts the thread. `save` is usually `SSDStore.save_block`, `save_batch` `SSDStore.save_blocks`
         (one of them is needed; `save_batch` wins). `after_job` runs on the writer thread after each
         batch (e.g. `lambda: store.maybe_flush(1.0)`, keeping index writes off the MLX thread); it
         also runs every `idle_upkeep_s` while no job arrives, so an idle server still flushes its
         index and prunes. `value(job)` ranks jobs for shedding (default: unpinned, by depth);
-        `on_shed(job)` is told of each job dropped. Raises ValueError for an unknown durability or
-        `when_full`, or a queue_size below 1."""
+        `on_shed(job)` is told of each job dropped. The queue holds at most `queue_bytes` (None: no
+        byte bound) and `queue_size` jobs (None: no count bound). `backlog` is asked for more jobs
+        whenever the queue runs empty. Raises ValueError for an unknown durability or `when_full`,
+        or a queue_size or queue_bytes below 1."""
         if durability not in DURABILITIES:
             raise ValueError(f"durability must be one of {', '.join(DURABILITIES)}, got {durability!r}")
         if when_full not in WHEN_FULL:
             raise ValueError(f"when_full must be one of {', '.join(WHEN_FULL)}, got {when_full!r}")
-        if queue_size < 1:
+        if queue_size is not None and queue_size < 1:
             raise ValueError(f"queue_size must be >= 1, got {queue_size}")
+        if queue_bytes is not None and queue_bytes < 1:
+            raise ValueError(f"queue_bytes must be >= 1, got {queue_bytes}")
         if save is None and save_batch is None:
             raise ValueError("the writer needs save or save_batch")
         self._save = save
@@ -137,11 +118,16 @@ class SSDWriterThread:
         self._when_full = when_full
         self._value = value or (lambda job: JobValue(False, job.depth))
         self._on_shed = on_shed
-        self._queue = WriteQueue(queue_size, self._value)
+        self._queue = WriteQueue(queue_size, self._value, queue_bytes)
+        self._backlog = backlog
+        # Guards _backlog_closed: a refill is taken and queued under it, so none lands after the drain's cut.
+        self._refill_lock = threading.Lock()
+        self._backlog_closed = False
         self.bandwidth = Bandwidth()
-        self._pending_lock = threading.Lock()  # guards _pending, _saving_bytes
+        self._pending_lock = threading.Lock()  # guards _pending, _saving_bytes, _refilling
         self._pending: set[bytes] = set()
         self._saving_bytes = 0  # of the batch being saved now
+        self._refilling = False  # taking jobs from the backlog: not idle, though none is pending yet
         self._life_lock = threading.Lock()  # guards _closing, _inflight_enqueues, _close_owed
         self._no_inflight = threading.Condition(self._life_lock)
         self._closing = False
@@ -152,22 +138,30 @@ class SSDWriterThread:
         self._stats_lock = threading.Lock()  # guards _stats; taken last, never held while taking another
         keys = ("enqueued", "immediate_puts", "timeout_puts", "sync_fallbacks", "dedup_pending", "dropped_after_close")
         keys += ("written", "declined", "retries", "failures", "held", "batches", "shed", "shed_bytes")
-        keys += ("dropped_at_stop", "dropped_at_stop_bytes")
+        keys += ("dropped_at_stop", "dropped_at_stop_bytes", "refilled", "refilled_bytes")
         self._stats = dict.fromkeys(keys, 0)
         self._thread = threading.Thread(target=self._run, name="ssd-writer", daemon=False)
         self._thread.start()
+
+    def attach_backlog(self, backlog: Backlog) -> None:
+        """Set the backlog (the tier, made after its writer)."""
+        with self._refill_lock:
+            self._backlog = backlog
 
     @property
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
     def wait_idle(self, timeout_s: float) -> int:
-        """Wait until no job is queued or being saved, at most `timeout_s` (an admin flush must not
-        be undone by writes queued before it). Returns how many jobs are still pending (0: idle)."""
+        """Wait until no job is queued, being saved or owed by the backlog, at most `timeout_s` (an
+        admin flush must not be undone by writes queued before it). Returns how many jobs are still
+        pending (0: idle; 1 while only the backlog owes some)."""
         deadline = time.monotonic() + timeout_s
         while True:
             with self._pending_lock:
-                pending = len(self._pending)
+                pending = len(self._pending) or int(self._refilling)
+            if not pending and self._backlog is not None and self._backlog.backlog_bytes():
+                pending = 1
             if not pending or time.monotonic() >= deadline or not self._thread.is_alive():
                 return pending
             time.sleep(0.01)
@@ -206,11 +200,14 @@ class SSDWriterThread:
             self._inc("immediate_puts")
             return True
         if self._when_full == "shed":
-            queued, dropped = self._queue.put_shedding(job, nbytes)
-            if dropped is not None:
-                self._shed(dropped)
-            if queued or dropped is not None:
-                return queued
+            while True:  # each call drops at most one job; a bigger new one may need a second
+                queued, dropped = self._queue.put_shedding(job, nbytes)
+                if dropped is not None:
+                    self._shed(dropped)
+                if queued or (dropped is not None and dropped.job is job):
+                    return queued
+                if dropped is None:
+                    break
         elif self._queue.put(job, nbytes, self._put_timeout_s):
             self._inc("timeout_puts")
             return True
@@ -280,7 +277,7 @@ class SSDWriterThread:
         estimate = self.drain_estimate()
         deadline = start + estimate.limit_s(drain_timeout)
         if self._thread.is_alive():
-            self._log_drain(estimate, drain_timeout)
+            log_drain(estimate, drain_timeout)
         self._queue.sort_by_value()  # before the thread takes its next batch
         self.resume()  # a held writer drains at once
         with self._life_lock:
@@ -302,6 +299,10 @@ class SSDWriterThread:
         if not self._thread.is_alive():
             log.info("SSD writer drained in %.2f s", time.monotonic() - start)
             return True
+        with self._refill_lock:  # no refill after this: the thread ends after its batch in progress
+            self._backlog_closed = True
+        if owed := self._backlog.backlog_bytes() if self._backlog else 0:
+            log.warning("SSD writer: %.1f MiB of RAM blocks not on the SSD were not written by the drain", owed / MIB)
         self._drop_queued(time.monotonic() - start)
         last_batch_s = self._max_batch_bytes / estimate.bytes_per_s * DRAIN_MARGIN + DRAIN_SLACK_S
         self._thread.join(last_batch_s)
@@ -319,53 +320,27 @@ class SSDWriterThread:
         with self._stats_lock:
             self._stats["dropped_at_stop"] += len(dropped)
             self._stats["dropped_at_stop_bytes"] += sum(q.nbytes for q in dropped)
-        values = [self._value(q.job) for q in dropped]
-        log.warning(
-            "SSD writer: the drain stopped at its limit after %.1f s: %d queued blocks and tails (%.1f MiB) "
-            "not written (%d pinned; chain depths %d-%d): they are recomputed when next asked",
-            waited_s,
-            len(dropped),
-            sum(q.nbytes for q in dropped) / MIB,
-            sum(v.pinned for v in values),
-            min(v.depth for v in values),
-            max(v.depth for v in values),
-        )
+        log_dropped(waited_s, [q.nbytes for q in dropped], [self._value(q.job) for q in dropped])
         if self._on_shed is not None:
             for q in dropped:
                 self._on_shed(q.job)
 
     def drain_estimate(self) -> DrainEstimate:
-        """What a drain would write now (the queue and the batch being saved) and how long it
-        should take at the measured bandwidth (an assumed slow disk before the first batch)."""
+        """What a drain would write now (the queue, the batch being saved and the backlog) and how
+        long it should take at the measured bandwidth (an assumed slow disk before the first batch)."""
         with self._pending_lock:
             saving = self._saving_bytes
-        nbytes = self._queue.queued_bytes + saving
+        nbytes = self._queue.queued_bytes + saving + (self._backlog.backlog_bytes() if self._backlog else 0)
         bytes_per_s = self.bandwidth.bytes_per_s() or ASSUMED_BYTES_PER_S
         return DrainEstimate(self._depth(), nbytes, bytes_per_s, nbytes / bytes_per_s * DRAIN_MARGIN + DRAIN_SLACK_S)
-
-    def _log_drain(self, est: DrainEstimate, ceiling_s: float) -> None:
-        log.info(
-            "SSD writer: draining %d blocks, %.1f MiB, estimated %.1f s at %.0f MiB/s (limit %.1f s, ceiling %.1f s)",
-            est.num_jobs,
-            est.nbytes / MIB,
-            est.nbytes / est.bytes_per_s,
-            est.bytes_per_s / MIB,
-            est.limit_s(ceiling_s),
-            ceiling_s,
-        )
-        if est.asked_s > ceiling_s:
-            log.warning(
-                "SSD writer: the drain asks for %.1f s, more than its ceiling ([ssd] drain_timeout_s = %.1f): "
-                "the least valuable blocks are queued last and may not be written",
-                est.asked_s,
-                ceiling_s,
-            )
 
     def _run(self) -> None:
         _lower_priority()
         while True:
             ready = self._queue.wait(self._idle_upkeep_s)
-            if ready is None:  # closed and drained
+            if not ready and self._refill():
+                continue
+            if ready is None:  # closed and drained, the backlog included (or cut)
                 return
             if not ready:  # idle: upkeep only
                 self._upkeep()
@@ -381,6 +356,34 @@ class SSDWriterThread:
                 with self._pending_lock:
                     self._saving_bytes = 0
             self._upkeep()
+            if not len(self._queue):
+                self._refill()
+
+    def _refill(self) -> bool:
+        """The queue ran empty: queue the backlog's next jobs (about one batch, within the queue's
+        room), skipping any already pending. True when something was queued."""
+        if self._backlog is None:
+            return False
+        with self._refill_lock:
+            if self._backlog_closed:
+                return False
+            with self._pending_lock:
+                self._refilling = True
+            try:
+                jobs = self._backlog.take_backlog(max(1, min(self._max_batch_bytes, self._queue.free_bytes())))
+            except Exception:
+                log.exception("SSD writer: taking its backlog failed")
+                jobs = []
+            with self._pending_lock:
+                jobs = [j for j in jobs if j.block_hash not in self._pending]
+                self._pending.update(j.block_hash for j in jobs)
+                self._refilling = False
+            items = [(j, job_nbytes(j)) for j in jobs]
+            self._queue.put_all(items)
+        with self._stats_lock:
+            self._stats["refilled"] += len(items)
+            self._stats["refilled_bytes"] += sum(n for _, n in items)
+        return bool(items)
 
     def _upkeep(self) -> None:
         if self._after_job is not None:
@@ -447,7 +450,8 @@ class SSDWriterThread:
 
     def stats(self) -> dict[str, Any]:
         """`writer_*` counters. `declined`: the store answered dedup, collision or skipped. `shed`:
-        jobs dropped because the queue was full (`shed_bytes` their size). `bandwidth_mib_s`: the
+        jobs dropped because the queue was full (`shed_bytes` their size); `refilled`: jobs taken back
+        from the backlog (shed ones RAM still held) when the queue ran empty. `bandwidth_mib_s`: the
         recent write speed (0 before the first batch)."""
         depth = self._depth()
         with self._pending_lock:
