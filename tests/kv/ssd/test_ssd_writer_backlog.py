@@ -18,6 +18,7 @@ from mlx_kvserve.kv.payloads import KV, LayerSpec, payload_to_arrays
 from mlx_kvserve.kv.ram import RAMStore
 from mlx_kvserve.kv.ssd import format as ssd_format
 from mlx_kvserve.kv.ssd import store as store_module
+from mlx_kvserve.kv.ssd import writer as writer_module
 from mlx_kvserve.kv.ssd.store import SSDStore
 from mlx_kvserve.kv.ssd.tier import SSDTier
 from mlx_kvserve.kv.ssd.writer import SSDWriterThread
@@ -139,7 +140,9 @@ def test_blocks_taken_back_go_root_first(tmp_path):
     assert tier.close(drain_timeout_s=30)
 
 
-def test_a_clean_stop_writes_the_ram_blocks_an_evict_only_ssd_lacks_root_first(tmp_path):
+def test_a_clean_stop_writes_the_ram_blocks_an_evict_only_ssd_lacks_root_first(tmp_path, monkeypatch):
+    # Nothing written before the stop, so the drain assumes a speed: 64-byte files cost per file, not per byte.
+    monkeypatch.setattr(writer_module, "ASSUMED_BYTES_PER_S", 16 * 1024)
     tokens = list(range(NUM_BLOCKS * BS))
     manager, tier = stack(tmp_path, policy="evict_only")
     hashes = prefill(manager, tokens)
@@ -184,3 +187,16 @@ def test_a_byte_bound_sheds_as_many_jobs_as_a_bigger_one_needs(tmp_path):
     assert stats["writer_shed"] == 2 and stats["writer_queued_bytes"] == 4 * BLOCK_BYTES
     tier.writer.resume()
     assert tier.close(drain_timeout_s=30)
+
+
+def test_the_queue_bound_is_a_byte_size_and_the_old_count_still_loads(tmp_path):
+    from mlx_kvserve.config import load_config
+    from mlx_kvserve.errors import ConfigError
+
+    path = tmp_path / "config.toml"
+    path.write_text('[ssd]\nwriter_queue_bytes = "3GiB"\nwriter_queue_size = 512\n')
+    ssd = load_config(path).ssd
+    assert (ssd.writer_queue_bytes, ssd.writer_queue_size) == (3 * 2**30, 512)  # deprecated, still honoured
+    path.write_text("[ssd]\nwriter_queue_bytes = -1\n")
+    with pytest.raises(ConfigError, match="writer_queue_bytes"):
+        load_config(path)
