@@ -158,10 +158,9 @@ class SSDWriterThread:
         pending (0: idle; 1 while only the backlog owes some)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            with self._pending_lock:
-                pending = len(self._pending) or int(self._refilling)
-            if not pending and self._backlog is not None and self._backlog.backlog_bytes():
-                pending = 1
+            with self._pending_lock:  # the backlog read under it too: a refill moves jobs from one to the other
+                owed = self._backlog is not None and self._backlog.backlog_bytes() > 0
+                pending = len(self._pending) or int(self._refilling or owed)
             if not pending or time.monotonic() >= deadline or not self._thread.is_alive():
                 return pending
             time.sleep(0.01)
