@@ -84,6 +84,17 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return tinymodel.build_mlx_model(tmp_path_factory.mktemp("tiny") / "tiny-llama")
 
 
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    """The tiny random model loaded, as the engine's tests build an Engine from it (one per test module)."""
+    from mlx_lm import load
+
+    from mlx_kvserve.models.loader import LoadedModel
+
+    model, tokenizer = load(str(tiny_model_dir))
+    return LoadedModel("tiny", tiny_model_dir, model, tokenizer, {}, 2048)
+
+
 @pytest.fixture(scope="session")
 def smollm_dir() -> Path:
     """The real default model, fetched and converted once into the user's model cache."""

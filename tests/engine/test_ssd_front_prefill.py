@@ -12,24 +12,16 @@ from pathlib import Path
 
 import pytest
 from kvharness import greedy
-from mlx_lm.utils import load
 
 from mlx_kvserve.config import load_config
 from mlx_kvserve.engine.cache.front_prefill import SPEEDS_FILE, FrontPrefill
 from mlx_kvserve.engine.engine import Engine
 from mlx_kvserve.engine.request import Finished, GenerationRequest, SamplingParams
 from mlx_kvserve.kv.ssd.format import block_relpath
-from mlx_kvserve.models.loader import LoadedModel
 
 BS = 16
 NUM_BLOCKS = 6
 MAX_TOKENS = 8
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir):
-    model, tokenizer = load(str(tiny_model_dir))
-    return LoadedModel("tiny", tiny_model_dir, model, tokenizer, {}, 2048)
 
 
 @pytest.fixture(autouse=True)

@@ -13,21 +13,13 @@ from pathlib import Path
 
 import pytest
 from kvharness import greedy
-from mlx_lm.utils import load
 
 from mlx_kvserve.config import load_config
 from mlx_kvserve.engine.engine import Engine
 from mlx_kvserve.engine.request import Finished, GenerationRequest, SamplingParams
-from mlx_kvserve.models.loader import LoadedModel
 
 BS = 16
 MAX_TOKENS = 6
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir):
-    model, tokenizer = load(str(tiny_model_dir))
-    return LoadedModel("tiny", tiny_model_dir, model, tokenizer, {}, 2048)
 
 
 @pytest.fixture(autouse=True)

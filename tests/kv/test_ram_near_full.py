@@ -10,7 +10,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from kvharness import greedy
-from mlx_lm.utils import load
 
 from mlx_kvserve.chain import BlockHasher
 from mlx_kvserve.config import load_config
@@ -19,17 +18,10 @@ from mlx_kvserve.kv.base import Block, NewBlock
 from mlx_kvserve.kv.hashing import namespace_hash
 from mlx_kvserve.kv.manager import KVManager
 from mlx_kvserve.kv.ram import RAMStore
-from mlx_kvserve.models.loader import LoadedModel
 
 BS = 16
 PREFIX_BLOCKS = 24
 QUESTION = 8
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir):
-    model, tokenizer = load(str(tiny_model_dir))
-    return LoadedModel("tiny", tiny_model_dir, model, tokenizer, {}, 2048)
 
 
 @pytest.fixture(autouse=True)

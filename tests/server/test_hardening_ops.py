@@ -18,7 +18,6 @@ import pytest
 from click.testing import CliRunner
 from conftest import ROOT, free_port
 from kvharness import greedy
-from mlx_lm.utils import load
 
 from mlx_kvserve import cache_cli
 from mlx_kvserve.cli import _overrides, cli
@@ -31,17 +30,10 @@ from mlx_kvserve.kv.ssd.folder_lock import LOCK_NAME, FolderBusyError, FolderLoc
 from mlx_kvserve.kv.ssd.format import TEMP_SUFFIX
 from mlx_kvserve.kv.ssd.store import SaveResult, SSDStore, store_dir
 from mlx_kvserve.kv.ssd.tails import SSDTailStore
-from mlx_kvserve.models.loader import LoadedModel
 from mlx_kvserve.service import commands
 
 BS = 16
 NAMESPACE = namespace_hash("hardening-ops", "float32", BS)
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir):
-    model, tokenizer = load(str(tiny_model_dir))
-    return LoadedModel("tiny", tiny_model_dir, model, tokenizer, {}, 2048)
 
 
 @pytest.fixture

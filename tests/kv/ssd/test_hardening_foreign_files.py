@@ -21,7 +21,6 @@ from pathlib import Path
 import httpx
 import pytest
 from kvharness import greedy
-from mlx_lm.utils import load
 from test_hardening_files import NS, X, arrays, saved_store, set_aside_copies
 from test_server_ssd import wait_written
 
@@ -36,7 +35,6 @@ from mlx_kvserve.kv.ssd.index import INDEX_NAME
 from mlx_kvserve.kv.ssd.store import SSDStore
 from mlx_kvserve.kv.ssd.tails import SSDTailStore
 from mlx_kvserve.kv.ssd.tier import SHUTDOWN_FILE, write_shutdown_record
-from mlx_kvserve.models.loader import LoadedModel
 from mlx_kvserve.safe_files import NotRegularFileError, create_new, open_regular
 
 ONE_HOUR = 3600.0  # the longest cache_control TTL
@@ -190,12 +188,6 @@ def test_a_block_file_that_is_not_a_regular_file_is_a_miss_and_removed(tmp_path,
 
 
 BS, NUM_BLOCKS, MAX_TOKENS = 16, 6, 8
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir):
-    model, tokenizer = load(str(tiny_model_dir))
-    return LoadedModel("tiny", tiny_model_dir, model, tokenizer, {}, 2048)
 
 
 @pytest.fixture(autouse=True)

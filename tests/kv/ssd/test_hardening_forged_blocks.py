@@ -22,7 +22,6 @@ import httpx
 import pytest
 from click.testing import CliRunner
 from kvharness import greedy
-from mlx_lm.utils import load
 from test_hardening_files import NS, arrays
 from test_server_ssd import wait_written
 
@@ -44,7 +43,6 @@ from mlx_kvserve.kv.ssd.table_check import (
 )
 from mlx_kvserve.kv.ssd.tier import SSDTier
 from mlx_kvserve.kv.ssd.writer import SSDWriterThread
-from mlx_kvserve.models.loader import LoadedModel
 
 BS, NUM_BLOCKS, MAX_TOKENS = 16, 6, 8
 FORGED = 2  # the block forged: blocks 0 and 1 still come from the SSD
@@ -257,12 +255,6 @@ def test_the_public_algorithm_never_verifies(tmp_path):
 
 
 # --- the engine: the request answered as a cold run, across restarts, and `cache verify` ------------
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir):
-    model, tokenizer = load(str(tiny_model_dir))
-    return LoadedModel("tiny", tiny_model_dir, model, tokenizer, {}, 2048)
 
 
 @pytest.fixture(autouse=True)
