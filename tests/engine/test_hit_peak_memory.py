@@ -2,14 +2,11 @@
 of the bytes it allocated (mx.get_peak_memory), not by wall time or RSS.
 
 The assembled prefix joins mlx-lm's batch alone without a copy (kv/blocks.py `_merge_alone`) and is
-written in place; a request ending in the decode pass leaves it with mlx-lm's `extract`
-(GenerationBatch.next -> extract_cache), a contiguous copy of its row's filled positions, which its
-blocks and tails are then cut from: 1.31 copies at the peak on the direct join, 2.08 on the batch's
-own prompt step (unless its buffer is exactly full: then the copy is a view; the prompt length below
-avoids that). Views of the row instead (ad91d18: kv/blocks.py `borrowed_row`) gave 1.10 here and
-1.007 at 64k, but the next hits' time to first token 1.2-3x slower in every side-by-side run on the
-CPU (cause not found: docs/benchmarks.md "Long contexts"), so it was taken back: strict xfail until a
-fix keeps both."""
+written in place; a request ending in the decode pass leaves with views of its batch row
+(engine/batch/mlx_batch.py `_ended_row`), not mlx-lm's `extract` (a contiguous copy of its row's filled
+positions, its blocks and tails then cut from that): 1.31 copies at the peak on the direct join and
+2.08 on the batch's own prompt step with the copy, 1.10 both with views. Unless its buffer is exactly
+full (then the copy is a view): the prompt length below avoids that."""
 
 from __future__ import annotations
 
@@ -51,7 +48,6 @@ def peak_over_active(run) -> int:
     return mx.get_peak_memory() - before
 
 
-@pytest.mark.xfail(strict=True, reason="mlx-lm's extract copies an ending request's KV (see the docstring)")
 @pytest.mark.parametrize("path", ["direct", "batch"])
 def test_an_exact_repeat_holds_one_copy_of_its_prefix(tiny, monkeypatch, path):
     model, tokenizer = tiny

@@ -26,7 +26,8 @@ check each of these when moving to a new mlx-lm):
 - `mlx_lm.generate` here: `BatchGenerator._next` (overridden), `._prompt_batch`, `._generation_batch`,
   `._currently_processing`, `._unprocessed_sequences`, `._make_batch`, `._find_uids`, `._uid_count`,
   `._counters`; `GenerationBatch._next_tokens`, `._next_logprobs`, `._token_context`, `._num_tokens`,
-  `._matchers`; the function `_merge_caches`.
+  `._matchers`, and that its `next` takes an ending row's cache with `self.extract_cache(i)`; the function
+  `_merge_caches`.
 - `mlx_lm.models.cache.RotatingKVCache._idx` and `._temporal_order` (kv/blocks.py).
 - `mlx_lm.tokenizer_utils.TokenizerWrapper._tokenizer`, the Hugging Face tokenizer inside (engine/sampling/constrain.py,
   engine/sampling/tool_grammar.py, engine/cache/message_starts.py; read with getattr and a fallback).
@@ -56,6 +57,9 @@ class KVServeBatchGenerator(BatchGenerator):
         super().__init__(*args, **kwargs)
         rewire()  # mlx-lm wired the recommended working set: the memory plan's limit instead
         self._joining: list[tuple] = []  # requests inserted by insert_decoding, entering at the next step
+        # A request ending in the decode pass leaves with views of its row (`_ended_row`), not mlx-lm's
+        # `extract`: a contiguous copy of its whole KV, a second copy of the prefix at the hit's peak.
+        self._generation_batch.extract_cache = self._ended_row
         # (tokens done, tokens to prefill) of each prompt still prefilling after the last step, for
         # /health and /ui; replaced whole by the worker thread, so a reader never sees it half built.
         self.prefill_progress: dict[int, tuple[int, int]] = {}  # by uid
@@ -141,6 +145,12 @@ class KVServeBatchGenerator(BatchGenerator):
         from them and drops them before the batch's next step (whose writes would copy the arrays)."""
         self._enter_joining()
         return self._borrow(uids, whole=False)
+
+    def _ended_row(self, idx: int) -> list[Any]:
+        """The cache of the decode batch's row `idx`, which ends in this pass: views of the batch's
+        arrays (kv/blocks.py `borrowed_row`). The batch filters the row out right after (into new
+        arrays), so nothing writes the viewed ones; the caller cuts its blocks from them and drops them."""
+        return [borrowed_row(c, idx) for c in self._generation_batch.prompt_cache]
 
     def _borrow(self, uids: Any, whole: bool) -> dict[int, tuple[list[Any], Any]]:
         out = {}
