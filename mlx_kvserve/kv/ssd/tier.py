@@ -33,6 +33,9 @@ MAX_SHUTDOWN_RECORD_BYTES = 64 * 1024
 SHUTDOWN_SCHEMA = Obj({"shutdown_clean": Bool(), "shutdown_partial_flush": Bool()})  # "at" is not used
 PRUNE_INTERVAL_S = 3600.0
 TAIL_DEPTH = 2**31  # a tail ranks below every block of its chain when the writer sheds
+# Tails shed from the writer's queue held for it (their arrays: RAM does not look tails up by hash),
+# the newest kept within this many bytes, written after the owed blocks when its queue runs empty.
+OWED_TAIL_BYTES = 256 * 1024**2
 
 
 class SSDTier:
@@ -90,6 +93,7 @@ class SSDTier:
         # still holds them (`ram_blocks`, set by attach_ram), whenever its queue runs empty.
         self._owed_lock = threading.Lock()  # guards _owed
         self._owed: dict[bytes, tuple[int, int]] = {}
+        self._owed_tails: dict[bytes, tuple[WriteJob, float]] = {}  # tail key -> (job, last use), oldest first
         self._ram_blocks: Callable[[Sequence[bytes]], dict[bytes, Block]] | None = None
 
     def attach_ram(self, ram_blocks: Callable[[Sequence[bytes]], dict[bytes, Block]]) -> None:
@@ -260,23 +264,48 @@ class SSDTier:
 
     def forget_job(self, job: WriteJob) -> None:
         """The writer shed `job`: it will not reach save_jobs. A block is owed: the writer takes it
-        back from RAM when its queue runs empty (a tail is not: RAM's tails are not looked up)."""
+        back from RAM when its queue runs empty. A tail is owed with its arrays (the newest within
+        OWED_TAIL_BYTES): a restart's first request needs the tail of the prompt it repeats."""
         with self._tail_lock:
-            if self._tail_keys.pop(job.block_hash, None) is not None:
-                return
+            used_at = self._tail_keys.pop(job.block_hash, None)
         with self._owed_lock:
-            self._owed[job.block_hash] = (job.depth, job_nbytes(job))
+            if used_at is None:
+                self._owed[job.block_hash] = (job.depth, job_nbytes(job))
+                return
+            self._owed_tails.pop(job.block_hash, None)
+            self._owed_tails[job.block_hash] = (job, used_at)
+            total = sum(job_nbytes(j) for j, _ in self._owed_tails.values())
+            while total > OWED_TAIL_BYTES:
+                oldest, _ = self._owed_tails.pop(next(iter(self._owed_tails)))
+                total -= job_nbytes(oldest)
 
     def backlog_bytes(self) -> int:
-        """The bytes owed (some may have left RAM since: then they are not written)."""
+        """The bytes owed (some blocks may have left RAM since: then they are not written)."""
         with self._owed_lock:
-            return sum(nbytes for _, nbytes in self._owed.values())
+            tails = sum(job_nbytes(j) for j, _ in self._owed_tails.values())
+            return tails + sum(nbytes for _, nbytes in self._owed.values())
 
     def take_backlog(self, max_bytes: int) -> list[WriteJob]:
         """The writer's queue ran empty: the owed blocks RAM still holds and the SSD lacks, shallowest
-        first, within `max_bytes` (at least one). Each is handed out once; one shed again is owed again."""
-        if self._ram_blocks is None:
-            return []
+        first, then the owed tails, within `max_bytes` (at least one). Each is handed out once; one
+        shed again is owed again."""
+        jobs = self._take_owed_blocks(max_bytes) if self._ram_blocks is not None else []
+        total = sum(map(job_nbytes, jobs))
+        with self._owed_lock:
+            while self._owed_tails:
+                key, (job, used_at) = next(iter(self._owed_tails.items()))
+                if jobs and total + job_nbytes(job) > max_bytes:
+                    break
+                del self._owed_tails[key]
+                with self._tail_lock:
+                    if key in self._tail_keys:  # queued again meanwhile (save_tail): written once
+                        continue
+                    self._tail_keys[key] = used_at
+                jobs.append(job)
+                total += job_nbytes(job)
+        return jobs
+
+    def _take_owed_blocks(self, max_bytes: int) -> list[WriteJob]:
         with self._owed_lock:
             order = sorted(self._owed.items(), key=lambda item: item[1][0])
         wanted = [h for h, _ in order if not self.store.contains(h)]

@@ -200,3 +200,42 @@ def test_the_queue_bound_is_a_byte_size_and_the_old_count_still_loads(tmp_path):
     path.write_text("[ssd]\nwriter_queue_bytes = -1\n")
     with pytest.raises(ConfigError, match="writer_queue_bytes"):
         load_config(path)
+
+
+def test_a_tail_shed_from_a_full_queue_is_written_after_the_blocks(tmp_path):
+    """A tail ranks below every block, so a full queue sheds it first; it is owed with its arrays and
+    the drain writes it: a restart finds the tail of the prompt it repeats (the restore bench's first
+    request after a restart lacked it at 16k tokens)."""
+    tokens = list(range(256 * BS))
+    manager, tier = stack(tmp_path)
+    tier.writer.hold(60)
+    hashes = prefill(manager, tokens)
+    rest = (9, 8, 7)
+    tier.save_tail(hashes[-1], rest, payload(-1))
+    stats = tier.writer.stats()
+    assert stats["writer_shed"] == 256 - 64 + 1  # the tail too: the queue is full of blocks
+    assert tier.backlog_bytes() >= BLOCK_BYTES * (256 - 64) + BLOCK_BYTES
+    tier.writer.resume()
+    assert tier.close(drain_timeout_s=30)
+    _, tier2 = stack(tmp_path)
+    try:
+        found = tier2.load_tail(hashes[-1], rest)
+        assert found is not None and tuple(found[0]) == rest
+        assert sum(map(tier2.contains, hashes)) == 256
+    finally:
+        tier2.close(drain_timeout_s=10)
+
+
+def test_owed_tails_are_bounded_in_bytes_newest_kept(tmp_path, monkeypatch):
+    from mlx_kvserve.kv.ssd import tier as tier_module
+
+    monkeypatch.setattr(tier_module, "OWED_TAIL_BYTES", 2 * BLOCK_BYTES)
+    manager, tier = stack(tmp_path)
+    tier.writer.hold(60)
+    hashes = prefill(manager, list(range(64 * BS)))  # the queue is full
+    for i in range(4):
+        tier.save_tail(hashes[-1], (100 + i,), payload(i))
+    taken = tier.take_backlog(100 * BLOCK_BYTES)
+    assert [tuple(j.token_ids) for j in taken] == [(102,), (103,)]  # the two newest
+    tier.writer.resume()
+    assert tier.close(drain_timeout_s=30)
