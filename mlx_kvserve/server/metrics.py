@@ -116,8 +116,24 @@ def _cache_metrics(s: dict[str, Any], ssd: bool) -> Iterator[Metric]:
         yield GaugeMetricFamily(
             PREFIX + "ssd_writer_queue_depth", "Blocks waiting for the SSD writer", value=get("writer_queue_depth", 0)
         )
+        yield GaugeMetricFamily(
+            PREFIX + "ssd_writer_queued_bytes",
+            "Bytes waiting in the SSD writer's queue",
+            value=get("writer_queued_bytes", 0),
+        )
+        yield GaugeMetricFamily(
+            PREFIX + "ssd_writer_owed_bytes",
+            "Bytes shed from the writer's queue still owed to the SSD (written when it runs empty)",
+            value=get("writer_owed_bytes", 0),
+        )
         yield CounterMetricFamily(
             PREFIX + "ssd_blocks_written", "Blocks the SSD writer saved", get("writer_written", 0)
+        )
+        yield CounterMetricFamily(
+            PREFIX + "ssd_writer_shed", "Blocks and tails shed from the writer's full queue", get("writer_shed", 0)
+        )
+        yield CounterMetricFamily(
+            PREFIX + "ssd_writer_refilled", "Shed blocks and tails taken back by the writer", get("writer_refilled", 0)
         )
         yield CounterMetricFamily(PREFIX + "ssd_write_errors", "Failed SSD write attempts", get("ssd_errors", 0))
         yield CounterMetricFamily(

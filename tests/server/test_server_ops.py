@@ -118,6 +118,11 @@ def test_cache_metrics_mirror_the_engine(server):
     assert value("mlx_kvserve_cache_bytes", tier="ram") == cache["kv_ram_bytes"] + cache["kv_tail_bytes"]
     assert value("mlx_kvserve_cache_bytes", tier="ssd") == cache["ssd_bytes"] > 0
     assert value("mlx_kvserve_ssd_writer_queue_depth") == cache["writer_queue_depth"] == 0
+    assert value("mlx_kvserve_ssd_writer_queued_bytes") == cache["writer_queued_bytes"] == 0
+    assert value("mlx_kvserve_ssd_writer_owed_bytes") == cache["writer_owed_bytes"] == 0
+    assert value("mlx_kvserve_ssd_blocks_written_total") == cache["writer_written"] > 0
+    assert value("mlx_kvserve_ssd_writer_shed_total") == cache["writer_shed"]
+    assert value("mlx_kvserve_ssd_writer_refilled_total") == cache["writer_refilled"]
     assert value("mlx_kvserve_ssd_write_errors_total") == cache["ssd_errors"] == 0
     assert value("mlx_kvserve_ssd_writer_failures_total") == cache["writer_failures"] == 0
     assert value("mlx_kvserve_requests_in_flight") == 0

@@ -400,6 +400,7 @@ class SSDTier:
         out.update(self.writer.stats())
         out.update(self.tails.stats)
         out["ssd_tail_bytes"] = self.tails.used_bytes()
+        out["writer_owed_bytes"] = self.backlog_bytes()  # shed while RAM holds them (blocks) or with them (tails)
         return out
 
     def close(self, drain_timeout_s: float) -> bool:
