@@ -12,6 +12,7 @@ import click
 
 from ..config import Config, load_config
 from ..errors import KVServeError
+from ..server.local_guard import check_exposure
 from . import (
     PLATFORMS,
     SECRET_ENV,
@@ -127,6 +128,7 @@ def install(
     backend = _backend(platform)
     label = _label(backend, label)
     config = _load(config_path, {"server": {"port": port}, "model": {"path": model}})
+    _check_exposure(config)
     home = Path.home()
     path = backend.service_path(label, home)
     try:
@@ -164,6 +166,21 @@ def install(
     click.echo(f"installed {path}\nlogs: {spec.log_path}\ncheck: mlx-kvserve service status --label {label}")
     if backend is systemd:
         click.echo(_LINGER_NOTE)
+
+
+def _check_exposure(config: Config) -> None:
+    """What `run` checks before it loads anything (server/local_guard.py): a server without an API key
+    listens beyond loopback only with `server.allow_no_key`. Checked here, a service that would refuse
+    to start (and be restarted by its manager, again and again) is not installed."""
+    s = config.server
+    in_env = [v for v, kind in SECRET_ENV.items() if kind == "api"]  # the inference key, or its file
+    has_key = bool(s.api_key or s.api_key_file or any(os.environ.get(v) or os.environ.get(f"{v}_FILE") for v in in_env))
+    try:
+        warning = check_exposure(s.host, has_key, s.allow_no_key, "server")
+    except KVServeError as exc:
+        raise click.ClickException(exc.message) from None
+    if warning:
+        click.echo(f"warning: {warning}", err=True)
 
 
 def _print_plan(path: Path, content: bytes, spec: ServiceSpec, steps: list[Step]) -> None:

@@ -364,3 +364,19 @@ def test_without_a_user_service_manager_install_fails_clearly_and_leaves_nothing
     result = CliRunner().invoke(cli, ["service", "uninstall", "--platform", "linux"])
     assert result.exit_code == 0, result.output
     assert not unit.exists() and f"removed {unit}" in result.output
+
+
+def test_install_refuses_a_server_open_beyond_loopback_without_a_key(home, tmp_path, calls, monkeypatch):
+    """`run` would refuse to start it (server/local_guard.py), and the service manager restart it again and
+    again: install says so first and changes nothing; a key, or allow_no_key said out loud, lets it through."""
+    exposed = tmp_path / "exposed.toml"
+    exposed.write_text('[server]\nhost = "0.0.0.0"\nport = 8456\n')
+    result = _invoke("install", "--platform", "linux", "--config", str(exposed))
+    assert result.exit_code != 0 and "server.allow_no_key" in result.output
+    assert calls == [] and not home.exists()
+    monkeypatch.setenv("MLX_KVSERVE_API_KEY", "sk-test-key-0123456789")
+    assert _invoke("install", "--dry-run", "--platform", "linux", "--config", str(exposed)).exit_code == 0
+    monkeypatch.delenv("MLX_KVSERVE_API_KEY")
+    exposed.write_text('[server]\nhost = "0.0.0.0"\nport = 8456\nallow_no_key = true\n')
+    result = _invoke("install", "--dry-run", "--platform", "linux", "--config", str(exposed))
+    assert result.exit_code == 0 and "ANYONE WHO CAN REACH IT CAN USE IT" in result.output
