@@ -201,6 +201,18 @@ def test_an_engine_follows_its_plan(tiny, tiny_model_dir, tmp_path, monkeypatch)
     assert wired == [p.wired_limit_bytes]  # started: the plan's limit (a no-op off Metal)
 
 
+def test_the_plan_counts_a_draft_models_weights(tiny, tiny_model_dir, tmp_path):
+    """[speculative] draft_model is loaded beside the model after the plan is made: its weights are in
+    the plan's, or the KV budgets would take the memory they occupy."""
+    loaded = LoadedModel("t", tiny_model_dir, tiny[0], tiny[1], tiny[2], 2048)
+    plain = memory_facts.model_facts(loaded, load_config()).weights_bytes
+    files = sum(f.stat().st_size for f in tiny_model_dir.glob("*.safetensors"))
+    drafted = load_config(overrides={"speculative": {"mode": "draft", "draft_model": str(tiny_model_dir)}})
+    assert memory_facts.model_facts(loaded, drafted).weights_bytes == plain + files > plain
+    missing = load_config(overrides={"speculative": {"mode": "draft", "draft_model": str(tmp_path / "none")}})
+    assert memory_facts.model_facts(loaded, missing).weights_bytes == plain  # loading it says why, later
+
+
 def test_an_engine_refuses_an_explicit_budget_past_the_working_set(tiny, tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("MLX_KVSERVE_HOME", str(tmp_path))
     with pytest.raises(ConfigError, match=r"cache.ram_max_bytes 32.00 GiB .* > the working set 16.00 GiB"):

@@ -54,9 +54,27 @@ def model_facts(loaded: Any, config: Any) -> ModelFacts:
         module = getattr(vlm, part, None)
         if module is not None:
             weights += sum(a.nbytes for _, a in tree_flatten(module.parameters()))
+    weights += draft_weights_bytes(config)
     per_token = kv_room.model_kv_bytes_per_token(loaded.model, loaded.config, config.cache.kv_bits)
     caps = [c for c in (loaded.context_length, config.model.context_length) if c]
     return ModelFacts(weights, per_token, min(caps, default=0))
+
+
+def draft_weights_bytes(config: Any) -> int:
+    """The weights of `[speculative] draft_model` (loaded beside the model once the plan is made:
+    engine/speculative/draft.py), as their files' bytes (MLX loads them as stored); 0 without one, or
+    when it cannot be found (loading it then fails with the reason)."""
+    spec = getattr(getattr(config, "speculative", None), "draft_model", "")
+    if not spec:
+        return 0
+    from ...errors import KVServeError
+    from ...models.loader import resolve_model_path
+
+    try:
+        _, path = resolve_model_path(spec, config.models_path(), config.model.dtype)
+        return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+    except (KVServeError, OSError):
+        return 0
 
 
 def plan_for(loaded: Any, config: Any, share_bytes: int = 0) -> MemoryPlan:
