@@ -64,7 +64,7 @@ def draft_weights_bytes(config: Any) -> int:
     """The weights of `[speculative] draft_model` (loaded beside the model once the plan is made:
     engine/speculative/draft.py), as their files' bytes (MLX loads them as stored); 0 without one, or
     when it cannot be found (loading it then fails with the reason)."""
-    spec = getattr(getattr(config, "speculative", None), "draft_model", "")
+    spec = config.speculative.draft_model
     if not spec:
         return 0
     from ...errors import KVServeError
