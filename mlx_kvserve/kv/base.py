@@ -36,6 +36,15 @@ class NewBlock(NamedTuple):
     depth: int = 0
 
 
+class RequestBuffers(NamedTuple):
+    """Where a chain is read for a request that takes it as its own cache (a direct read, kv/runs.py): arrays of
+    `positions` positions (its prompt and room), the chain's first block after `lead_blocks` blocks
+    (those RAM holds, which the request copies there)."""
+
+    lead_blocks: int
+    positions: int
+
+
 class MatchResult(NamedTuple):
     """The longest verified cached prefix: its full blocks (referenced; release them), an
     optional partial tail after them (`tail_payload` holding `tail_len` >= `tail_tokens` tokens)
@@ -46,6 +55,9 @@ class MatchResult(NamedTuple):
     tail_payload: Any = None
     tail_tokens: int = 0
     tail_len: int = 0  # the tail's own length (it may hold more positions than are used)
+    # Blocks after `blocks` read from the next tier into the request's own buffers (a direct run,
+    # kv/runs.py): not in RAM and not referenced; the request registers them when it is done.
+    direct: Sequence[Block] = ()
 
 
 class PrefixRules(Protocol):

@@ -265,19 +265,28 @@ class CacheLayout:
         tail_tokens: int = 0,
         tail_len: int = 0,
         room: int = 0,
+        direct: Sequence[Payload] = (),
     ) -> list[Any]:
         """A fresh prompt cache holding the given blocks in order, then the first `tail_tokens`
         of the tail's `tail_len` positions (nothing: an empty cache). Check `usable` first. With
         `room`, full-attention buffers have space for that many more tokens (rounded up to
-        mlx-lm's 256-token step), so a lone prefill writes in place instead of copying to grow."""
+        mlx-lm's 256-token step), so a lone prefill writes in place instead of copying to grow.
+        `direct`: blocks after `payloads` read into buffers made for this request (a direct run,
+        kv/runs.py; plain attention KV only, see `direct_positions`): those buffers become the
+        cache, the other blocks and the tail copied into them."""
         prompt_cache = self.new_cache()
-        length = len(payloads) * self.block_size + tail_tokens
+        length = (len(payloads) + len(direct)) * self.block_size + tail_tokens
         if not length:
             return prompt_cache
         runs.compact_pending(self.block_size)
         spans = runs.spans(payloads, self.block_size)  # a few per prefix: one join per layer of that many
         for i, (spec, cache) in enumerate(zip(self.specs, prompt_cache, strict=True)):
-            if spec.kind == KV:
+            if spec.kind == KV and direct:
+                pieces = [self._kv_arrays(e) for e in runs.layer_pieces(spans, payloads, i)]
+                run, lead = direct[0].run, direct[0].start
+                tail_kv = tail[i] if tail_tokens else None
+                _fill_direct(cache, run.layers[i], pieces, lead, tail_kv, length, tail_tokens, room)
+            elif spec.kind == KV:
                 kv = [self._kv_arrays(e) for e in runs.layer_pieces(spans, payloads, i)]
                 if tail_tokens:
                     kv.append(self._kv_arrays(tail[i]))
@@ -293,6 +302,15 @@ class CacheLayout:
                     cache[j] = a
         mx.eval([a for c in prompt_cache for a in _cache_arrays(c)])
         return prompt_cache
+
+    def direct_positions(self, prompt_len: int) -> int | None:
+        """How many positions a request's cache for a `prompt_len`-token prompt holds when a
+        lookup reads its prefix straight into it (what `assemble` makes with its room, the first
+        generated token included); None when this layout cannot take such a read (anything but
+        plain attention KV at the model's dtype)."""
+        if self.kv_bits or not all(s.kind == KV for s in self.specs):
+            return None
+        return -(-(prompt_len + 1) // KVCache.step) * KVCache.step
 
     # --- the SSD's named arrays (kv/payloads.py) ------------------------------------------------
 
@@ -368,6 +386,41 @@ def _fill_kv(cache: KVCache, kv: Sequence[tuple[mx.array, mx.array]], tail_used:
         keys.append(mx.zeros((*k.shape[:2], spare, k.shape[3]), k.dtype))
         values.append(mx.zeros((*v.shape[:2], spare, v.shape[3]), v.dtype))
     cache.keys, cache.values = join_pair(keys, values)
+    cache.offset = length
+    cache.merge = partial(_merge_alone, cache.merge)  # an instance attribute: this cache only
+
+
+def _fill_direct(
+    cache: KVCache,
+    buffers: tuple[mx.array, mx.array],
+    pieces: Sequence[tuple[mx.array, mx.array]],
+    lead: int,
+    tail: tuple[mx.array, mx.array] | None,
+    length: int,
+    tail_used: int,
+    room: int,
+) -> None:
+    """Make a direct run's buffers (keys, values) the cache: the pieces before its blocks (`lead`
+    positions) and the tail's first `tail_used` positions (ending at `length`) written in place,
+    one write each. The buffers stay the same objects (the run keeps them): mlx writes an array in
+    place while nothing else shares it, so neither these writes nor the request's own copy the
+    prefix. Buffers too short for `room` (not made for this request) are joined to a new size."""
+    keys, values = buffers
+    pos = 0
+    for k, v in pieces:
+        n = k.shape[2]
+        keys[..., pos : pos + n, :] = k
+        values[..., pos : pos + n, :] = v
+        pos += n
+    if pos != lead:
+        raise ValueError(f"the blocks before a direct read hold {pos} positions, its buffers {lead}")
+    if tail is not None:
+        keys[..., length - tail_used : length, :] = tail[0][..., :tail_used, :]
+        values[..., length - tail_used : length, :] = tail[1][..., :tail_used, :]
+    if keys.shape[2] < length + room:
+        _fill_kv(cache, [(keys[..., :length, :], values[..., :length, :])], 0, length, room)
+        return
+    cache.keys, cache.values = keys, values
     cache.offset = length
     cache.merge = partial(_merge_alone, cache.merge)  # an instance attribute: this cache only
 

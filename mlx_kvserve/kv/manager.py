@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..chain import BlockHasher
+from . import runs
 from .base import Block, FrontCompute, MatchResult, NewBlock, PrefixRules
 from .events import BlockEventLog
 from .next_tier import NextTier, NextTierReads
@@ -89,6 +90,7 @@ class KVManager:
         front: FrontCompute | None = None,
         hashes: Sequence[bytes] | None = None,
         root: bytes | None = None,
+        positions: int | None = None,
     ) -> MatchResult:
         """Longest verified cached prefix of `tokens`, at most `max_tokens` long: full blocks from
         RAM, then from the next tier (loaded outside the lock and promoted into RAM), then a tail.
@@ -97,34 +99,46 @@ class KVManager:
         With `front`, the next tier's blocks are read from the back while `front` computes the
         first of them (as many as it asks for): the computed blocks join RAM like loaded ones.
         `hashes`: the chain of `tokens` (or of a prefix of it) when the caller has it already.
-        `root`: the principal's (kv/salts.py): its chain's root, and the key of its tails."""
+        `root`: the principal's (kv/salts.py): its chain's root, and the key of its tails.
+        `positions` (plain attention KV only, no rules): the next tier may read the chain straight
+        into buffers of that many positions that the request takes as its cache (a direct run,
+        kv/runs.py); those blocks come back in `direct`, neither in RAM nor referenced, and join
+        RAM when the request registers them (`cache_blocks(read=True)`): the prefix is written
+        once, where promoting them first made the request's cache a second copy."""
         limit = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
         bs = self.block_size
         hashes = self.hasher.hash_blocks(tokens, limit // bs, known=hashes or (), root=root)
         with self._lock:
             self._stats["lookups"] += 1
             found, missed = self._walk_ram(tokens, hashes)
+        direct: list[Block] = []
         if missed and self.next_tier is not None:
-            loaded = self._reads.load(tokens, hashes, len(found), found, front)
-            if loaded:
-                self._promote(loaded, found)
-        num_blocks, tail = self._choose_end(tokens, found, limit, root)
+            loaded = self._reads.load(tokens, hashes, len(found), found, front, positions if self.rules is None else None)
+            direct = [b for b in loaded if runs.is_direct(b.payload)]  # the last ones; a sample or computed go first
+            if len(direct) < len(loaded):
+                self._promote(loaded[: len(loaded) - len(direct)], found)
+        num_blocks, tail = self._choose_end(tokens, found + direct, limit, root)
         if tail is not None and self.next_tier is not None:
             # A use on the SSD too: its per-parent limit keeps what RAM keeps for the next restart.
             self.next_tier.touch_tail(tail.tail.parent_hash, tail.tail.token_ids)
-        if num_blocks < len(found):
+        if num_blocks < len(found):  # with rules only: then nothing is read direct
             self.release(found[num_blocks:])
             found = found[:num_blocks]
         with self._lock:
-            self._stats["hits"] += len(found)
-            self._stats["hit_tokens"] += len(found) * bs
+            self._stats["hits"] += num_blocks
+            self._stats["hit_tokens"] += num_blocks * bs
             if tail is not None:
                 self._stats["tail_hits"] += 1
                 self._stats["tail_hit_tokens"] += tail.num_tokens
         if tail is None:
-            return MatchResult(found, len(found) * bs)
+            return MatchResult(found, num_blocks * bs, direct=direct)
         return MatchResult(
-            found, len(found) * bs + tail.num_tokens, tail.tail.payload, tail.num_tokens, len(tail.tail.token_ids)
+            found,
+            num_blocks * bs + tail.num_tokens,
+            tail.tail.payload,
+            tail.num_tokens,
+            len(tail.tail.token_ids),
+            direct=direct,
         )
 
     def _choose_end(
@@ -351,12 +365,15 @@ class KVManager:
         new = NewBlock(block_hash, parent_hash, tuple(token_ids), payload, nbytes, depth)
         return bool(self.cache_blocks([new], (), write))
 
-    def cache_blocks(self, new: Sequence[NewBlock], chain: Sequence[bytes], write: bool = True) -> list[Block]:
+    def cache_blocks(
+        self, new: Sequence[NewBlock], chain: Sequence[bytes], write: bool = True, read: bool = False
+    ) -> list[Block]:
         """Register new full blocks of one chain (`depth`: each one's index in it), and mark the
         chain's blocks in RAM used (`chain`: its hashes from the root, the new blocks' among them),
         the root most recently: RAM evicts a chain from its deep end. Returns the blocks added
         (those already cached, or colliding, are not). `write=False`: not handed to the next tier
-        yet (see `write_deferred`); the others go to it in chain order."""
+        yet (see `write_deferred`); the others go to it in chain order. `read`: blocks the next
+        tier gave a request (MatchResult.direct): counted as promotions, never handed back to it."""
         added = []
         with self._lock:  # phase 1: RAM registration
             for entry in new:
@@ -367,7 +384,7 @@ class KVManager:
                 block = Block(*entry[:5], depth=entry.depth)
                 self._ram.insert(block, self._next_tick())
                 self.events.stored(block.block_hash)
-                self._stats["inserts"] += 1
+                self._stats["promotions" if read else "inserts"] += 1
                 added.append(block)
             held = []  # the chain's run from its root (blocks after a gap are found by no lookup)
             for block_hash in chain:
@@ -377,7 +394,7 @@ class KVManager:
             self._touch_chain(held)
             evicted = self._evict()  # once all are in: the choice sees the chain's order, not arrival's
         if self.next_tier is not None:  # phase 2: outside the lock
-            if write:
+            if write and not read:
                 for block in added:
                     self.next_tier.on_new_block(block)
             if evicted:

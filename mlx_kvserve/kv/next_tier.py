@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from ..chain import BlockHasher
-from .base import Block, FrontCompute
+from .base import Block, FrontCompute, RequestBuffers
 
 log = logging.getLogger(__name__)
 
@@ -20,8 +20,10 @@ class NextTier(Protocol):
 
     def on_new_block(self, block: Block) -> None: ...
     def on_evicted(self, blocks: list[Block]) -> None: ...
-    def load_many(self, wanted: Sequence[tuple[bytes, Sequence[int]]]) -> list[tuple[Any, int]]: ...
-    def begin_load(self, wanted: Sequence[tuple[bytes, Sequence[int]]]) -> Any: ...
+    def load_many(
+        self, wanted: Sequence[tuple[bytes, Sequence[int]]], into: RequestBuffers | None = None
+    ) -> list[tuple[Any, int]]: ...
+    def begin_load(self, wanted: Sequence[tuple[bytes, Sequence[int]]], into: RequestBuffers | None = None) -> Any: ...
     def end_load(self, pending: Any) -> list[tuple[Any, int]]: ...
     def stored_run(self, hashes: Sequence[bytes]) -> int: ...
     def contains(self, block_hash: bytes) -> bool: ...
@@ -47,9 +49,13 @@ class NextTierReads:
         start: int,
         found: Sequence[Block] = (),
         front: FrontCompute | None = None,
+        positions: int | None = None,
     ) -> list[Block]:
         """Blocks start.. of the chain from the next tier, until its first miss (with `front`,
-        the first ones computed while the rest are read). No lock held."""
+        the first ones computed while the rest are read). No lock held. `positions`: the blocks
+        read go into buffers of that many positions that the request takes as its cache (a direct
+        run, kv/runs.py) where the tier reads the chain as a run; those read before (a sample) or
+        computed stay blocks of their own."""
         bs = self.hasher.block_size
         wanted = [(hashes[i], tuple(tokens[i * bs : (i + 1) * bs])) for i in range(start, len(hashes))]
         stored = self.next_tier.stored_run(hashes[start:]) if front is not None else 0
@@ -57,14 +63,15 @@ class NextTierReads:
             first = self._blocks(hashes, wanted, start, self.next_tier.load_many(wanted[:1]), 0)
             if not first:
                 return []
-            return first + self.load(tokens, hashes, start + 1, [*found, *first], front)
+            return first + self.load(tokens, hashes, start + 1, [*found, *first], front, positions)
         computed = front.blocks_to_compute(start, stored) if stored > 1 else 0
         if not 0 < computed < stored:  # all or nothing computed: read them
             computed = 0
+        into = RequestBuffers(start + computed, positions) if positions else None
         if computed:
-            payloads = self._compute_and_load(tokens, wanted[:stored], found, start, computed, front)
+            payloads = self._compute_and_load(tokens, wanted[:stored], found, start, computed, front, into)
         else:
-            payloads = self.next_tier.load_many(wanted)
+            payloads = self.next_tier.load_many(wanted, into)
         return self._blocks(hashes, wanted, start, payloads, computed)
 
     def _blocks(
@@ -91,11 +98,12 @@ class NextTierReads:
         start: int,
         computed: int,
         front: FrontCompute,
+        into: RequestBuffers | None = None,
     ) -> list[tuple[Any, int]]:
         """The payloads of `wanted`: the first `computed` blocks by `front` while the next tier
         reads the rest (up to its first miss). A failed compute is a miss from `start` on (the
         request prefills those tokens itself, where a real fault shows in the request's own path)."""
-        pending = self.next_tier.begin_load(wanted[computed:])
+        pending = self.next_tier.begin_load(wanted[computed:], into)
         try:
             front_payloads = front.compute(tokens, [b.payload for b in found], start, computed)
         except Exception as exc:

@@ -26,16 +26,20 @@ import mlx.core as mx
 
 class Run:
     """Per layer, the arrays of `num_blocks` consecutive blocks registered together (None for the
-    layers kept per block; evaluated here), and those of its blocks that are in RAM (`members`, by id)."""
+    layers kept per block; evaluated here), and those of its blocks that are in RAM (`members`, by id).
+    `direct`: a request's own cache buffers, read from the SSD for it (kv/ssd/run_loads.py): its
+    blocks' payloads hold no views yet (the request writes the buffers in place, past its prefix,
+    and mlx would copy a buffer that a view shares) until `materialize` makes them."""
 
-    __slots__ = ("layers", "num_blocks", "members", "owner", "__weakref__")
+    __slots__ = ("layers", "num_blocks", "members", "owner", "direct", "__weakref__")
 
-    def __init__(self, layers: list[Any], num_blocks: int):
+    def __init__(self, layers: list[Any], num_blocks: int, direct: bool = False):
         mx.eval([a for entry in layers if entry is not None for a in entry])
         self.layers = layers
         self.num_blocks = num_blocks
         self.members: dict[int, RunPayload] = {}
         self.owner = threading.get_ident()  # the thread that owns this model's MLX work (one per model)
+        self.direct = direct
 
 
 _lock = threading.Lock()  # guards every Run's members and _pending
@@ -108,6 +112,29 @@ def layer_pieces(spans_: Sequence[Span], payloads: Sequence[Any], layer: int) ->
         whole = span.lo == 0 and span.hi == entry[0].shape[2]
         out.append(entry if whole else view(entry, span.lo, span.hi))
     return out
+
+
+def is_direct(payload: Any) -> bool:
+    """Whether `payload` is a block of a direct read whose views are not made yet (Run.direct)."""
+    return isinstance(payload, RunPayload) and payload.run.direct
+
+
+def materialize(payloads: Sequence[RunPayload], block_size: int) -> None:
+    """Make the full-attention entries of consecutive blocks of one direct run, in order: views of
+    its buffers (one split per array), once the request that wrote them is done with them."""
+    if not payloads:
+        return
+    run, lo = payloads[0].run, payloads[0].start
+    count = len(payloads)
+    parts = {
+        i: split(view(entry, lo, lo + count * block_size), count)
+        for i, entry in enumerate(run.layers)
+        if entry is not None
+    }
+    for j, payload in enumerate(payloads):
+        for i, entry_parts in parts.items():
+            payload[i] = entry_parts[j]
+    run.direct = False
 
 
 def entered(payload: Any) -> None:

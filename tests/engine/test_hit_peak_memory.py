@@ -25,6 +25,9 @@ BS = 64
 # assembled buffer has room up to 1,792 positions (mlx-lm's 256-token step), 5% beside the prefix,
 # of which 1,701 are filled when the request ends (not full: see above).
 PROMPT_TOKENS = 1700
+# A restore's files are read a few windows ahead of the run (kv/ssd/run_loads.py: up to 24 blocks'
+# payloads beside it): 0.19 copies of a 125-block prefix. Its buffer has room to 8,192 positions.
+RESTORE_TOKENS = 8000
 
 
 @pytest.fixture(scope="module")
@@ -63,3 +66,26 @@ def test_an_exact_repeat_holds_one_copy_of_its_prefix(tiny, monkeypatch, path):
     assert tokens == cold[0]
     copies = grown / kv_bytes(model, cached)
     assert 1.0 <= copies < 1.2, f"the hit's peak is {copies:.2f} copies of its prefix"
+
+
+def test_a_restore_writes_its_prefix_once(tiny, tmp_path):
+    """After a restart the chain is read straight into the request's own cache (a direct run,
+    kv/runs.py), then registered as views of it: the prefix's bytes are allocated once, where
+    reading it into RAM's buffers then assembling the cache from them took two (2.08 copies at
+    the peak with the windows read ahead; 1.27 now)."""
+    from kvharness import close_ssd
+
+    model, tokenizer = tiny
+    prompt = np.random.default_rng(1).integers(3, 250, size=RESTORE_TOKENS).tolist()
+    first = make_generator(model, tokenizer, BS, ssd_dir=tmp_path)
+    cold = greedy(first, prompt, 1)
+    assert close_ssd(first)
+    restarted = make_generator(model, tokenizer, BS, ssd_dir=tmp_path)
+    outcome: list = []
+    grown = peak_over_active(lambda: outcome.append(greedy(restarted, prompt, 1)))
+    (tokens, _, cached) = outcome[0]
+    assert cached == RESTORE_TOKENS - 1
+    assert tokens == cold[0]
+    copies = grown / kv_bytes(model, cached)
+    close_ssd(restarted)
+    assert 1.0 <= copies < 1.4, f"the restore's peak is {copies:.2f} copies of its prefix"

@@ -188,7 +188,10 @@ def test_ssd_hits_load_while_other_requests_run(tiny, stored, tmp_path, share):
     assert got[0] == (other_alone, 0)
     assert got[1] == (cold, len(prompt) - 1)
     assert got[2][0] == shorter_alone and got[2][1] >= 4 * BS
-    assert engine.local_cache_stats()["kv_split_loads"] == (0 if share is None else 1)
+    # The shorter hit, looked up while the first still holds the blocks it read in its own cache
+    # (they join RAM when it is done: a direct read), may split its own read too.
+    splits = engine.local_cache_stats()["kv_split_loads"]
+    assert splits == 0 if share is None else splits in (1, 2)
     engine.prefix_cache.manager.check_integrity()
 
 

@@ -34,7 +34,7 @@ class FakeTier:
         block = self.blocks.get(block_hash)
         return (block.payload, block.nbytes) if block is not None and block.token_ids == tuple(token_ids) else None
 
-    def load_many(self, wanted):
+    def load_many(self, wanted, into=None):
         out = []
         for block_hash, token_ids in wanted:
             got = self.load(block_hash, token_ids)

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ...kv import blocks
+from ...kv import blocks, runs
 from ...kv.base import Block, MatchResult, NewBlock
 from ...kv.manager import KVManager
 from ...kv.salts import tail_parent
@@ -35,6 +35,7 @@ class Prepared:
     captures: list[blocks.Capture] = field(default_factory=list)
     tails_done: set[int] = field(default_factory=set)  # ends of the tails registered so far
     registered_blocks: int = 0  # full blocks before this index are registered (or were cached)
+    direct_done: bool = False  # the blocks read into the request's buffers (match.direct) are registered
     deferred: list[Block] = field(default_factory=list)  # registered, not yet handed to the SSD tier
     deferred_at_flush: int = 0  # manager.num_flushes when they were registered
     prompt_hashes: list[bytes] = field(default_factory=list)  # the prompt's chain (GenerationRequest.block_hashes)
@@ -118,9 +119,17 @@ class PrefixCache:
             self.ssd_tier.hold_writes()
         if self.manager is None:
             return Prepared(self.layout.assemble([]), MatchResult([], 0))
-        front = self.front if self.agree is None else None  # ranks must read the same blocks in step
-        match = self.manager.lookup(prompt, max_tokens=len(prompt) - 1, front=front, hashes=hashes, root=root)
-        if self.agree is not None:
+        distributed = self.agree is not None  # ranks must read the same blocks in step
+        match = self.manager.lookup(
+            prompt,
+            max_tokens=len(prompt) - 1,
+            front=None if distributed else self.front,
+            hashes=hashes,
+            root=root,
+            # The SSD's blocks read straight into this request's cache, registered when it is done.
+            positions=None if distributed else self.layout.direct_positions(len(prompt)),
+        )
+        if distributed:
             match = self._agree(prompt, match)
         try:
             cache = self.layout.assemble(
@@ -134,6 +143,7 @@ class PrefixCache:
                 # more for the first generated token: mlx-lm runs its decode step before it reports that
                 # token, and a prompt filling the buffer exactly would grow (copy) it inside the TTFT.
                 room=len(prompt) - match.num_tokens + 1,
+                direct=[b.payload for b in match.direct],
             )
         except Exception:
             self.manager.release(match.blocks)
@@ -221,6 +231,7 @@ class PrefixCache:
             if prepared.deferred and prepared.deferred_at_flush == self.manager.num_flushes:
                 self.manager.write_deferred(prepared.deferred)  # unless a flush dropped them meanwhile
             prepared.deferred = []
+            self._register_direct(prepared)
             return self.register(prepared, kv_tokens, prompt_len)
         finally:
             self.manager.release(prepared.match.blocks)
@@ -246,7 +257,7 @@ class PrefixCache:
         )
         tokens = list(kv_tokens[:length])
         num_full = length // bs
-        first = max(len(prepared.match.blocks), prepared.registered_blocks)
+        first = max(len(prepared.match.blocks) + len(prepared.match.direct), prepared.registered_blocks)
         # For blocks and tails; the request's own chain (`known`) goes on past its prompt.
         hashes = manager.hasher.hash_blocks(tokens, num_full, known=prepared.prompt_hashes, root=prepared.root)
         todo = manager.new_blocks(tokens, first, num_full, hashes)
@@ -269,6 +280,21 @@ class PrefixCache:
         for end, state in sorted(self._tail_ends(prepared, tokens, len(kv_tokens), prompt_len).items()):
             self._keep_tail(prepared, tokens, end, hashes, state)
         return added
+
+    def _register_direct(self, prepared: Prepared) -> None:
+        """Put the blocks the SSD read into the request's own buffers (match.direct) into RAM, as
+        views of those buffers (the request no longer writes them): no copy; the SSD has them."""
+        match = prepared.match
+        if not match.direct or prepared.direct_done:
+            return
+        prepared.direct_done = True
+        runs.materialize([b.payload for b in match.direct], self.manager.block_size)
+        start = len(match.blocks)
+        new = [
+            NewBlock(b.block_hash, b.parent_hash, b.token_ids, b.payload, b.nbytes, start + i)
+            for i, b in enumerate(match.direct)
+        ]
+        self.manager.cache_blocks(new, [b.block_hash for b in (*match.blocks, *match.direct)], read=True)
 
     def _tail_ends(self, prepared: Prepared, tokens: list[int], held: int, prompt_len: int) -> dict[int, Any]:
         """Where to keep tails (ends up to len(tokens)), each with its checkpoint (None for plain models).

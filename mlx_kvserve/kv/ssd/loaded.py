@@ -7,6 +7,8 @@ from typing import Any, NamedTuple
 
 import mlx.core as mx
 
+from ..base import RequestBuffers
+
 
 def reads_through_host() -> bool:
     """Whether this process reads block files through host memory: on a GPU that is not Apple's
@@ -26,11 +28,13 @@ class PendingLoad(NamedTuple):
 
 class LoadedRun(NamedTuple):
     """The full-attention arrays of consecutive blocks read together (run_reads.py), by name:
-    (1, heads, num_blocks * block_size, dim) each."""
+    (1, heads, num_blocks * block_size, dim) each; with `into`, the request's buffers holding the
+    blocks after its lead (and no view of them is made: the request writes them in place)."""
 
     arrays: dict[str, mx.array]
     num_blocks: int
     block_size: int
+    into: RequestBuffers | None = None
 
 
 class LoadedBlock(NamedTuple):

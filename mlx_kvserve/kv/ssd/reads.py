@@ -33,6 +33,7 @@ from .format import (
     read_header,
 )
 from .index import BlockIndex, IndexEntry, tokens_digest
+from ..base import RequestBuffers
 from .loaded import LoadedBlock, PendingLoad, reads_through_host
 from .readahead import Readahead
 from .run_loads import StoreRunReads
@@ -124,19 +125,22 @@ class StoreReads(StoreRunReads):
         loaded = self.load_blocks([(block_hash, expected_tokens)])
         return loaded[0] if loaded else None
 
-    def load_blocks(self, wanted: Sequence[tuple[bytes, Sequence[int]]]) -> list[LoadedBlock]:
+    def load_blocks(
+        self, wanted: Sequence[tuple[bytes, Sequence[int]]], into: RequestBuffers | None = None
+    ) -> list[LoadedBlock]:
         """The blocks of `wanted` (hash, expected tokens), in order, up to the first that misses:
         `load_block` for each, but the files of up to LOAD_WINDOW blocks are read together (mlx
         issues their reads in parallel; one Python thread still owns mlx). The kernel reads the
         chain's files ahead (readahead.py) and the next window's reads start before this one is
-        checked, so the disk streams while the checksums run."""
+        checked, so the disk streams while the checksums run. `into`: read into a request's own
+        buffers where the chain is read as a run (run_loads.py)."""
         windows = [wanted[start : start + LOAD_WINDOW] for start in range(0, len(wanted), LOAD_WINDOW)]
         ahead = Readahead([self._path(block_hash) for block_hash, _ in wanted])
         out: list[LoadedBlock] = []
         try:
             layout = self._run_layout(wanted)
             if layout is not None:  # one read into a run, the kernel reading ahead of it
-                return self._load_run(wanted, layout, ahead.consumed)
+                return self._load_run(wanted, layout, ahead.consumed, into)
             pending = self.begin_load(windows[0]) if windows else None
             for i, window in enumerate(windows):
                 whole = len(pending.opened) == len(window)
@@ -151,13 +155,16 @@ class StoreReads(StoreRunReads):
             ahead.close()
         return out
 
-    def begin_load(self, wanted: Sequence[tuple[bytes, Sequence[int]]]) -> PendingLoad:
+    def begin_load(
+        self, wanted: Sequence[tuple[bytes, Sequence[int]]], into: RequestBuffers | None = None
+    ) -> PendingLoad:
         """Start reading the files of `wanted` (hash, expected tokens) up to the first that is not
         indexed or whose header does not check, and return at once: mlx reads them on its own
-        threads while the caller computes. `end_load` waits, verifies and returns them."""
+        threads while the caller computes. `end_load` waits, verifies and returns them. `into`: as
+        for `load_blocks`."""
         layout = self._run_layout(wanted)
         if layout is not None:
-            return self._begin_run_load(wanted, layout)
+            return self._begin_run_load(wanted, layout, into)
         opened = self._open_window(wanted)
         if opened and not isinstance(opened[0][3], Future):
             mx.async_eval([payload for _, _, _, payload in opened])

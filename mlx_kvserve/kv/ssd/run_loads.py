@@ -22,6 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 import mlx.core as mx
 
 from .index import IndexEntry
+from ..base import RequestBuffers
 from .loaded import LoadedBlock, LoadedRun, PendingLoad, reads_through_host
 from .run_reads import RunBuffers, RunLayout, read_into_run, rest_arrays, run_layout, verify_into_run
 from .table_check import TableExpectation
@@ -71,11 +72,17 @@ class StoreRunReads:
         return not (self.host_reads if self.host_reads is not None else reads_through_host())
 
     def _load_run(
-        self, wanted: Sequence[tuple[bytes, Sequence[int]]], layout: RunLayout, consumed: Callable[[int], None]
+        self,
+        wanted: Sequence[tuple[bytes, Sequence[int]]],
+        layout: RunLayout,
+        consumed: Callable[[int], None],
+        into: RequestBuffers | None = None,
     ) -> list[LoadedBlock]:
         """The blocks of `wanted` up to the first that misses, read as runs of at most RUN_BYTES an
-        array (one for most chains): mlx reads a window of files while the reading threads verify
-        and place the windows before it."""
+        array (one for most chains; with `into`, one: the request's own buffers): mlx reads a window
+        of files while the reading threads verify and place the windows before it."""
+        if into is not None:
+            return self._load_one_run(wanted, layout, consumed, into)
         size = max(1, RUN_BYTES // layout.block_bytes())
         out: list[LoadedBlock] = []
         for start in range(0, len(wanted), size):
@@ -86,15 +93,19 @@ class StoreRunReads:
         return out
 
     def _load_one_run(
-        self, wanted: Sequence[tuple[bytes, Sequence[int]]], layout: RunLayout, consumed: Callable[[int], None]
+        self,
+        wanted: Sequence[tuple[bytes, Sequence[int]]],
+        layout: RunLayout,
+        consumed: Callable[[int], None],
+        into: RequestBuffers | None = None,
     ) -> list[LoadedBlock]:
         if not self._in_place():
-            started, buffers = self._begin_run(wanted, layout)
+            started, buffers = self._begin_run(wanted, layout, into)
             return self._collect_run(started, buffers, consumed)
         entries = self._indexed(wanted)
         if not entries:
             return []
-        buffers = RunBuffers(layout, len(entries), in_place=True)
+        buffers = RunBuffers(layout, len(entries), True, into)
         wanted = wanted[: len(entries)]
         windows = [wanted[start : start + WINDOW] for start in range(0, len(wanted), WINDOW)]
         pool, placed, in_flight = self._read_pool(), [], deque()
@@ -136,14 +147,14 @@ class StoreRunReads:
             log.warning("SSD read: the run's buffers could not be made (%s)", exc)
 
     def _begin_run(
-        self, wanted: Sequence[tuple[bytes, Sequence[int]]], layout: RunLayout
+        self, wanted: Sequence[tuple[bytes, Sequence[int]]], layout: RunLayout, into: RequestBuffers | None = None
     ) -> tuple[list[tuple[bytes, IndexEntry, Future]], RunBuffers | None]:
         """Start reading the indexed blocks of `wanted` into one run on the reading threads (a
         block each: read, verified, placed); the buffers are made meanwhile."""
         entries = self._indexed(wanted)
         if not entries:
             return [], None
-        buffers = RunBuffers(layout, len(entries), self._in_place())
+        buffers = RunBuffers(layout, len(entries), self._in_place(), into)
         pool: ThreadPoolExecutor = self._read_pool()
         started = [
             (block_hash, entry, pool.submit(
@@ -155,8 +166,10 @@ class StoreRunReads:
         self._allocate(buffers)  # while the first files are read and verified
         return started, buffers
 
-    def _begin_run_load(self, wanted: Sequence[tuple[bytes, Sequence[int]]], layout: RunLayout) -> PendingLoad:
-        started, buffers = self._begin_run(wanted, layout)
+    def _begin_run_load(
+        self, wanted: Sequence[tuple[bytes, Sequence[int]]], layout: RunLayout, into: RequestBuffers | None = None
+    ) -> PendingLoad:
+        started, buffers = self._begin_run(wanted, layout, into)
         expected = tuple(tuple(ids) for _, ids in wanted[: len(started)])
         return PendingLoad(expected, [(h, e, None, f) for h, e, f in started], buffers)
 
@@ -192,9 +205,12 @@ class StoreRunReads:
         wait(futures)  # nothing writes into the run's buffers after this
         if not reads:
             return []
-        run = LoadedRun(buffers.arrays(len(reads)), len(reads), buffers.layout.block_size)
-        parts = {n: mx.split(a, run.num_blocks, axis=2) if run.num_blocks > 1 else [a] for n, a in run.arrays.items()}
-        mx.eval(parts)
+        run = LoadedRun(buffers.arrays(len(reads)), len(reads), buffers.layout.block_size, buffers.into)
+        if run.into is not None:  # a request's buffers: no views (the request writes them in place)
+            parts = {}
+        else:
+            parts = {n: mx.split(a, run.num_blocks, axis=2) if run.num_blocks > 1 else [a] for n, a in run.arrays.items()}
+            mx.eval(parts)
         out: list[LoadedBlock] = []
         for i, (block_hash, entry, read) in enumerate(reads):
             try:

@@ -39,6 +39,7 @@ from ...safe_files import open_regular
 from ..concat import side_stream
 from .format import _DTYPES, BlockHeader, FormatError, decode_table, parse_metadata, payload_checksum
 from .format import _read_head as read_head  # the safetensors header, checked against the file size
+from ..base import RequestBuffers
 from .table_check import TOKEN_AXIS, ArrayRule, TableExpectation, table_checker
 
 _ALIGN = 16  # a block's other arrays start at multiples of this in its own buffer (as in a payload)
@@ -73,14 +74,17 @@ class RunBuffers:
     `host` (numpy views) once `allocate` (on mlx's thread) made them: the reading threads read and
     verify their first files meanwhile and wait (`ready`) only to place them. `in_place`: the
     buffers are mlx arrays written in place (CPU, Apple silicon); else host memory, copied to the
-    device by `arrays`."""
+    device by `arrays`. `into`: a request's own buffers (kv/base.py RequestBuffers) of that many
+    positions, the blocks placed after its lead; else the blocks' positions alone."""
 
-    def __init__(self, layout: RunLayout, num_blocks: int, in_place: bool):
+    def __init__(self, layout: RunLayout, num_blocks: int, in_place: bool, into: RequestBuffers | None = None):
         self.layout = layout
         self.num_blocks = num_blocks
         self.in_place = in_place
+        self.into = into
         bs = layout.block_size
-        self.shapes = {n: _with_positions(r.shape, num_blocks * bs) for n, r in layout.rules.items()}
+        positions = into.positions if into is not None else num_blocks * bs
+        self.shapes = {n: _with_positions(r.shape, positions) for n, r in layout.rules.items()}
         self.device: dict[str, mx.array] = {}
         self.host: dict[str, np.ndarray] = {}
         self._made = threading.Event()  # set by allocate, whether it worked or not (then host stays empty)
@@ -121,19 +125,23 @@ class RunBuffers:
         """Where a block's array `name` of `shape` goes in the run, as a writable (outer, bytes)
         view: a row per index before the token axis, each the block's positions in the run."""
         row = math.prod(shape[TOKEN_AXIS + 1 :]) * _DTYPES[self.layout.rules[name].dtype].size  # a position's bytes
-        start = block * self.layout.block_size * row
+        lead = self.into.lead_blocks if self.into is not None else 0
+        start = (lead + block) * self.layout.block_size * row
         return self.host[name].reshape(math.prod(shape[:TOKEN_AXIS]), -1)[:, start : start + shape[TOKEN_AXIS] * row]
 
     def arrays(self, num_blocks: int) -> dict[str, mx.array]:
         """The run's arrays holding its first `num_blocks` blocks (evaluated; a copy of those when
-        the chain stopped short, so no unused buffer is held)."""
+        the chain stopped short, so no unused buffer is held; a request's buffers as they are). The
+        buffers are let go: an array returned is then the only one holding its memory, so the
+        request writes it in place (mlx copies an array that another one shares)."""
         out = {}
         for name, shape in self.shapes.items():
             raw = self.device[name] if self.device else mx.array(self.host[name])
             out[name] = raw.view(_DTYPES[self.layout.rules[name].dtype]).reshape(shape)
-            if num_blocks < self.num_blocks:
+            if num_blocks < self.num_blocks and self.into is None:
                 out[name] = mx.contiguous(out[name][:, :, : num_blocks * self.layout.block_size])
         mx.eval(list(out.values()))
+        self.device, self.host = {}, {}
         return out
 
 

@@ -19,6 +19,8 @@ from ...fsmode import open_private
 from .. import runs
 from ..base import Block
 from .format import BlockHeader, block_relpath, read_header, tail_key
+from ..base import RequestBuffers
+from .loaded import LoadedBlock
 from .reads import PendingLoad
 from .store import SaveResult, SSDStore
 from .tails import SSDTailStore
@@ -166,19 +168,24 @@ class SSDTier:
         got = self._payloads([(block_hash, token_ids)], [loaded] if loaded is not None else [])
         return got[0] if got else None
 
-    def load_many(self, wanted: Sequence[tuple[bytes, Sequence[int]]]) -> list[tuple[Any, int]]:
+    def load_many(
+        self, wanted: Sequence[tuple[bytes, Sequence[int]]], into: RequestBuffers | None = None
+    ) -> list[tuple[Any, int]]:
         """(payload, nbytes) of the verified blocks of `wanted` (hash, token ids), in order, up to
         the first miss; their files are read together (SSDStore.load_blocks). Measures the blocks
-        loaded per second (`block_reads`)."""
+        loaded per second (`block_reads`). `into`: read into a request's own buffers where the
+        chain is read as a run: then the payloads are a direct run's (kv/runs.py `is_direct`)."""
         start = time.perf_counter()
-        out = self._payloads(wanted, self.store.load_blocks(wanted))
+        out = self._payloads(wanted, self.store.load_blocks(wanted, into))
         if out:
             self.block_reads.add(len(out), time.perf_counter() - start)
         return out
 
-    def begin_load(self, wanted: Sequence[tuple[bytes, Sequence[int]]]) -> PendingLoad:
+    def begin_load(
+        self, wanted: Sequence[tuple[bytes, Sequence[int]]], into: RequestBuffers | None = None
+    ) -> PendingLoad:
         """Start reading `wanted` in the background (SSDStore.begin_load); `end_load` collects it."""
-        return self.store.begin_load(wanted)
+        return self.store.begin_load(wanted, into)
 
     def end_load(self, pending: PendingLoad) -> list[tuple[Any, int]]:
         """(payload, nbytes) of a begin_load's verified blocks, in order, up to the first miss."""
@@ -199,6 +206,9 @@ class SSDTier:
         made: dict[int, runs.Run] = {}  # by id of the LoadedRun
         for (block_hash, _), block in zip(wanted, loaded, strict=False):
             try:
+                if block.run is not None and block.run.into is not None:
+                    out.append(self._direct_payload(block, made))
+                    continue
                 payload, nbytes = self._from_arrays(block.arrays)
                 if block.run is not None:
                     run = made.get(id(block.run))
@@ -212,6 +222,17 @@ class SSDTier:
                 self.store.discard(block_hash, exc)
                 break
         return out
+
+    def _direct_payload(self, block: LoadedBlock, made: dict[int, runs.Run]) -> tuple[Any, int]:
+        """(payload, nbytes) of a block read into a request's buffers: a direct run's, no views."""
+        loaded, bs = block.run, block.run.block_size
+        run = made.get(id(loaded))
+        if run is None:
+            layers = self._from_arrays(loaded.arrays)[0]
+            run = made[id(loaded)] = runs.Run(layers, loaded.into.positions // bs, direct=True)
+        nbytes = sum(a.nbytes for a in loaded.arrays.values()) * bs // loaded.into.positions
+        start = (loaded.into.lead_blocks + block.position) * bs
+        return runs.RunPayload([None] * len(run.layers), run, start), nbytes
 
     def save_tail(self, parent_hash: bytes, token_ids: Sequence[int], payload: Any) -> None:
         """Persist a tail, through the writer thread like blocks (off the request path)."""

@@ -177,7 +177,7 @@ def _joined(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return counts
 
 
-def test_a_restore_joins_a_few_pieces_per_layer_and_answers_as_cold(tiny, tmp_path, monkeypatch):
+def test_a_restore_reads_into_the_request_cache_and_answers_as_cold(tiny, tmp_path, monkeypatch):
     model, tokenizer = tiny
     text = " ".join(f"Entry {i}: the harbour light number {i} shines at {i * 3} o'clock." for i in range(40))
     prompt = tokenizer.encode(text)[: 12 * TBS + TBS // 2]
@@ -192,11 +192,18 @@ def test_a_restore_joins_a_few_pieces_per_layer_and_answers_as_cold(tiny, tmp_pa
     assert cached == len(prompt) - 1 and cached // TBS == 12
     assert ids == cold_ids and out_text == cold_text
     layers = len(model.layers)
-    # One piece for the 12 restored blocks (one run), the tail, the room: 14 pieces read block by block.
-    assert joins[:layers] == [3] * layers
-    held = [b.payload for b in restarted.prefix_cache.manager._ram]  # RAM keeps the 12 as one run
-    restored = [p for p in held if isinstance(p, runs.RunPayload) and p.run.num_blocks == 12]
-    assert len(restored) == 12 and len({id(p.run) for p in restored}) == 1
+    # The 12 blocks were read into the request's own cache (a direct run), the tail written into
+    # it: no join at all (a join per layer of the run, the tail and the room before; 14 pieces
+    # when read block by block).
+    assert joins == []
+    manager = restarted.prefix_cache.manager
+    chain = manager.hasher.hash_blocks(prompt, 12)
+    held = [manager._ram.get(h) for h in chain]  # RAM has the 12 since the request ended, as one run
+    assert all(b is not None and isinstance(b.payload, runs.RunPayload) for b in held)
+    assert len({id(b.payload.run) for b in held}) == 1 and not held[0].payload.run.direct
+    assert [b.payload.start for b in held] == [i * TBS for i in range(12)]
+    # Read, then registered without a copy; the one block the answer completed is new.
+    assert manager.stats()["kv_promotions"] == 12 and manager.stats()["kv_inserts"] == 1
     joins.clear()
     ids, _, cached = greedy(restarted, prompt, 12)  # the next hit, from RAM: the same few pieces
     assert ids == cold_ids and cached == len(prompt) - 1
