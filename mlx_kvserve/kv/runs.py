@@ -137,6 +137,14 @@ def materialize(payloads: Sequence[RunPayload], block_size: int) -> None:
     run.direct = False
 
 
+def settle(run: Run) -> None:
+    """A direct run whose blocks entered RAM: compacted (at the next `compact_pending`) when they
+    fill at most half of its buffers (the blocks before them RAM held already, the room)."""
+    with _lock:
+        if run.members and 2 * len(run.members) <= run.num_blocks:
+            _pending[id(run)] = run
+
+
 def entered(payload: Any) -> None:
     """A block with this payload entered RAM."""
     if isinstance(payload, RunPayload):

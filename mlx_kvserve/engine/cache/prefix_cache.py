@@ -295,6 +295,7 @@ class PrefixCache:
             for i, b in enumerate(match.direct)
         ]
         self.manager.cache_blocks(new, [b.block_hash for b in (*match.blocks, *match.direct)], read=True)
+        runs.settle(match.direct[0].payload.run)
 
     def _tail_ends(self, prepared: Prepared, tokens: list[int], held: int, prompt_len: int) -> dict[int, Any]:
         """Where to keep tails (ends up to len(tokens)), each with its checkpoint (None for plain models).

@@ -10,8 +10,8 @@ are made once and written to a cache folder on the disk (`--dir`), then, `--reps
   first as in a new process; its time to the first token, and the part spent in the SSD tier's reads
   (read, checksum, arrays);
 - RAM hit: the same prompt again on that engine (every block in RAM);
-- with --before, a restore reading block by block as before kv/ssd/run_reads.py (one array per file,
-  joined one per block per layer; readahead and pooled checksums kept), alternated.
+- with --before, the restore as before the direct read (the chain read into RAM's own run, then the
+  request's cache assembled from it: a second copy of the prefix), alternated.
 floor = raw read + RAM hit; the target is restore <= 1.3x floor, the reads >= 80% of the raw speed.
 A cold prefill at this length takes this CPU minutes to hours, so the blocks are made with attention
 skipped (the output of that pass is not used); `--cold` times one real cold prefill for scale.
@@ -123,16 +123,16 @@ def run_length(loaded, tokens: int, reps: int, folder: Path, cold: bool, before:
 
 @contextmanager
 def previous_reads():
-    """The store's chain reads as they were before run_reads.py: a file per block read into an
-    array of its own (windows of 8, the kernel reading ahead, checksums on the pool's threads), each
-    block joined apart when the prefix is assembled."""
-    from mlx_kvserve.kv.ssd import reads
+    """The restore as it was before the direct read: the chain read into RAM's own run, promoted,
+    then the request's cache assembled from it (a second copy of the prefix)."""
+    from mlx_kvserve.kv.blocks import CacheLayout
 
-    reads.StoreReads.run_reads = False
+    real = CacheLayout.direct_positions
+    CacheLayout.direct_positions = lambda self, prompt_len: None
     try:
         yield
     finally:
-        reads.StoreReads.run_reads = True
+        CacheLayout.direct_positions = real
 
 
 def timed_reads(engine) -> list[float]:
@@ -141,10 +141,10 @@ def timed_reads(engine) -> list[float]:
     seconds: list[float] = []
     load_many = tier.load_many
 
-    def timed(wanted):
+    def timed(wanted, into=None):
         start = time.perf_counter()
         try:
-            return load_many(wanted)
+            return load_many(wanted, into)
         finally:
             seconds.append(time.perf_counter() - start)
 
@@ -195,7 +195,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", default="4352,16384", help="prompt lengths, comma-separated")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--cold", action="store_true", help="also time a real cold prefill (slow on a CPU)")
-    parser.add_argument("--before", action="store_true", help="also the reads before readahead, alternated")
+    parser.add_argument("--before", action="store_true", help="also the restore before the direct read, alternated")
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()), help="disk for the cache folder")
     parser.add_argument("--out", type=Path, default=Path("results/restore_big"))
 

@@ -211,3 +211,39 @@ def test_a_restore_reads_into_the_request_cache_and_answers_as_cold(tiny, tmp_pa
     restarted.prefix_cache.manager.check_integrity()
     restarted.prefix_cache.ssd_tier.store.check_integrity()
     close_ssd(restarted)
+
+
+def test_a_restore_after_ram_blocks_writes_them_into_its_buffers_and_compacts(tiny, tmp_path, monkeypatch):
+    """RAM holds the chain's first blocks, the SSD the rest: the rest is read into the request's
+    buffers after room for the first, which the assembly copies there; the answer is the cold
+    run's, and the direct run, half of it the blocks RAM held before, is compacted once its blocks
+    joined RAM (so RAM's budget, which counts blocks, stays near the memory held)."""
+    model, tokenizer = tiny
+    text = " ".join(f"Entry {i}: the harbour light number {i} shines at {i * 3} o'clock." for i in range(40))
+    prompt = tokenizer.encode(text)[: 12 * TBS + TBS // 2]
+    short = prompt[: 4 * TBS + 1]
+    cold_ids, cold_text, _ = greedy(make_generator(model, tokenizer, TBS), prompt, 12)
+    first = make_generator(model, tokenizer, TBS, ssd_dir=tmp_path)
+    greedy(first, prompt, 12)
+    assert close_ssd(first)
+
+    restarted = make_generator(model, tokenizer, TBS, ssd_dir=tmp_path)
+    manager = restarted.prefix_cache.manager
+    leads = []
+    real = blocks._fill_direct
+    monkeypatch.setattr(blocks, "_fill_direct", lambda *a: leads.append(a[3]) or real(*a))
+    assert greedy(restarted, short, 1)[2] == 4 * TBS  # its 4 blocks read, then in RAM
+    ids, out_text, cached = greedy(restarted, prompt, 12)  # 4 from RAM, 8 read into its buffers
+    assert (ids, out_text, cached) == (cold_ids, cold_text, len(prompt) - 1)
+    assert leads == [0] * len(model.layers) + [4 * TBS] * len(model.layers)
+    assert manager.stats()["kv_promotions"] == 12
+    chain = manager.hasher.hash_blocks(prompt, 12)
+    # The 8 filled half of the buffers (16 blocks' positions): copied out when the request registered its
+    # new block (each run compacted at the next registration or assembly).
+    second = [manager._ram.get(h).payload for h in chain[4:]]
+    assert len({id(p.run) for p in second}) == 1 and second[0].run.num_blocks == 8
+    assert [p.start for p in second] == [i * TBS for i in range(8)]
+    ids, _, cached = greedy(restarted, prompt, 12)  # from RAM
+    assert ids == cold_ids and cached == len(prompt) - 1
+    manager.check_integrity()
+    close_ssd(restarted)
