@@ -245,3 +245,25 @@ def test_a_failed_front_compute_is_a_miss_and_holds_nothing(tiny, stored, tmp_pa
     assert stats["kv_in_use_blocks"] == 0 and stats["kv_split_loads"] == 0
     engine.prefix_cache.manager.check_integrity()
     engine.stop()
+
+
+def test_a_request_beside_a_restore_gets_its_blocks_from_ram(tiny, stored, tmp_path):
+    """Two requests for one longer prompt after a restart: the first reads the stored blocks into its
+    own cache and prefills the rest; once its prompt is registered (the blocks it read with it, since
+    another request is about: scheduler.py `_register_prompt`), the second hits RAM for all of it."""
+    root, prompt, _ = stored
+    copy = tmp_path / "kv"
+    shutil.copytree(root, copy)
+    longer = prompt + list(reversed(prompt))[: 3 * BS]
+    solo = _engine(tiny, tmp_path / "solo")
+    alone = greedy(solo.scheduler, longer, MAX_TOKENS)[0]
+    solo.stop()
+    engine = _restarted(tiny, copy, None)
+    engine.start()
+    got = _submit_all(engine, [longer, longer], [MAX_TOKENS, MAX_TOKENS])
+    stats = engine.local_cache_stats() | engine.batch_stats()
+    engine.stop()
+    assert got[0][0] == got[1][0] == alone
+    assert got[0][1] == NUM_BLOCKS * BS + 5 and got[1][1] == len(longer) - 1
+    assert stats["ssd_hits"] == stats["kv_promotions"] == NUM_BLOCKS  # read once
+    engine.prefix_cache.manager.check_integrity()

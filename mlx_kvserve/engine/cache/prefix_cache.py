@@ -237,7 +237,13 @@ class PrefixCache:
             self.manager.release(prepared.match.blocks)
 
     def register(
-        self, prepared: Prepared, kv_tokens: Sequence[int], prompt_len: int, write: bool = True, upto: int | None = None
+        self,
+        prepared: Prepared,
+        kv_tokens: Sequence[int],
+        prompt_len: int,
+        write: bool = True,
+        upto: int | None = None,
+        direct: bool = False,
     ) -> int:
         """Register every new full block of `kv_tokens` (the tokens whose KV and state
         `prepared.prompt_cache` holds) up to `upto` tokens (default: all), plus tails: for plain
@@ -246,9 +252,13 @@ class PrefixCache:
         references (it registers its prompt's blocks once its prefill is done, then the rest at
         `finish`; blocks registered before are not again, even if evicted meanwhile).
         `write=False` keeps the new blocks off the SSD until `finish` (a write during the request's
-        decode would compete with it). Returns the number of blocks registered."""
+        decode would compete with it). `direct`: the blocks read into the request's cache
+        (match.direct) too, now (see `_register_direct`; else `finish` does). Returns the number of
+        blocks registered."""
         if self.manager is None:
             return 0
+        if direct:
+            self._register_direct(prepared)
         manager, layout = self.manager, self.layout
         bs = manager.block_size
         held = layout.cache_length(prepared.prompt_cache)
@@ -283,7 +293,9 @@ class PrefixCache:
 
     def _register_direct(self, prepared: Prepared) -> None:
         """Put the blocks the SSD read into the request's own buffers (match.direct) into RAM, as
-        views of those buffers (the request no longer writes them): no copy; the SSD has them."""
+        views of those buffers: no copy (the SSD has them). Once the request is done, or for
+        requests waiting on its prefix: then its next write into its cache copies it (mlx copies an
+        array that a view shares), as promoting them at the lookup made it copy before."""
         match = prepared.match
         if not match.direct or prepared.direct_done:
             return
