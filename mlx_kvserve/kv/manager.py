@@ -113,7 +113,9 @@ class KVManager:
             found, missed = self._walk_ram(tokens, hashes)
         direct: list[Block] = []
         if missed and self.next_tier is not None:
-            loaded = self._reads.load(tokens, hashes, len(found), found, front, positions if self.rules is None else None)
+            loaded = self._reads.load(
+                tokens, hashes, len(found), found, front, positions if self.rules is None else None
+            )
             direct = [b for b in loaded if runs.is_direct(b.payload)]  # the last ones; a sample or computed go first
             if len(direct) < len(loaded):
                 self._promote(loaded[: len(loaded) - len(direct)], found)

@@ -23,6 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import mlx.core as mx
 
+from ..base import RequestBuffers
 from .format import (
     BlockHeader,
     FormatError,
@@ -33,7 +34,6 @@ from .format import (
     read_header,
 )
 from .index import BlockIndex, IndexEntry, tokens_digest
-from ..base import RequestBuffers
 from .loaded import LoadedBlock, PendingLoad, reads_through_host
 from .readahead import Readahead
 from .run_loads import StoreRunReads

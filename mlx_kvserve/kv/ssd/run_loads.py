@@ -21,8 +21,8 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import mlx.core as mx
 
-from .index import IndexEntry
 from ..base import RequestBuffers
+from .index import IndexEntry
 from .loaded import LoadedBlock, LoadedRun, PendingLoad, reads_through_host
 from .run_reads import RunBuffers, RunLayout, read_into_run, rest_arrays, run_layout, verify_into_run
 from .table_check import TableExpectation
@@ -209,7 +209,9 @@ class StoreRunReads:
         if run.into is not None:  # a request's buffers: no views (the request writes them in place)
             parts = {}
         else:
-            parts = {n: mx.split(a, run.num_blocks, axis=2) if run.num_blocks > 1 else [a] for n, a in run.arrays.items()}
+            parts = {
+                n: mx.split(a, run.num_blocks, axis=2) if run.num_blocks > 1 else [a] for n, a in run.arrays.items()
+            }
             mx.eval(parts)
         out: list[LoadedBlock] = []
         for i, (block_hash, entry, read) in enumerate(reads):

@@ -36,10 +36,10 @@ import mlx.core as mx
 import numpy as np
 
 from ...safe_files import open_regular
+from ..base import RequestBuffers
 from ..concat import side_stream
 from .format import _DTYPES, BlockHeader, FormatError, decode_table, parse_metadata, payload_checksum
 from .format import _read_head as read_head  # the safetensors header, checked against the file size
-from ..base import RequestBuffers
 from .table_check import TOKEN_AXIS, ArrayRule, TableExpectation, table_checker
 
 _ALIGN = 16  # a block's other arrays start at multiples of this in its own buffer (as in a payload)

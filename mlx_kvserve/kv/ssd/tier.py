@@ -17,9 +17,8 @@ from typing import Any
 from ...checked_json import Bool, DamagedFile, Obj, load_json, remove_leftover_temps
 from ...fsmode import open_private
 from .. import runs
-from ..base import Block
+from ..base import Block, RequestBuffers
 from .format import BlockHeader, block_relpath, read_header, tail_key
-from ..base import RequestBuffers
 from .loaded import LoadedBlock
 from .reads import PendingLoad
 from .store import SaveResult, SSDStore
