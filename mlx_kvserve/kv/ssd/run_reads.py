@@ -110,8 +110,9 @@ class RunBuffers:
                     self.host = host
                 else:  # mlx gave no plain writable memory: host buffers after all
                     self.device = {}
-            if not self.device:
-                self.host = {n: np.empty(size, np.uint8) for n, size in sizes.items()}
+            if not self.device:  # a request's buffers zeroed, as its cache's room is (the run's are all written)
+                make = np.zeros if self.into is not None else np.empty
+                self.host = {n: make(size, np.uint8) for n, size in sizes.items()}
         finally:
             self._made.set()
 

@@ -11,6 +11,7 @@ from kvharness import close_ssd, greedy, make_generator
 from mlx_lm.utils import load
 
 from mlx_kvserve.kv import blocks, runs
+from mlx_kvserve.kv.base import RequestBuffers
 from mlx_kvserve.kv.ssd.store import BlockToSave, SSDStore
 from mlx_kvserve.kv.ssd.table_check import ArrayRule, TableExpectation
 
@@ -76,6 +77,32 @@ def test_a_chain_is_read_into_one_run_with_the_arrays_it_was_saved_with(tmp_path
     for got, ref in zip(loaded, per_block, strict=True):
         assert all(mx.array_equal(got.arrays[n], ref.arrays[n]).item() for n in ref.arrays)
     assert store.stats()["ssd_hits"] == 10
+
+
+@pytest.mark.parametrize("host", [False, True])
+def test_a_chain_read_into_a_request_s_buffers_lands_after_its_lead(tmp_path, host):
+    """A direct read (kv/base.py RequestBuffers): one run of the request's size however long (no
+    RUN_BYTES split), its blocks after `lead_blocks` blocks, the lead zero, and no view
+    handed out (the request writes the buffers in place); a damaged block ends the chain there."""
+    store = _store(tmp_path)
+    saved = _blocks(5)
+    store.save_blocks(saved)
+    store.host_reads = host
+    _damage(store, saved[3].block_hash, "flip")
+    loaded = store.load_blocks(_wanted(saved), into=RequestBuffers(2, 12 * BS))
+    assert len(loaded) == 3 and all(b.arrays == {} and b.position == i for i, b in enumerate(loaded))
+    run = loaded[0].run
+    assert run.into == RequestBuffers(2, 12 * BS) and run.num_blocks == 3
+    for name in saved[0].arrays:
+        whole = run.arrays[name]
+        assert whole.shape == (1, HEADS, 12 * BS, DIM)
+        for i in range(3):
+            part = whole[:, :, (2 + i) * BS : (3 + i) * BS]
+            assert mx.array_equal(part, saved[i].arrays[name]).item(), name
+        # The lead is zero until the request writes RAM's blocks there; past the chain's end (where a
+        # block read beside the damaged one may have landed) the request writes before it reads.
+        assert not mx.any(whole[:, :, : 2 * BS]).item() and not mx.any(whole[:, :, 8 * BS :]).item()
+    assert store.stats()["ssd_corrupt"] == 1
 
 
 def test_a_long_chain_is_read_as_runs_of_a_bounded_size(tmp_path, monkeypatch):
