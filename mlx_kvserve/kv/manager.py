@@ -119,6 +119,8 @@ class KVManager:
             direct = [b for b in loaded if runs.is_direct(b.payload)]  # the last ones; a sample or computed go first
             if len(direct) < len(loaded):
                 self._promote(loaded[: len(loaded) - len(direct)], found)
+            with self._lock:
+                self._stats["promotions"] += len(direct)  # loaded from the next tier now, in RAM later
         num_blocks, tail = self._choose_end(tokens, found + direct, limit, root)
         if tail is not None and self.next_tier is not None:
             # A use on the SSD too: its per-parent limit keeps what RAM keeps for the next restart.
@@ -375,7 +377,7 @@ class KVManager:
         the root most recently: RAM evicts a chain from its deep end. Returns the blocks added
         (those already cached, or colliding, are not). `write=False`: not handed to the next tier
         yet (see `write_deferred`); the others go to it in chain order. `read`: blocks the next
-        tier gave a request (MatchResult.direct): counted as promotions, never handed back to it."""
+        tier gave a request (MatchResult.direct): counted by that lookup, never handed back to it."""
         added = []
         with self._lock:  # phase 1: RAM registration
             for entry in new:
@@ -386,7 +388,8 @@ class KVManager:
                 block = Block(*entry[:5], depth=entry.depth)
                 self._ram.insert(block, self._next_tick())
                 self.events.stored(block.block_hash)
-                self._stats["promotions" if read else "inserts"] += 1
+                if not read:  # blocks read were counted by the lookup that read them
+                    self._stats["inserts"] += 1
                 added.append(block)
             held = []  # the chain's run from its root (blocks after a gap are found by no lookup)
             for block_hash in chain:

@@ -126,7 +126,7 @@ class PrefixCache:
             front=None if distributed else self.front,
             hashes=hashes,
             root=root,
-            # The SSD's blocks read straight into this request's cache, registered when it is done.
+            # The SSD's blocks read straight into this request's cache, which gives them to RAM later.
             positions=None if distributed else self.layout.direct_positions(len(prompt)),
         )
         if distributed:
@@ -293,9 +293,10 @@ class PrefixCache:
 
     def _register_direct(self, prepared: Prepared) -> None:
         """Put the blocks the SSD read into the request's own buffers (match.direct) into RAM, as
-        views of those buffers: no copy (the SSD has them). Once the request is done, or for
-        requests waiting on its prefix: then its next write into its cache copies it (mlx copies an
-        array that a view shares), as promoting them at the lookup made it copy before."""
+        views of those buffers: no copy (the SSD has them). Once the request is done, or with its
+        prompt's blocks when other requests are about (Scheduler._register_prompt): then its next
+        write into its cache copies it (mlx copies an array that a view shares), as promoting them
+        at the lookup made it copy before its first token."""
         match = prepared.match
         if not match.direct or prepared.direct_done:
             return
