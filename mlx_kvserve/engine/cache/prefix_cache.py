@@ -214,9 +214,17 @@ class PrefixCache:
             self.first_token()
 
     def release(self, prepared: Prepared) -> None:
-        """Drop the request's references without registering anything (the request failed)."""
+        """Drop the request's references without registering what it computed (the request failed
+        or was cancelled). The blocks it read straight into its cache still join RAM: they are the
+        SSD's, verified, and nothing it wrote reaches their positions."""
         self.mark_first_token(prepared)
-        if self.manager is not None:
+        if self.manager is None:
+            return
+        try:
+            self._register_direct(prepared)
+        except Exception as exc:  # its cache's arrays failed to evaluate: they are read again next time
+            log.warning("the blocks a failed request read from the SSD are left out of RAM: %s", exc)
+        finally:
             self.manager.release(prepared.match.blocks)
 
     def finish(self, prepared: Prepared, kv_tokens: Sequence[int], prompt_len: int) -> int:
