@@ -15,8 +15,6 @@ What a block holds per layer (a payload): kv/payloads.py.
 
 from __future__ import annotations
 
-import copy
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -26,6 +24,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from . import kvquant, runs
+from .cache_fill import fill_direct, fill_kv
 from .concat import join_pair
 from .payloads import (
     IDLE,
@@ -285,12 +284,12 @@ class CacheLayout:
                 pieces = [self._kv_arrays(e) for e in runs.layer_pieces(spans, payloads, i)]
                 run, lead = direct[0].run, direct[0].start
                 tail_kv = tail[i] if tail_tokens else None
-                _fill_direct(cache, run.layers[i], pieces, lead, tail_kv, length, tail_tokens, room)
+                fill_direct(cache, run.layers[i], pieces, lead, tail_kv, length, tail_tokens, room)
             elif spec.kind == KV:
                 kv = [self._kv_arrays(e) for e in runs.layer_pieces(spans, payloads, i)]
                 if tail_tokens:
                     kv.append(self._kv_arrays(tail[i]))
-                _fill_kv(cache, kv, tail_tokens, length, room)
+                fill_kv(cache, kv, tail_tokens, length, room)
             elif spec.kind == WINDOW:
                 pieces = window_pieces(payloads, tail, tail_tokens, tail_len, i, self.block_size)
                 keep = min(length, spec.window)
@@ -373,71 +372,6 @@ def _window_range(c: Any) -> tuple[int, mx.array, mx.array]:
     return c.offset - held, k, v
 
 
-def _fill_kv(cache: KVCache, kv: Sequence[tuple[mx.array, mx.array]], tail_used: int, length: int, room: int) -> None:
-    """Fill a full-attention cache with the (keys, values) of each block, the last one a tail of
-    which only `tail_used` positions count (when `tail_used`)."""
-    keys = [k for k, _ in kv]
-    values = [v for _, v in kv]
-    if tail_used:
-        keys[-1], values[-1] = keys[-1][..., :tail_used, :], values[-1][..., :tail_used, :]
-    if room > 0:
-        spare = -(-(length + room) // cache.step) * cache.step - length
-        k, v = keys[0], values[0]
-        keys.append(mx.zeros((*k.shape[:2], spare, k.shape[3]), k.dtype))
-        values.append(mx.zeros((*v.shape[:2], spare, v.shape[3]), v.dtype))
-    cache.keys, cache.values = join_pair(keys, values)
-    cache.offset = length
-    cache.merge = partial(_merge_alone, cache.merge)  # an instance attribute: this cache only
-
-
-def _fill_direct(
-    cache: KVCache,
-    buffers: tuple[mx.array, mx.array],
-    pieces: Sequence[tuple[mx.array, mx.array]],
-    lead: int,
-    tail: tuple[mx.array, mx.array] | None,
-    length: int,
-    tail_used: int,
-    room: int,
-) -> None:
-    """Make a direct run's buffers (keys, values) the cache: the pieces before its blocks (`lead`
-    positions) and the tail's first `tail_used` positions (ending at `length`) written in place,
-    one write each. The buffers stay the same objects (the run keeps them): mlx writes an array in
-    place while nothing else shares it, so neither these writes nor the request's own copy the
-    prefix. Buffers too short for `room` (not made for this request) are joined to a new size."""
-    keys, values = buffers
-    pos = 0
-    for k, v in pieces:
-        n = k.shape[2]
-        keys[..., pos : pos + n, :] = k
-        values[..., pos : pos + n, :] = v
-        pos += n
-    if pos != lead:
-        raise ValueError(f"the blocks before a direct read hold {pos} positions, its buffers {lead}")
-    if tail is not None:
-        keys[..., length - tail_used : length, :] = tail[0][..., :tail_used, :]
-        values[..., length - tail_used : length, :] = tail[1][..., :tail_used, :]
-    if keys.shape[2] < length + room:
-        _fill_kv(cache, [(keys[..., :length, :], values[..., :length, :])], 0, length, room)
-        return
-    cache.keys, cache.values = keys, values
-    cache.offset = length
-    cache.merge = partial(_merge_alone, cache.merge)  # an instance attribute: this cache only
-
-
-def _merge_alone(merge: Any, caches: list[Any]) -> Any:
-    """mlx-lm's merge, but an assembled cache joining alone becomes a batch of one around its own
-    arrays, room kept (mlx-lm copies the prefix to an exact-size array, then again to grow it)."""
-    (c, *others) = caches
-    if others or c.keys is None:
-        return merge(caches)
-    batch = merge([type(c)()])  # an empty batch cache of the class this cache's merge makes
-    batch.__class__ = _moved_class(type(batch))
-    batch.keys, batch.values, batch._idx = c.keys, c.values, c.offset
-    batch.offset = mx.array([c.offset])
-    return batch
-
-
 def borrowed_row(c: Any, idx: int, whole: bool = False) -> Any:
     """Row `idx` of a batch's layer cache as a cache of its own, to read or to take over: a
     full-attention layer's as a KVCache over views of the batch's arrays (no copy; with `whole`, a
@@ -454,20 +388,6 @@ def borrowed_row(c: Any, idx: int, whole: bool = False) -> Any:
         row.keys, row.values = (a[idx : idx + 1, :, padding : c._idx] for a in (c.keys, c.values))
     row.offset = c._idx - padding
     return row
-
-
-@functools.cache
-def _moved_class(base: type) -> type:
-    """`base` whose whole batch moves to decoding without two copies: mlx-lm's split deep-copies the
-    caches, then filters both halves (each filter replaces what it keeps): a shallow copy does, and
-    keeping every row in order keeps the arrays."""
-
-    def keep_rows(self: Any, batch_indices: Any) -> None:
-        if list(batch_indices) != list(range(self.left_padding.shape[0])):
-            base.filter(self, batch_indices)
-
-    shallow = {"__deepcopy__": lambda self, memo: copy.copy(self), "filter": keep_rows}
-    return type(f"Moved{base.__name__}", (base,), shallow)
 
 
 def _rounded_caches(bits: int) -> tuple[type, type]:

@@ -100,11 +100,9 @@ class KVManager:
         first of them (as many as it asks for): the computed blocks join RAM like loaded ones.
         `hashes`: the chain of `tokens` (or of a prefix of it) when the caller has it already.
         `root`: the principal's (kv/salts.py): its chain's root, and the key of its tails.
-        `positions` (plain attention KV only, no rules): the next tier may read the chain straight
-        into buffers of that many positions that the request takes as its cache (a direct run,
-        kv/runs.py); those blocks come back in `direct`, neither in RAM nor referenced, and join
-        RAM when the request registers them (`cache_blocks(read=True)`): the prefix is written
-        once, where promoting them first made the request's cache a second copy."""
+        `positions` (plain attention KV, no rules): the next tier may read the chain into buffers of
+        that many positions the request takes as its cache (a direct run, kv/runs.py); those blocks
+        come back in `direct`, not in RAM nor referenced, until it registers them (`read=True`)."""
         limit = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
         bs = self.block_size
         hashes = self.hasher.hash_blocks(tokens, limit // bs, known=hashes or (), root=root)
@@ -119,8 +117,6 @@ class KVManager:
             direct = [b for b in loaded if runs.is_direct(b.payload)]  # the last ones; a sample or computed go first
             if len(direct) < len(loaded):
                 self._promote(loaded[: len(loaded) - len(direct)], found)
-            with self._lock:
-                self._stats["promotions"] += len(direct)  # loaded from the next tier now, in RAM later
         num_blocks, tail = self._choose_end(tokens, found + direct, limit, root)
         if tail is not None and self.next_tier is not None:
             # A use on the SSD too: its per-parent limit keeps what RAM keeps for the next restart.
@@ -129,6 +125,7 @@ class KVManager:
             self.release(found[num_blocks:])
             found = found[:num_blocks]
         with self._lock:
+            self._stats["promotions"] += len(direct)  # loaded from the next tier now, in RAM later
             self._stats["hits"] += num_blocks
             self._stats["hit_tokens"] += num_blocks * bs
             if tail is not None:
@@ -136,14 +133,8 @@ class KVManager:
                 self._stats["tail_hit_tokens"] += tail.num_tokens
         if tail is None:
             return MatchResult(found, num_blocks * bs, direct=direct)
-        return MatchResult(
-            found,
-            num_blocks * bs + tail.num_tokens,
-            tail.tail.payload,
-            tail.num_tokens,
-            len(tail.tail.token_ids),
-            direct=direct,
-        )
+        used, held = tail.num_tokens, len(tail.tail.token_ids)
+        return MatchResult(found, num_blocks * bs + used, tail.tail.payload, used, held, direct=direct)
 
     def _choose_end(
         self, tokens: Sequence[int], found: list[Block], limit: int, root: bytes | None
@@ -462,27 +453,18 @@ class KVManager:
         return out
 
     def check_integrity(self) -> None:
-        """Raise AssertionError if the RAM tier's books do not balance."""
+        """Raise AssertionError if the RAM tier's books do not balance (RAMStore.check, TailStore.check)."""
         with self._lock:
+            self._ram.check(self.block_size)
+            if self._tails is not None:
+                self._tails.check(self.block_size)
             blocks = list(self._ram)
-            assert sum(b.nbytes for b in blocks) == self._ram.used_bytes, "ram bytes do not add up"
-            assert all(b.ref_count >= 0 for b in blocks), "negative reference count"
-            assert all(len(b.token_ids) == self.block_size for b in blocks), "block of wrong size"
-            over = self._ram.used_bytes - self._ram.max_bytes
-            if over > 0:
+            if self._ram.used_bytes > self._ram.max_bytes:
                 assert all(b.ref_count > 0 or self.pins.is_pinned(b.block_hash) for b in blocks), (
                     "over budget while unreferenced, unpinned blocks remain"
                 )
             pinned = {h for h, _ in self.pins.items()}
-            if self._tails is not None:
-                tails = list(self._tails)
-                assert sum(t.nbytes for t in tails) == self._tails.used_bytes, "tail bytes do not add up"
-                assert self._tails.used_bytes <= self._tails.max_bytes, "tails over budget"
-                assert all(0 < len(t.token_ids) <= self.block_size for t in tails), "tail of wrong size"
             ram = {b.block_hash for b in blocks}
         if self.next_tier is not None:  # no pinned block lost (pending writes aside: drain first)
             missing = [h for h in pinned if h not in ram and not self.next_tier.contains(h)]
             assert not missing, f"{len(missing)} pinned blocks are in no tier"
-        with self._lock:
-            ticks = [b.last_access for b in self._ram]
-            assert ticks == sorted(ticks), "LRU order does not follow last access"

@@ -29,6 +29,15 @@ class RAMStore:
     def __iter__(self) -> Iterator[Block]:
         return iter(list(self._blocks.values()))
 
+    def check(self, block_size: int) -> None:
+        """Raise AssertionError if the books do not balance: bytes, block sizes, references, LRU order."""
+        blocks = list(self)
+        assert sum(b.nbytes for b in blocks) == self.used_bytes, "ram bytes do not add up"
+        assert all(b.ref_count >= 0 for b in blocks), "negative reference count"
+        assert all(len(b.token_ids) == block_size for b in blocks), "block of wrong size"
+        ticks = [b.last_access for b in blocks]
+        assert ticks == sorted(ticks), "LRU order does not follow last access"
+
     def get(self, block_hash: bytes) -> Block | None:
         return self._blocks.get(block_hash)
 

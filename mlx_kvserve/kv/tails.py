@@ -56,6 +56,13 @@ class TailStore:
     def __iter__(self):
         return iter(list(self._tails.values()))
 
+    def check(self, block_size: int) -> None:
+        """Raise AssertionError if the books do not balance: bytes, budget, tail sizes."""
+        tails = list(self)
+        assert sum(t.nbytes for t in tails) == self.used_bytes, "tail bytes do not add up"
+        assert self.used_bytes <= self.max_bytes, "tails over budget"
+        assert all(0 < len(t.token_ids) <= block_size for t in tails), "tail of wrong size"
+
     def _siblings(self, parent_hash: bytes) -> list[Tail]:
         return [t for (p, _), t in self._tails.items() if p == parent_hash]
 

@@ -11,7 +11,7 @@ from mlx_lm.utils import load
 
 from mlx_kvserve.engine.batch import direct_join
 from mlx_kvserve.engine.request import Finished, GenerationRequest, SamplingParams
-from mlx_kvserve.kv import blocks
+from mlx_kvserve.kv import cache_fill
 
 BS = 16
 
@@ -28,14 +28,14 @@ def prompt(tokenizer, topic: str) -> list[int]:
 def watched_keys(monkeypatch) -> list:
     """Each lone join's (assembled keys, the batch cache made from them)."""
     seen = []
-    real = blocks._merge_alone
+    real = cache_fill.merge_alone
 
     def spy(merge, caches):
         batch = real(merge, caches)
         seen.append((caches[0].keys, batch))
         return batch
 
-    monkeypatch.setattr(blocks, "_merge_alone", spy)
+    monkeypatch.setattr(cache_fill, "merge_alone", spy)
     return seen
 
 

@@ -1,7 +1,7 @@
 """A cache hit holds one copy of its prefix beside the RAM blocks (issue 44 item 4), by MLX's own count
 of the bytes it allocated (mx.get_peak_memory), not by wall time or RSS.
 
-The assembled prefix joins mlx-lm's batch alone without a copy (kv/blocks.py `_merge_alone`) and is
+The assembled prefix joins mlx-lm's batch alone without a copy (kv/cache_fill.py `merge_alone`) and is
 written in place; a request ending in the decode pass leaves with views of its batch row
 (engine/batch/mlx_batch.py `_ended_row`), not mlx-lm's `extract` (a contiguous copy of its row's filled
 positions, its blocks and tails then cut from that): 1.31 copies at the peak on the direct join and

@@ -25,7 +25,7 @@ from mlx_kvserve.engine.engine import Engine
 from mlx_kvserve.kv.hashing import MEMO_SCHEMA
 from mlx_kvserve.kv.pins import PINS_SCHEMA
 from mlx_kvserve.kv.ssd.index import INDEX_SCHEMA
-from mlx_kvserve.kv.ssd.tier import SHUTDOWN_SCHEMA
+from mlx_kvserve.kv.ssd.shutdown_record import SHUTDOWN_SCHEMA
 from mlx_kvserve.models.loader import LoadedModel
 from mlx_kvserve.server.app import create_app
 

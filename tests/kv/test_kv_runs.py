@@ -10,7 +10,7 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from mlx_kvserve.engine.cache.prefix_cache import _stretches
-from mlx_kvserve.kv import blocks, runs
+from mlx_kvserve.kv import blocks, cache_fill, runs
 from mlx_kvserve.kv.base import Block
 from mlx_kvserve.kv.payloads import KV, LayerSpec
 from mlx_kvserve.kv.ram import RAMStore
@@ -56,7 +56,8 @@ def _joined(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         counts.append(len(keys))
         return real(keys, values)
 
-    monkeypatch.setattr(blocks, "join_pair", spy)
+    monkeypatch.setattr(blocks, "join_pair", spy)  # window layers
+    monkeypatch.setattr(cache_fill, "join_pair", spy)  # full-attention layers
     return counts
 
 

@@ -1,14 +1,11 @@
 """The pieces of scripts/bench_engine.py restore (scripts/harness/engine/restore.py) that need no engine run:
-the report's arithmetic and the previous read path it compares against (a full run: docs/benchmarks.md, "A restore at disk speed")."""
+the report's arithmetic and the previous restore it compares against (a full run: docs/benchmarks.md, "A restore at disk speed")."""
 
 from __future__ import annotations
 
-import mlx.core as mx
 from harness.engine import restore as bench
 
-from mlx_kvserve.kv.ssd.reads import StoreReads
-from mlx_kvserve.kv.ssd.store import SSDStore
-from mlx_kvserve.kv.ssd.table_check import ArrayRule, TableExpectation
+from mlx_kvserve.kv import blocks
 
 
 def test_the_report_gives_each_restore_against_its_floor():
@@ -34,22 +31,14 @@ def test_the_report_gives_each_restore_against_its_floor():
     )
 
 
-def test_the_previous_reads_load_the_same_chain_block_by_block_and_are_put_back(tmp_path):
-    rules = TableExpectation({n: ArrayRule("float32", (1, 1, 1, 2), True, True) for n in ("0.k", "0.v")}, 2)
-    store = SSDStore(tmp_path / "kv", b"\x01" * 32, table_rules=rules)
-    tokens, parent, hashes = (1, 2), b"\x01" * 32, []
-    for i in range(10):
-        block_hash = bytes([i + 1]) * 32
-        store.save_block(
-            block_hash, parent, tokens, {"0.k": mx.full((1, 1, 2, 2), float(i)), "0.v": mx.zeros((1, 1, 2, 2))}
-        )
-        hashes.append(block_hash)
-        parent = block_hash
+def test_the_previous_restore_reads_into_ram_first_and_is_put_back(tiny_model_dir):
+    """--before: no lookup reads into a request's own cache (CacheLayout.direct_positions gives
+    None), so the chain is read into RAM's run and the cache assembled from it; put back after."""
+    from mlx_lm.utils import load
+
+    model, _ = load(str(tiny_model_dir))
+    layout = blocks.cache_layout(model, 16)
+    assert layout.direct_positions(300) == 512
     with bench.previous_reads():
-        assert not StoreReads.run_reads
-        before = store.load_blocks([(h, tokens) for h in hashes])
-    assert StoreReads.run_reads
-    now = store.load_blocks([(h, tokens) for h in hashes])
-    assert [b.run for b in before] == [None] * 10 and now[0].run is not None and now[0].run.num_blocks == 10
-    assert [b.arrays["0.k"][0, 0, 0, 0].item() for b in before] == [b.arrays["0.k"][0, 0, 0, 0].item() for b in now]
-    assert len(now) == 10
+        assert layout.direct_positions(300) is None
+    assert layout.direct_positions(300) == 512

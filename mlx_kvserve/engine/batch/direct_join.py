@@ -15,7 +15,7 @@ pass; its first token is sampled from that pass's last logits (its own logits pr
 sampler, on the prompt as their context), and it enters mlx-lm's decode batch with that token as
 its next input, as if the batch had sampled it: the step's decode pass reports it and computes the
 second. What the prompt batch would have done for it (its KV, its tokens) is the same; its cache is
-its assembled prefix, joined without a copy (kv/blocks.py `_merge_alone`). The first token's text
+its assembled prefix, joined without a copy (kv/cache_fill.py `merge_alone`). The first token's text
 goes to the client as soon as it is sampled (Scheduler._send_ahead), not after that decode pass: a
 later turn's first token no longer waits for the running requests' next token.
 

@@ -117,7 +117,7 @@ class KVServeBatchGenerator(BatchGenerator):
         self._joining = []
         joining = GenerationBatch.empty(self.model, self.sampler)
         joining.uids = list(uids)
-        joining.prompt_cache = _merge_caches(list(caches))  # alone: no copy (kv/blocks.py _merge_alone)
+        joining.prompt_cache = _merge_caches(list(caches))  # alone: no copy (kv/cache_fill.py merge_alone)
         joining.tokens = list(tokens)
         joining.samplers = list(samplers)
         joining.logits_processors = list(processors)

@@ -137,7 +137,7 @@ class PrefixCache:
                 match.tail_payload,
                 match.tail_tokens,
                 match.tail_len,
-                # Room for the rest: a request joining the batch alone (kv/blocks.py _merge_alone) or
+                # Room for the rest: a request joining the batch alone (kv/cache_fill.py merge_alone) or
                 # directly (engine/batch/direct_join.py) writes it in place; growing would copy the whole
                 # prefix. mlx-lm's merge of several requests copies only their filled positions. One
                 # more for the first generated token: mlx-lm runs its decode step before it reports that

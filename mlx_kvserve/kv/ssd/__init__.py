@@ -18,9 +18,10 @@ from .folder_lock import FolderBusyError, FolderLock
 from .format import BlockHeader, FormatError, atomic_write
 from .index import folder_namespace
 from .reads import LoadedBlock, PendingLoad
+from .shutdown_record import SHUTDOWN_FILE, read_shutdown_record, write_shutdown_record
 from .store import SaveResult, SSDStore, store_dir
 from .tails import SSDTailStore
-from .tier import SHUTDOWN_FILE, SSDTier, read_shutdown_record, write_shutdown_record
+from .tier import SSDTier
 from .writer import SSDWriterThread, WriteJob
 
 __all__ = [

@@ -9,8 +9,9 @@ import mlx.core as mx
 from mlx_kvserve.kv.base import Block
 from mlx_kvserve.kv.hashing import namespace_hash
 from mlx_kvserve.kv.ssd.index import INDEX_NAME
+from mlx_kvserve.kv.ssd.shutdown_record import SHUTDOWN_FILE, read_shutdown_record
 from mlx_kvserve.kv.ssd.store import SaveResult, SSDStore
-from mlx_kvserve.kv.ssd.tier import SHUTDOWN_FILE, SSDTier, read_shutdown_record
+from mlx_kvserve.kv.ssd.tier import SSDTier
 from mlx_kvserve.kv.ssd.writer import SSDWriterThread
 
 BS = 8

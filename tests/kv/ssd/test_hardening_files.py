@@ -27,9 +27,9 @@ from mlx_kvserve.kv.hashing import MEMO_SCHEMA, model_fingerprint, namespace_has
 from mlx_kvserve.kv.pins import PINS_SCHEMA, PinRegistry
 from mlx_kvserve.kv.ssd.format import tail_key
 from mlx_kvserve.kv.ssd.index import INDEX_NAME, INDEX_SCHEMA
+from mlx_kvserve.kv.ssd.shutdown_record import SHUTDOWN_FILE, SHUTDOWN_SCHEMA, read_shutdown_record
 from mlx_kvserve.kv.ssd.store import SSDStore, store_dir
 from mlx_kvserve.kv.ssd.tails import SSDTailStore
-from mlx_kvserve.kv.ssd.tier import SHUTDOWN_FILE, SHUTDOWN_SCHEMA, read_shutdown_record
 from mlx_kvserve.models.gguf import MARKER_FILE, MARKER_SCHEMA, _source_stamp, is_converted
 
 NS = namespace_hash("hardening", "float32", 16)

@@ -32,9 +32,9 @@ from mlx_kvserve.kv.leases import LEASES_FILE, PinLeases
 from mlx_kvserve.kv.pins import PinRegistry
 from mlx_kvserve.kv.ssd.format import atomic_write, block_relpath, read_block_file, read_header, tail_key
 from mlx_kvserve.kv.ssd.index import INDEX_NAME
+from mlx_kvserve.kv.ssd.shutdown_record import SHUTDOWN_FILE, write_shutdown_record
 from mlx_kvserve.kv.ssd.store import SSDStore
 from mlx_kvserve.kv.ssd.tails import SSDTailStore
-from mlx_kvserve.kv.ssd.tier import SHUTDOWN_FILE, write_shutdown_record
 from mlx_kvserve.safe_files import NotRegularFileError, create_new, open_regular
 
 ONE_HOUR = 3600.0  # the longest cache_control TTL

@@ -10,7 +10,7 @@ import pytest
 from kvharness import close_ssd, greedy, make_generator
 from mlx_lm.utils import load
 
-from mlx_kvserve.kv import blocks, runs
+from mlx_kvserve.kv import blocks, cache_fill, runs
 from mlx_kvserve.kv.base import RequestBuffers
 from mlx_kvserve.kv.ssd.store import BlockToSave, SSDStore
 from mlx_kvserve.kv.ssd.table_check import ArrayRule, TableExpectation
@@ -200,7 +200,8 @@ def _joined(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         counts.append(len(keys))
         return real(keys, values)
 
-    monkeypatch.setattr(blocks, "join_pair", spy)
+    monkeypatch.setattr(blocks, "join_pair", spy)  # window layers
+    monkeypatch.setattr(cache_fill, "join_pair", spy)  # full-attention layers
     return counts
 
 
@@ -257,8 +258,8 @@ def test_a_restore_after_ram_blocks_writes_them_into_its_buffers_and_compacts(ti
     restarted = make_generator(model, tokenizer, TBS, ssd_dir=tmp_path)
     manager = restarted.prefix_cache.manager
     leads = []
-    real = blocks._fill_direct
-    monkeypatch.setattr(blocks, "_fill_direct", lambda *a: leads.append(a[3]) or real(*a))
+    real = blocks.fill_direct
+    monkeypatch.setattr(blocks, "fill_direct", lambda *a: leads.append(a[3]) or real(*a))
     assert greedy(restarted, short, 1)[2] == 4 * TBS  # its 4 blocks read, then in RAM
     ids, out_text, cached = greedy(restarted, prompt, 12)  # 4 from RAM, 8 read into its buffers
     assert (ids, out_text, cached) == (cold_ids, cold_text, len(prompt) - 1)
