@@ -36,7 +36,7 @@ from .memory.plan import planned_config
 from .request import Failed, GenerationRequest, SamplingParams
 from .sampling import tool_grammar
 from .sampling.constrain import grammars_for
-from .speculative.draft import load_draft
+from .speculative.draft import draft_ram_share, load_draft
 from .speculative.speculator import build_speculator
 from .worker import InferenceWorker
 
@@ -64,7 +64,10 @@ class Engine:
         log.info("%s%s", f"{loaded.name}: " if share_bytes else "", self.memory_plan.line())
         self._wires = not share_bytes  # Metal's wired limit set by start(); a registry wires the models' budget
         self.loaded, self.world = loaded, world
-        self.config = config = planned_config(self.memory_plan, config)
+        text_alone = world is None and getattr(loaded, "vision", None) is None  # what speculates
+        # The draft model's block cache takes its share of the planned KV budget (speculative/draft.py).
+        config, draft_ram = draft_ram_share(planned_config(self.memory_plan, config), text_alone)
+        self.config = config
         # The folder lock is held from here to stop(): one process per cache folder.
         stack = build_stack(loaded, config, world)
         self.prefix_cache, self.folder_lock = stack.prefix_cache, stack.folder_lock
@@ -83,9 +86,9 @@ class Engine:
                 self.prefix_cache.layout,
                 config.speculative.mode,
                 config.speculative.max_draft_tokens,
-                load_draft(config, loaded.tokenizer, prefill_step(config)),
+                load_draft(config, loaded.tokenizer, prefill_step(config), draft_ram),
             )
-            if world is None and self.vision is None
+            if text_alone
             else None
         )
         server = config.server

@@ -16,6 +16,7 @@ from mlx_kvserve.engine.engine import Engine
 from mlx_kvserve.engine.memory import device as device_memory
 from mlx_kvserve.engine.memory import facts as memory_facts
 from mlx_kvserve.engine.memory.plan import DeviceFacts, ModelFacts, Settings, plan, planned_config, registry_plan
+from mlx_kvserve.engine.speculative import draft as draft_module
 from mlx_kvserve.errors import ConfigError
 from mlx_kvserve.models.loader import LoadedModel
 from mlx_kvserve.server.app import create_app
@@ -211,6 +212,23 @@ def test_the_plan_counts_a_draft_models_weights(tiny, tiny_model_dir, tmp_path):
     assert memory_facts.model_facts(loaded, drafted).weights_bytes == plain + files > plain
     missing = load_config(overrides={"speculative": {"mode": "draft", "draft_model": str(tmp_path / "none")}})
     assert memory_facts.model_facts(loaded, missing).weights_bytes == plain  # loading it says why, later
+
+
+def test_a_draft_models_block_cache_is_inside_the_plans_kv_budget(tiny, tiny_model_dir, tmp_path, monkeypatch):
+    """The draft's prompt KV cache (speculative/draft.py) takes its share of the planned KV budget: the
+    served model's blocks and the draft's together hold what the plan gives the KV cache, not 1.125x."""
+    monkeypatch.setenv("MLX_KVSERVE_HOME", str(tmp_path))
+    speculative = {"mode": "draft", "draft_model": str(tiny_model_dir)}
+    engine = engine_on(
+        DeviceFacts("cpu", 64 * GIB, 4 * GIB), tiny, tiny_model_dir, monkeypatch, speculative=speculative
+    )
+    total = engine.memory_plan.kv_ram_bytes
+    served, draft = engine.prefix_cache.manager, engine.speculation.draft.prefix_cache.manager
+    share = total // (draft_module.RAM_SHARE + 1)
+    assert served.stats()["kv_ram_max_bytes"] == (total - share) - (total - share) // 8
+    assert draft.stats()["kv_ram_max_bytes"] == share - share // 8
+    assert served._tails.max_bytes + served._ram.max_bytes + draft._tails.max_bytes + draft._ram.max_bytes == total
+    engine.stop()
 
 
 def test_an_engine_refuses_an_explicit_budget_past_the_working_set(tiny, tiny_model_dir, tmp_path, monkeypatch):

@@ -18,6 +18,7 @@ the target's, and a restart costs one draft prefill per prompt.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -166,11 +167,23 @@ def draft_block_cache(model: Any, fingerprint: str, block_size: int, ram_bytes: 
     return PrefixCache(model, manager, layout=layout)
 
 
-def load_draft(config: Config, tokenizer: Any, prefill_step: int) -> DraftModel | None:
+def draft_ram_share(config: Config, text_alone: bool) -> tuple[Config, int]:
+    """The draft's prompt KV inside the memory plan's KV cache budget, not beside it: `config` with the
+    served model's block budget less the draft's share (1/(RAM_SHARE + 1) of it), and that share; (config,
+    0) when no draft is loaded with a block cache (none set, the cache off, or not a text model alone)."""
+    total = config.cache.ram_max_bytes
+    if not (text_alone and config.speculative.draft_model and config.cache.enabled and total):
+        return config, 0
+    share = total // (RAM_SHARE + 1)
+    return dataclasses.replace(config, cache=dataclasses.replace(config.cache, ram_max_bytes=total - share)), share
+
+
+def load_draft(config: Config, tokenizer: Any, prefill_step: int, ram_bytes: int = 0) -> DraftModel | None:
     """The [speculative] draft_model (None when unset), checked against the served model's
     `tokenizer`, prefilling `prefill_step` tokens a pass as the served model does (passed in: build.py
-    is above this module). Raises ConfigError (another tokenizer, a layout that cannot be rewound) or
-    ModelLoadError (it cannot be found or read)."""
+    is above this module), its blocks cached in `ram_bytes` of RAM (`draft_ram_share`; 0: a
+    RAM_SHARE-th of the served model's). Raises ConfigError (another tokenizer, a layout that cannot
+    be rewound) or ModelLoadError (it cannot be found or read)."""
     spec = config.speculative.draft_model
     if not spec:
         return None
@@ -195,7 +208,7 @@ def load_draft(config: Config, tokenizer: Any, prefill_step: int) -> DraftModel 
         return None
     cache = None
     if config.cache.enabled:
-        budget = (config.cache.ram_max_bytes or array_memory_bytes() // 4) // RAM_SHARE
+        budget = ram_bytes or (config.cache.ram_max_bytes or array_memory_bytes() // 4) // RAM_SHARE
         fingerprint = model_fingerprint(path, default_home() / "fingerprints.json")
         cache = draft_block_cache(model, fingerprint, config.cache.block_size, budget)
     log.info("draft model %s loaded from %s (its prompt KV cached in RAM: %s)", name, path, cache is not None)
