@@ -44,11 +44,12 @@ def shared_prefix(a: list[int], b: list[int], limit: int) -> int:
 
 
 class JoinCounter:
-    """The arrays each join of a hit takes (kv/blocks.py calls kv/concat.join_pair once per layer):
-    the largest, per request, is the hit's array operations per layer."""
+    """The arrays each join of a hit takes (kv/cache_fill.py calls kv/concat.join_pair once per
+    full-attention layer, kv/blocks.py once per window layer): the largest, per request, is the hit's
+    array operations per layer."""
 
     def __init__(self):
-        from mlx_kvserve.kv import blocks
+        from mlx_kvserve.kv import blocks, cache_fill
 
         self.counts: list[int] = []
         real = blocks.join_pair
@@ -57,7 +58,7 @@ class JoinCounter:
             self.counts.append(len(keys))
             return real(keys, values)
 
-        blocks.join_pair = spy
+        blocks.join_pair = cache_fill.join_pair = spy
 
     def per_layer(self, run) -> tuple[object, int]:
         """(run()'s result, the most arrays one join took while it ran; 0: nothing joined)."""

@@ -32,6 +32,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from harness import ROOT
+from harness.hits import JoinCounter
 from harness.kvstack import KVStack
 from harness.reports import median, write_report
 from harness.synthetic import load_bench_model
@@ -39,7 +40,6 @@ from mlx_kvserve.chain import BlockHasher
 from mlx_kvserve.engine.batch.scheduler import Scheduler
 from mlx_kvserve.engine.cache.prefix_cache import PrefixCache
 from mlx_kvserve.engine.request import GenerationRequest, SamplingParams
-from mlx_kvserve.kv import blocks
 from mlx_kvserve.kv.hashing import namespace_hash
 from mlx_kvserve.kv.manager import KVManager
 from mlx_kvserve.kv.ram import RAMStore
@@ -47,19 +47,6 @@ from mlx_kvserve.kv.tails import TailStore
 
 VARIANTS = ("runs", "per block")
 QUESTION = 64  # tokens a new question replaces at the prompt's end
-
-
-class _JoinCounter:
-    """Counts the arrays the hit's joins take (kv/blocks.py join_pair: one call per layer)."""
-
-    def __init__(self):
-        self.counts: list[int] = []
-        self._real = blocks.join_pair
-        blocks.join_pair = self._spy
-
-    def _spy(self, keys, values):
-        self.counts.append(len(keys))
-        return self._real(keys, values)
 
 
 def _stack(
@@ -92,7 +79,7 @@ def _stack(
     return KVStack(Scheduler(model, tokenizer, prefix_cache)), register_s
 
 
-def _hit(gen: KVStack, prompt: list[int], counter: _JoinCounter) -> tuple[float, int, int, int]:
+def _hit(gen: KVStack, prompt: list[int], counter: JoinCounter) -> tuple[float, int, int, int]:
     """(TTFT s, cached tokens, peak bytes above the start up to the first token, arrays joined per layer)."""
     events: list = []
     peaks: list[int] = []
@@ -140,7 +127,7 @@ def measure(tokens: int, block_sizes: list[int], reps: int, shape: str = "deep-n
     prompt = [rng.randrange(3, vocab) for _ in range(tokens)]
     prefix_bytes = tokens * len(model.layers) * 2 * heads * dim * 4
     floor = _CopyFloor(prefix_bytes)
-    counter = _JoinCounter()
+    counter = JoinCounter()
     rows = []
     for bs in block_sizes:
         built = {v: _stack(model, tokenizer, bs, prompt, (heads, dim), v == "per block") for v in VARIANTS}
