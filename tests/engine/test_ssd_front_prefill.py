@@ -267,3 +267,36 @@ def test_a_request_beside_a_restore_gets_its_blocks_from_ram(tiny, stored, tmp_p
     assert got[0][1] == NUM_BLOCKS * BS + 5 and got[1][1] == len(longer) - 1
     assert stats["ssd_hits"] == stats["kv_promotions"] == NUM_BLOCKS  # read once
     engine.prefix_cache.manager.check_integrity()
+
+
+def test_a_request_after_a_restore_s_prompt_gets_its_blocks_from_ram(tiny, stored, tmp_path):
+    """A request alone on a restore keeps the blocks it read in its own cache while it decodes (they
+    would join RAM when it ends, without a copy); a second request for the same prompt arriving
+    meanwhile has them put into RAM first, so it hits RAM for all of it, the first's new blocks too."""
+    root, prompt, _ = stored
+    copy = tmp_path / "kv"
+    shutil.copytree(root, copy)
+    longer = prompt + list(reversed(prompt))[: 3 * BS]
+    solo = _engine(tiny, tmp_path / "solo")
+    alone = greedy(solo.scheduler, longer, MAX_TOKENS)[0]
+    solo.stop()
+    engine = _restarted(tiny, copy, None)
+    scheduler, manager = engine.scheduler, engine.prefix_cache.manager
+    events: dict[int, list] = {0: [], 1: []}
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    first = GenerationRequest("r0", list(longer), params, events[0].append)
+    scheduler.admit(first)
+    while not any(r.prompt_registered for r in scheduler._running.values()):
+        scheduler.step()
+    assert scheduler.is_running(first) and not manager.in_ram(manager.hasher.hash_blocks(longer, 1)[0])
+    second = GenerationRequest("r1", list(longer), params, events[1].append)
+    scheduler.admit(second)
+    while scheduler.is_running(first) or scheduler.is_running(second):
+        scheduler.step()
+    done = [events[i][-1] for i in (0, 1)]
+    assert [d.token_ids for d in done] == [alone, alone]
+    assert [d.usage.cached_tokens for d in done] == [NUM_BLOCKS * BS + 5, len(longer) - 1]
+    stats = engine.local_cache_stats()
+    assert stats["ssd_hits"] == stats["kv_promotions"] == NUM_BLOCKS  # read once
+    manager.check_integrity()
+    engine.stop()

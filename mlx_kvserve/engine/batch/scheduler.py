@@ -37,7 +37,7 @@ from . import direct_join, side_prefill
 from .kv_room import KvRoom
 from .mlx_batch import KVServeBatchGenerator
 from .order import StartOrder
-from .prefix_waits import pick_leader
+from .prefix_waits import pick_leader, shared_blocks
 from .state import Phase, PrefillProgress, Run, SchedulerStats, prefill_progress
 from .stops import StopMatcher
 
@@ -222,6 +222,7 @@ class Scheduler:
         if cache.enabled and not self.distributed:  # distributed: no waits (the cache is rank-local)
             try:
                 hashes = cache.lookup_hashes(req)
+                self._share_direct(hashes)
                 prefilling = {
                     u: cache.lookup_hashes(r.req) for u, r in self._running.items() if not r.prompt_registered
                 }
@@ -235,6 +236,16 @@ class Scheduler:
                 self.stats.shared_prefix_waits += 1
                 return
         self._start(run)
+
+    def _share_direct(self, hashes: list[bytes]) -> None:
+        """Blocks a running request read straight into its cache (kv/runs.py, a direct run) join RAM
+        now when a new request shares them: else it would read them again and miss that request's
+        newer blocks, which RAM holds after them."""
+        for other in self._running.values():
+            prepared = other.prepared
+            if prepared is not None and prepared.match.direct and not prepared.direct_done:
+                if shared_blocks(hashes, self.prefix_cache.lookup_hashes(other.req)) > len(prepared.match.blocks):
+                    self.prefix_cache.register_direct(prepared)
 
     def _start(self, run: Run) -> None:
         req = run.req

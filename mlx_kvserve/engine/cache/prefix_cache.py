@@ -221,7 +221,7 @@ class PrefixCache:
         if self.manager is None:
             return
         try:
-            self._register_direct(prepared)
+            self.register_direct(prepared)
         except Exception as exc:  # its cache's arrays failed to evaluate: they are read again next time
             log.warning("the blocks a failed request read from the SSD are left out of RAM: %s", exc)
         finally:
@@ -239,7 +239,7 @@ class PrefixCache:
             if prepared.deferred and prepared.deferred_at_flush == self.manager.num_flushes:
                 self.manager.write_deferred(prepared.deferred)  # unless a flush dropped them meanwhile
             prepared.deferred = []
-            self._register_direct(prepared)
+            self.register_direct(prepared)
             return self.register(prepared, kv_tokens, prompt_len)
         finally:
             self.manager.release(prepared.match.blocks)
@@ -266,7 +266,7 @@ class PrefixCache:
         if self.manager is None:
             return 0
         if direct:
-            self._register_direct(prepared)
+            self.register_direct(prepared)
         manager, layout = self.manager, self.layout
         bs = manager.block_size
         held = layout.cache_length(prepared.prompt_cache)
@@ -299,12 +299,13 @@ class PrefixCache:
             self._keep_tail(prepared, tokens, end, hashes, state)
         return added
 
-    def _register_direct(self, prepared: Prepared) -> None:
+    def register_direct(self, prepared: Prepared) -> None:
         """Put the blocks the SSD read into the request's own buffers (match.direct) into RAM, as
-        views of those buffers: no copy (the SSD has them). Once the request is done, or with its
-        prompt's blocks when other requests are about (Scheduler._register_prompt): then its next
-        write into its cache copies it (mlx copies an array that a view shares), as promoting them
-        at the lookup made it copy before its first token."""
+        views of those buffers: no copy (the SSD has them). Once the request is done, or earlier for
+        other requests (Scheduler: its prompt's blocks registered while others are about, or a new
+        request sharing them): then its next write into its cache copies it (mlx copies an array
+        that a view shares), as promoting them at the lookup made it copy before its first token.
+        Once per request."""
         match = prepared.match
         if not match.direct or prepared.direct_done:
             return
