@@ -591,8 +591,9 @@ class Scheduler:
             # Blocks it read straight into its cache join RAM now when other requests are about (they may
             # share them): as views, whose sharing makes the batch's next write copy its cache; a request
             # alone registers them when it ends, without a copy.
-            others = bool(self._waiting or self._pending or len(self._running) > 1)
-            self.prefix_cache.register(run.prepared, keys, prompt_len, write=False, upto=prompt_len, direct=others)
+            if self._waiting or self._pending or len(self._running) > 1:
+                self.prefix_cache.register_direct(run.prepared)
+            self.prefix_cache.register(run.prepared, keys, prompt_len, write=False, upto=prompt_len)
         except Exception:  # the request goes on; its blocks are registered again when it ends
             log.exception("request %s: its prompt's blocks could not be registered", run.req.request_id)
         finally:  # views of the batch's arrays: held on, the batch's next write would copy them whole

@@ -245,13 +245,7 @@ class PrefixCache:
             self.manager.release(prepared.match.blocks)
 
     def register(
-        self,
-        prepared: Prepared,
-        kv_tokens: Sequence[int],
-        prompt_len: int,
-        write: bool = True,
-        upto: int | None = None,
-        direct: bool = False,
+        self, prepared: Prepared, kv_tokens: Sequence[int], prompt_len: int, write: bool = True, upto: int | None = None
     ) -> int:
         """Register every new full block of `kv_tokens` (the tokens whose KV and state
         `prepared.prompt_cache` holds) up to `upto` tokens (default: all), plus tails: for plain
@@ -260,13 +254,10 @@ class PrefixCache:
         references (it registers its prompt's blocks once its prefill is done, then the rest at
         `finish`; blocks registered before are not again, even if evicted meanwhile).
         `write=False` keeps the new blocks off the SSD until `finish` (a write during the request's
-        decode would compete with it). `direct`: the blocks read into the request's cache
-        (match.direct) too, now (see `_register_direct`; else `finish` does). Returns the number of
-        blocks registered."""
+        decode would compete with it). The blocks read into the request's cache (match.direct) are
+        not among them: `register_direct`. Returns the number of blocks registered."""
         if self.manager is None:
             return 0
-        if direct:
-            self.register_direct(prepared)
         manager, layout = self.manager, self.layout
         bs = manager.block_size
         held = layout.cache_length(prepared.prompt_cache)
