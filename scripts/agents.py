@@ -6,16 +6,18 @@
   clients   the real agent clients (Claude Code, Codex, opencode, Qwen Code, Cline, aider, llm) and SDKs run
             for two turns against our server: works, turn 2's cached share; --record refreshes
             tests/data/client_requests/ (docs/agent-clients.md)
+  record    a real Claude Code session through a scripted task (its tool calls run for real), every request
+            kept: what `session --session` replays
 
 `agents.py SCENARIO --help` lists its flags.
 """
 
 from __future__ import annotations
 
-from harness import agent_clients, agent_session
+from harness import agent_clients, agent_recorder, agent_session
 from harness.cli import run_scenario
 
-SCENARIOS = {"session": agent_session, "clients": agent_clients}
+SCENARIOS = {"session": agent_session, "clients": agent_clients, "record": agent_recorder}
 
 if __name__ == "__main__":
     run_scenario(__doc__, SCENARIOS)

@@ -165,7 +165,7 @@ class EmbeddingEngine:
         return self._thread.is_alive()
 
     failure = ""  # an embedding batch that fails fails its request only
-    leases_active = False
+    leases_active = keeps_checkpoints = False
 
     @property
     def queue_depth(self) -> int:

@@ -165,17 +165,19 @@ class Engine:
     @property
     def leases_active(self) -> bool:
         """Whether any cache_control lease is held now (then prompts refresh their TTLs)."""
-        manager = self.prefix_cache.manager
-        return manager is not None and manager.pins.leases is not None and manager.pins.leases.active
+        leases = self.prefix_cache.manager.pins.leases if self.cache_enabled else None
+        return leases is not None and leases.active
+
+    @property
+    def keeps_checkpoints(self) -> bool:  # hybrid and sliding-window models: states kept at asked positions
+        return self.cache_enabled and self.prefix_cache.layout.needs_checkpoints
 
     def router_view(self) -> RouterView | None:
         """What a router follows of this cache; None while block caching is off."""
-        manager = self.prefix_cache.manager
-        return RouterView(manager) if manager is not None else None
+        return RouterView(self.prefix_cache.manager) if self.cache_enabled else None
 
     @property
-    def is_alive(self) -> bool:
-        """Whether the worker thread runs."""
+    def is_alive(self) -> bool:  # whether the worker thread runs
         return self.worker.is_alive
 
     @property

@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 LEASES_FILE = "leases.json"
 MAX_LEASES = 4096
-SAVE_EVERY_S = 30.0  # a refresh is written at most this often (a grant at once)
+SAVE_EVERY_S = 30.0  # a refresh (or a renewed grant) is written at most this often (a new grant at once)
 MAX_CHAIN = 1 << 20  # blocks in one leased chain
 MAX_TTL_S = 3600.0  # the longest cache_control TTL ("1h"); longer ones are cut to it
 LEASE_SCHEMA = Obj(  # {tip hash: {the chain's hashes concatenated, TTL, expiry}}, and one block's size
@@ -114,6 +114,7 @@ class PinLeases:
         now = self.clock()
         ttl_s = min(ttl_s, MAX_TTL_S)
         with self._lock:
+            before = len(self._leases)
             self._drop_expired(now)
             self._block_bytes = block_bytes or self._block_bytes
             limit = self._limit_blocks()
@@ -121,10 +122,15 @@ class PinLeases:
             if not chain:
                 return 0
             old = self._leases.get(chain[-1])
-            self._leases[chain[-1]] = Lease(chain, ttl_s, max(now + ttl_s, old.expires if old else 0.0))
+            lease = self._leases[chain[-1]] = Lease(chain, ttl_s, max(now + ttl_s, old.expires if old else 0.0))
             self._fit(limit, keep=chain[-1])
-            self._recount()
-            self._save(now)
+            if len(self._leases) < before + (old is None):  # some lease ended: what it covered may not be
+                self._recount()
+            else:  # only this chain's cover grows: an agent's session renews and extends a few chains a turn
+                self._cover_chain(lease)
+            renewal = old is not None and old.chain == chain and old.ttl_s == ttl_s
+            if not renewal or now - self._saved_at >= SAVE_EVERY_S:  # a renewal is written as a refresh
+                self._save(now)
             return len(chain)
 
     def touch(self, hashes: Iterable[bytes]) -> int:
@@ -167,6 +173,12 @@ class PinLeases:
     def _drop_expired(self, now: float) -> None:
         for tip in [t for t, lease in self._leases.items() if lease.expires <= now]:
             del self._leases[tip]
+
+    def _cover_chain(self, lease: Lease) -> None:
+        cover = dict(self._cover)
+        for h in lease.chain:
+            cover[h] = max(cover.get(h, 0.0), lease.expires)
+        self._cover = cover  # one assignment, as _recount's
 
     def _recount(self) -> None:
         cover: dict[bytes, float] = {}

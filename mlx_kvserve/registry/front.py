@@ -99,6 +99,10 @@ class RoutedEngine(EngineFront):
     def leases_active(self) -> bool:
         return self._engine().leases_active
 
+    @property
+    def keeps_checkpoints(self) -> bool:
+        return self._engine().keeps_checkpoints
+
     def router_view(self) -> Any:
         return self._engine().router_view()
 

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -133,11 +134,12 @@ class Exchange(NamedTuple):
 
 class Proxy:
     """Forwards each request to `upstream`, keeps an Exchange for it and saves its body under `folder` (a Claude Code
-    one is what `agents.py session --recording` reads). A response is passed on whole once the server has sent it: a client reads a streamed reply that arrives at
-    once just the same."""
+    one is what `agents.py session --recording` reads). A response is passed on whole once the server has sent it:
+    a client reads a streamed reply that arrives at once just the same. `answer(path, body)`, when given, may answer
+    a request itself instead: (content type, reply body), or None to forward it."""
 
-    def __init__(self, upstream: str, folder: Path):
-        self.upstream, self.folder, self.exchanges = upstream, folder, []
+    def __init__(self, upstream: str, folder: Path, answer: Callable[[str, bytes], tuple[str, bytes] | None] = None):
+        self.upstream, self.folder, self.exchanges, self.answer = upstream, folder, [], answer
         folder.mkdir(parents=True)
         self.lock = threading.Lock()  # guards exchanges
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -156,8 +158,11 @@ class Proxy:
             def forward(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in skip}
-                url = proxy.upstream + self.path
-                reply = httpx.request(self.command, url, content=body or None, headers=headers, timeout=900)
+                url, own = proxy.upstream + self.path, proxy.answer and proxy.answer(self.path, body)
+                if own:
+                    reply = httpx.Response(200, headers={"content-type": own[0]}, content=own[1])
+                else:
+                    reply = httpx.request(self.command, url, content=body or None, headers=headers, timeout=900)
                 error = reply.text[:2000] if reply.status_code >= 400 else ""
                 with proxy.lock:
                     proxy.exchanges.append(Exchange(self.command, self.path, body, reply.status_code, error))

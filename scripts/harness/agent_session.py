@@ -32,6 +32,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -191,17 +192,25 @@ def messages_body(shape: Shape, turn: int) -> dict:
     }
 
 
+def text_of(content: str | list[dict]) -> str:
+    return content if isinstance(content, str) else "".join(b["text"] for b in content if b["type"] == "text")
+
+
 def as_chat(body: dict, billing: bool = False) -> tuple[list[dict], list[dict]]:
-    """(chat messages, OpenAI tools) of a /v1/messages body; with `billing` the billing line stays the
-    system's first line."""
-    line, *rest = body["system"]
-    opening = line["text"] + "\n" if billing else ""
-    messages = [{"role": "system", "content": opening + "".join(b["text"] for b in rest)}]
+    """(chat messages, OpenAI tools) of a /v1/messages body; with `billing` the billing line (when the body
+    has one) stays the system's first line."""
+    blocks = [body["system"]] if isinstance(body["system"], str) else [b["text"] for b in body["system"]]
+    line = blocks[0] if blocks and blocks[0].startswith("x-anthropic-billing-header") else None
+    opening = line + "\n" if line and billing else ""
+    messages = [{"role": "system", "content": opening + "".join(blocks[1:] if line else blocks)}]
     for m in body["messages"]:
-        texts = "".join(b["text"] for b in m["content"] if b["type"] == "text")
+        if isinstance(m["content"], str):
+            messages.append({"role": m["role"], "content": m["content"]})
+            continue
+        texts = text_of(m["content"])
         uses = [b for b in m["content"] if b["type"] == "tool_use"]
         for r in (b for b in m["content"] if b["type"] == "tool_result"):
-            messages.append({"role": "tool", "tool_call_id": r["tool_use_id"], "content": r["content"]})
+            messages.append({"role": "tool", "tool_call_id": r["tool_use_id"], "content": text_of(r["content"])})
         if uses:
             functions = [{"name": u["name"], "arguments": json.dumps(u["input"])} for u in uses]
             calls = [{"id": u["id"], "type": "function", "function": f} for u, f in zip(uses, functions, strict=True)]
@@ -213,6 +222,14 @@ def as_chat(body: dict, billing: bool = False) -> tuple[list[dict], list[dict]]:
     ]
     tools = [{"type": "function", "function": f} for f in functions]
     return messages, tools
+
+
+def recorded_session(folder: Path) -> list[dict]:
+    """The main requests (those offering Bash) of a session `agents.py record` kept in `folder`, in order, each
+    as it was sent but for the reply: streamed, greedy, MAX_TOKENS."""
+    bodies = [json.loads(p.read_text()) for p in sorted(folder.glob("*-POST_v1_messages*.json")) if p.stat().st_size]
+    main = [b for b in bodies if any(t.get("name") == "Bash" for t in b.get("tools") or [])]
+    return [dict(b, model="default", max_tokens=MAX_TOKENS, temperature=0.0, stream=True) for b in main]
 
 
 # -- clients -----------------------------------------------------------------------------------------
@@ -293,16 +310,17 @@ def start(name: str, args: argparse.Namespace, work: Path) -> Server:
     return server
 
 
-def run_server(name: str, shape: Shape, turns: int, args: argparse.Namespace, work: Path) -> dict:
-    """The session on one server: {"turns": [Turn as dict]} or {"error": why it could not run}."""
+def run_server(name: str, bodies: Callable[[], list[dict]], args: argparse.Namespace, work: Path) -> dict:
+    """The session (`bodies()`: its /v1/messages bodies) on one server: {"turns": [Turn as dict]} or {"error": why
+    it could not run}."""
     try:
         server = start(name, args, work)
     except Exception as exc:  # reported in the table: a peer that cannot start here
         return {"error": f"{type(exc).__name__}: {exc}"}
     rows = []
     try:
-        for turn in range(turns):
-            body, log_start = messages_body(shape, turn), Path(server.log.name).stat().st_size
+        for turn, body in enumerate(bodies()):
+            log_start = Path(server.log.name).stat().st_size
             result = (
                 chat_turn(server, body, args.chat_billing)
                 if name in CHAT_SERVERS
@@ -402,6 +420,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ours-config", type=Path, help="a config file for both of our servers")
     parser.add_argument("--baseline", type=Path, help="another source tree of ours (`git archive` of a commit)")
     parser.add_argument("--recording", type=Path, help="a recorded Claude Code /v1/messages request body (JSON)")
+    parser.add_argument(
+        "--session", type=Path, help="a recorded session to replay as it was (`agents.py record`'s requests/)"
+    )
     parser.add_argument("--no-chat", action="store_true", help="ours over /v1/messages only")
     parser.add_argument("--chat-billing", action="store_true", help="the billing line in the chat requests too")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "claude_session")
@@ -410,15 +431,21 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     if args.model is None:
         args.model = cached_model(131072, args.layers, args.heads)
-    files = [args.recording] if args.recording else []
-    shape = (None if args.synthetic else recorded_shape(files)) or synthetic_shape()
+    if args.session:  # the recorded requests as they were sent
+        recorded = recorded_session(args.session)
+        source, num_tools, turns, bodies = str(args.session), len(recorded[0]["tools"]), len(recorded), lambda: recorded
+    else:  # a scripted session on a recorded or synthetic system prompt and tools, a fresh billing nonce each time
+        files = [args.recording] if args.recording else []
+        shape = (None if args.synthetic else recorded_shape(files)) or synthetic_shape()
+        source, num_tools, turns = shape.source, len(shape.tools), args.turns
+        bodies = lambda: [messages_body(shape, turn) for turn in range(turns)]  # noqa: E731
     pairs = [(OURS, OURS_CHAT)] + [(BASE, BASE_CHAT)] * bool(args.baseline) + [(VLLM, VLLM_CHAT)] * bool(args.vllm_mlx)
     names = [n for pair in pairs for n in pair[: 1 if args.no_chat else 2]] + [MLX_LM]
     work, start_s = Path(tempfile.mkdtemp(prefix="kvserve-claude-session-")), time.perf_counter()
     results: dict = {
-        "source": shape.source,
-        "num_tools": len(shape.tools),
-        "turns": args.turns,
+        "source": source,
+        "num_tools": num_tools,
+        "turns": turns,
         "chat_billing": args.chat_billing,
         "model": str(args.model),
         "servers": {},
@@ -427,7 +454,7 @@ def run(args: argparse.Namespace) -> None:
     for r in range(args.rounds):  # each round in another order, on fresh homes (turn 1 cold again)
         order = names[r % len(names) :] + names[: r % len(names)]
         (work / f"round-{r}").mkdir()
-        rounds.append({name: run_server(name, shape, args.turns, args, work / f"round-{r}") for name in order})
+        rounds.append({name: run_server(name, bodies, args, work / f"round-{r}") for name in order})
     results["rounds"] = rounds
     results["servers"] = {name: median_run([found[name] for found in rounds]) for name in names}
     results["wall_s"] = time.perf_counter() - start_s

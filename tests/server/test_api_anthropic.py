@@ -322,13 +322,25 @@ def test_output_config_holds_the_reply_to_the_schema(plain_client, stream):
     jsonschema.validate(json.loads(block.text), BALL)
 
 
-def test_cache_control_marks_become_checkpoints_and_the_hashes_come_computed(tiny_model_dir, tmp_path):
-    """A cache_control mark's prefix end reaches the engine as a checkpoint position (hybrid and
-    sliding-window models keep their state there), and the request arrives with its prompt's block
-    hashes already computed (once, at the edge)."""
-    from mlx_kvserve.engine.request import Finished, Usage
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_cache_control_marks_become_checkpoints_and_the_hashes_come_computed(family, tiny_model_dir, tmp_path):
+    """A cache_control mark's prefix end reaches a hybrid (or sliding-window) model's engine as a
+    checkpoint position, where it keeps its state; a plain model's gets none (it keeps no states):
+    its marks render beside the prefill, for the lease alone. Either way the mark leases its
+    prefix, and the request arrives with its prompt's block hashes already computed (once, at the edge)."""
+    from familymodels import build_family_model
+    from mlx_lm.utils import load
 
-    engine = make_engine(_loaded(tiny_model_dir, "tiny"), tmp_path)
+    from mlx_kvserve.engine.request import Finished, Usage
+    from mlx_kvserve.models.loader import LoadedModel
+
+    if family == "llama":
+        loaded = _loaded(tiny_model_dir, "tiny")
+    else:
+        model, tokenizer = load(str(folder := build_family_model(tmp_path / "model", family)))
+        loaded = LoadedModel("fam", folder, model, tokenizer, json.loads((folder / "config.json").read_text()), 2048)
+    engine = make_engine(loaded, tmp_path / "home")
+    assert engine.keeps_checkpoints == (family != "llama")
     seen = []
 
     def submit(req):
@@ -337,15 +349,26 @@ def test_cache_control_marks_become_checkpoints_and_the_hashes_come_computed(tin
 
     engine.submit = submit
     system = [{"type": "text", "text": "You answer about orchards. " * 40, "cache_control": {"type": "ephemeral"}}]
-    body = {"model": "tiny", "max_tokens": 4, "system": system, "messages": USER}
+    body = {"model": loaded.name, "max_tokens": 4, "system": system, "messages": USER}
     try:
         with TestClient(create_app(engine, ApiKeys("", ""))) as client:
             assert client.post("/v1/messages", json=body).status_code == 200
+            (lease,) = engine.cache_admin().leases()
             plain = dict(body, system=[{"type": "text", "text": system[0]["text"]}])
             assert client.post("/v1/messages", json=plain).status_code == 200
     finally:
         engine.stop(5)
     marked, unmarked = seen
-    assert len(marked.checkpoint_at) == 1 and 0 < marked.checkpoint_at[0] < len(marked.prompt_tokens)
+    if family == "llama":
+        assert marked.checkpoint_at == ()
+    else:
+        assert len(marked.checkpoint_at) == 1 and 0 < marked.checkpoint_at[0] < len(marked.prompt_tokens)
     assert unmarked.checkpoint_at == ()
+    # The lease covers the system prompt's full blocks: its tip is the block before the user turn's.
+    system_tokens = len(engine.chat_tokens([{"role": "system", "content": system[0]["text"]}], False))
+    block = engine.prefix_cache.manager.block_size
+    assert (
+        lease["blocks"] == system_tokens // block
+        and lease["block_hash"] == marked.block_hashes[lease["blocks"] - 1].hex()
+    )
     assert marked.block_hashes == engine.block_hashes(marked.prompt_tokens) and len(marked.block_hashes) > 0

@@ -95,6 +95,38 @@ def test_leases_survive_a_restart_and_expired_or_damaged_ones_do_not(tmp_path):
     assert PinLeases(path, clock=clock).items() == []  # a chain that does not read back is dropped
 
 
+def test_an_agent_turns_renewals_are_written_as_refreshes_and_covers_follow_every_grant(tmp_path):
+    """Each turn of an agent session renews its system prompt's lease and leases a longer chain for its
+    last message: a new chain is written at once, a renewal at most every SAVE_EVERY_S (as a refresh);
+    the cover grows with each chain and shrinks when a lease ends for room."""
+    from mlx_kvserve.kv.leases import SAVE_EVERY_S
+
+    clock, path = Clock(), tmp_path / "leases.json"
+    leases = PinLeases(path, max_bytes=12 * 100, clock=clock)
+    system, turn1 = chain(3, b"s"), chain(3, b"s") + chain(4, b"t")
+    leases.grant(system, 300.0, block_bytes=100)
+    leases.grant(turn1, 300.0)
+    written = path.read_bytes()
+    assert [item["blocks"] for item in PinLeases(path, clock=clock).items()] == [3, 7]
+    clock.now += 10
+    leases.grant(system, 300.0)  # renewed: the file keeps the older expiry for now
+    assert path.read_bytes() == written and leases.items()[-1]["expires_in_s"] == 300.0
+    clock.now += SAVE_EVERY_S
+    leases.grant(system, 300.0)
+    assert path.read_bytes() != written
+    expires = {item["blocks"]: item["expires_in_s"] for item in PinLeases(path, clock=clock).items()}
+    assert expires == {3: 300.0, 7: 300.0 - 10 - SAVE_EVERY_S}
+    assert all(leases.covers(h) for h in turn1)
+    turn2 = system + chain(10, b"u")  # another branch, cut to the 12 blocks of the share: with it 16 blocks are
+    leases.grant(turn2, 300.0)  # leased, so turn 1's lease, the soonest to expire, ends for room
+    assert leases.released_for_room == 1 and all(leases.covers(h) for h in turn2[:12])
+    assert not leases.covers(turn2[12]) and not any(leases.covers(h) for h in turn1[3:])
+    clock.now += 301  # every lease expired: nothing covered, and a grant after it counts afresh
+    assert not any(leases.covers(h) for h in turn2)
+    leases.grant(chain(2, b"v"), 300.0)
+    assert not any(leases.covers(h) for h in system) and all(leases.covers(h) for h in chain(2, b"v"))
+
+
 # --- through the Anthropic API ---------------------------------------------------------------------------------
 
 SYSTEM = "You are a careful assistant. " * 12  # several blocks of the byte-level tiny model

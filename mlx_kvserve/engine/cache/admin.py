@@ -74,9 +74,11 @@ class CacheAdmin:
         leases = self.manager.pins.leases
         if leases is None:
             return 0
-        stats = self.manager.stats()
-        block_bytes = stats["kv_ram_bytes"] // stats["kv_ram_blocks"] if stats["kv_ram_blocks"] else 0
-        return leases.grant(self.block_hashes(tokens, known), ttl_s, block_bytes) * self.manager.block_size
+        chain = self.block_hashes(tokens, known)
+        # One block's size for the cap: the chain's first, when RAM holds it (else the size last known).
+        first = self.manager.blocks_in_ram(chain[:1])
+        block_bytes = next(iter(first.values())).nbytes if first else 0
+        return leases.grant(chain, ttl_s, block_bytes) * self.manager.block_size
 
     def touch_leases(self, tokens: Sequence[int], known: Sequence[bytes] = ()) -> int:
         """A request with this prompt: the leases it uses live their TTL again."""

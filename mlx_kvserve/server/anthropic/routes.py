@@ -78,16 +78,20 @@ def anthropic_routes(handler: CompletionHandler) -> list[Route]:
     async def messages(request: Request) -> Response:
         try:
             body, req = await parse(request)
-            found = cache_control.marks(body)
-            cuts = await cache_control.render_cuts(handler, found, render_cut)
-            # Hybrid and sliding-window models keep a checkpoint where each marked prefix ends.
-            req = dataclasses.replace(req, checkpoint_at=tuple(len(cut) for cut in cuts if cut))
+            found, cuts = cache_control.marks(body), None
+            if found and engine.keeps_checkpoints:  # hybrid and sliding-window models: a state kept where
+                cuts = await cache_control.render_cuts(handler, found, render_cut)  # each marked prefix ends
+                req = dataclasses.replace(req, checkpoint_at=tuple(len(cut) for cut in cuts if cut))
             thinking = thinking_wanted(body)
 
             async def pin(gen_req: GenerationRequest) -> int:
-                """The markers' prefixes pinned: the longest one's length (0 for none)."""
+                """The markers' prefixes pinned: the longest one's length (0 for none). Their cuts render
+                here when no checkpoint waits for them, while the prompt prefills: a cut that shares no
+                special token with the prompt past its start (Claude Code's first system block, before
+                its tool list) is a whole encode, kept out of the time to the first token."""
+                marked = cuts if cuts is not None else await cache_control.render_cuts(handler, found, render_cut)
                 leased = await cache_control.apply(
-                    handler, found, cuts, gen_req.prompt_tokens, gen_req.block_hashes or ()
+                    handler, found, marked, gen_req.prompt_tokens, gen_req.block_hashes or ()
                 )
                 return max(leased, default=0)
 
