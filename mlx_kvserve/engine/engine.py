@@ -333,16 +333,16 @@ class Engine:
         and `template_kwargs` (e.g. enable_thinking) given to the template. The text is encoded
         through `principal`'s token memo where the tokenizer allows (token_memo.py: same ids)."""
         tokenizer = self.loaded.tokenizer
-        extra = dict(template_kwargs or {})
-        if tools:  # only when given: a template that takes no tools renders as before
-            extra["tools"] = tools
-        memo = token_memo.memo_for(tokenizer)
-        if memo is None or token_memo.TEMPLATE_PARAMS & extra.keys():
-            return list(tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra))
-        text = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
-        )
-        return memo.encode(text, principal)
+        return token_memo.chat_tokens(tokenizer, messages, add_generation_prompt, tools, template_kwargs, principal)
+
+    def chat_text(self, messages: list[dict[str, Any]], tools: list | None, template_kwargs: Any) -> str | None:
+        """The text chat_tokens (ready for the assistant's turn) encodes through the memo; None without one."""
+        return token_memo.chat_text(self.loaded.tokenizer, messages, True, tools, template_kwargs)
+
+    def tokens_within(self, text: str, ids: list[int], chars: int, principal: str = "") -> int | None:
+        """How many of `ids`, chat_tokens' for `text`, lie within its first `chars` characters (None: unknown)."""
+        memo = token_memo.memo_for(self.loaded.tokenizer)  # None: the template encodes, no memo to ask
+        return memo and memo.tokens_within(text, ids, chars, principal)
 
     def check_schema(self, schema: dict[str, Any]) -> str:
         """Why structured output cannot enforce this JSON schema ("" when it can). Any thread."""

@@ -119,6 +119,12 @@ class RoutedEngine(EngineFront):
     ) -> list[int]:
         return self._engine().chat_tokens(messages, add_generation_prompt, tools, template_kwargs, principal)
 
+    def chat_text(self, messages: list[dict[str, Any]], tools: list | None, template_kwargs: Any) -> str | None:
+        return self._engine().chat_text(messages, tools, template_kwargs)
+
+    def tokens_within(self, text: str, ids: list[int], chars: int, principal: str = "") -> int | None:
+        return self._engine().tokens_within(text, ids, chars, principal)
+
     def text_tokens(self, prompt: str) -> list[int]:
         return self._engine().text_tokens(prompt)
 

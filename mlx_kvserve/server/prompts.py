@@ -39,6 +39,21 @@ async def chat_tokens(
         raise InvalidRequestError(f"the chat template rejected these messages: {exc}", param="messages") from None
 
 
+async def chat_text(
+    engine: EngineFront, messages: list[dict[str, Any]], tools: list | None, template_kwargs: Any
+) -> str | None:
+    """The text chat_tokens encodes for these messages (ready for the assistant's turn), when the token
+    memo encodes it (None otherwise, or when the template rejects it), with chat_tokens' fallback."""
+    try:
+        return await run_in_threadpool(engine.chat_text, messages, tools, template_kwargs)
+    except Exception:  # as chat_tokens: a template that takes no system turn past the first
+        merged = merge_system_turns(messages)
+        if merged is not messages:
+            with contextlib.suppress(Exception):
+                return await run_in_threadpool(engine.chat_text, merged, tools, template_kwargs)
+        return None
+
+
 async def text_tokens(engine: EngineFront, prompt: str) -> list[int]:
     """Token ids of `prompt`. InvalidRequestError when the tokenizer refuses it."""
     try:

@@ -21,7 +21,7 @@ ENTRY_POINTS = {
     "bench_engine.py": ["lengths", "hit-blocks", "restore", "ssd-io"],
     "features.py": ["tiny-vlm", "models", "model-threads"],
     "journeys.py": ["quickstart", "hybrid-restart", "long-context"],
-    "agents.py": ["session", "clients"],
+    "agents.py": ["session", "clients", "record"],
 }
 
 

@@ -5,6 +5,7 @@ shows in /v1/cache/pins, and leases hold at most their share of the budget. Time
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import anthropic
@@ -20,6 +21,7 @@ from mlx_kvserve.engine.cache.admin import CacheAdmin
 from mlx_kvserve.errors import KVServeError
 from mlx_kvserve.kv.leases import PinLeases
 from mlx_kvserve.kv.pins import PinRegistry
+from mlx_kvserve.server import cache_control
 from mlx_kvserve.server.app import create_app
 
 
@@ -282,29 +284,115 @@ def test_an_error_after_submission_cancels_the_generation(tool_served, monkeypat
     engine, client, submitted = tool_served
 
     def fail(*args):
-        raise KVServeError("the lease could not be taken")
+        raise KVServeError("the step after submission failed")
 
-    monkeypatch.setattr(CacheAdmin, "lease", fail)  # the step that runs after the request was submitted
+    # The route's step after the request was submitted: it sets up the request's leases.
+    monkeypatch.setattr(cache_control, "PendingLeases", fail)
     body = {**FORCED_BETA, "tool_choice": {"type": "auto"}, "max_tokens": 1000}
     reply = client.post("/v1/messages", json=body)
-    assert reply.status_code == 500 and "could not be taken" in reply.text
+    assert reply.status_code == 500 and "submission failed" in reply.text
     (gen_req,) = submitted
     assert gen_req.cancelled.is_set()
     assert wait_until(lambda: nothing_runs(engine), 10)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_lease_that_fails_is_logged_and_the_reply_stands(served, monkeypatch, caplog, stream):
+    """Leases are taken beside the reply (a stream's after its first event): one that fails pins
+    nothing, counts no cache_creation_input_tokens, and the reply is served whole."""
+    engine, client, _ = served
+
+    def fail(*args):
+        raise KVServeError("the lease could not be taken")
+
+    monkeypatch.setattr(CacheAdmin, "lease", fail)
+    before = engine.cache_admin().leases()
+    system = [{"type": "text", "text": "Fails to lease. " * 40, "cache_control": {"type": "ephemeral"}}]
+    messages = [{"role": "user", "content": "hi"}]
+    body = {"model": "tiny", "max_tokens": 4, "system": system, "messages": messages, "stream": stream}
+    reply = client.post("/v1/messages", json=body, headers={"anthropic-version": "2023-06-01"})
+    assert reply.status_code == 200, reply.text
+    if stream:
+        events = [json.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: ")]
+        assert [e["type"] for e in events][-2:] == ["message_delta", "message_stop"]
+        usage = events[-2]["usage"]
+    else:
+        usage = reply.json()["usage"]
+    assert usage["cache_creation_input_tokens"] == 0 and usage["input_tokens"] > 0
+    assert engine.cache_admin().leases() == before
+    assert "the marked prefixes could not be leased (the lease could not be taken)" in caplog.text
+
+
 def test_a_cut_the_template_refuses_pins_nothing_and_the_request_is_served(served, monkeypatch):
     engine, client, _ = served
-    render = engine.chat_tokens
 
-    def picky(messages, *args, **kwargs):  # a template that refuses the cut's placeholder turn
-        if messages[-1]["content"] == ".":
-            raise ValueError("conversation roles must alternate")
-        return render(messages, *args, **kwargs)
+    def picky(render):
+        def rendered(messages, *args, **kwargs):  # a template that refuses the cut's placeholder turn
+            if messages[-1]["content"] == ".":
+                raise ValueError("conversation roles must alternate")
+            return render(messages, *args, **kwargs)
 
-    monkeypatch.setattr(engine, "chat_tokens", picky)
+        return rendered
+
+    monkeypatch.setattr(engine, "chat_tokens", picky(engine.chat_tokens))  # as ids
+    monkeypatch.setattr(engine, "chat_text", picky(engine.chat_text))  # and as text
     system = [{"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}}]
     reply = sdk(client).messages.create(
         model="tiny", max_tokens=2, system=system, messages=[{"role": "user", "content": "hi"}]
     )
     assert reply.usage.cache_creation_input_tokens == 0 and leases(client) == []
+
+
+def test_marked_prefixes_found_by_text_are_those_the_cuts_ids_give_and_encode_nothing(tool_served, monkeypatch):
+    """A Claude Code-like request (two marked system blocks, a marked tool, a marked last message): where
+    each marked prefix ends among the prompt's tokens, found from the cuts' text against the prompt's, is
+    what comparing the cuts' own ids gives, and no cut is encoded for it."""
+    from mlx_kvserve.engine.cache import token_memo
+    from mlx_kvserve.server.anthropic.parse import to_openai
+    from mlx_kvserve.server.messages import parse_messages
+
+    engine = tool_served[0]
+    mark = {"type": "ephemeral"}
+    body = {
+        "system": [
+            {"type": "text", "text": "You are a coding agent.", "cache_control": mark},
+            {"type": "text", "text": SYSTEM, "cache_control": mark},
+        ],
+        "tools": [ALPHA, BETA],
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": [{"type": "text", "text": "and now?", "cache_control": mark}]},
+        ],
+    }
+
+    def prompt_of(cut):
+        out = to_openai(cut, count_only=True)
+        return parse_messages(out["messages"]), out.get("tools") or None, out.get("chat_template_kwargs", {})
+
+    async def text(cut):
+        return engine.chat_text(*prompt_of(cut))
+
+    async def ids(cut):
+        messages, tools, kwargs = prompt_of(cut)
+        return engine.chat_tokens(messages, True, tools, kwargs)
+
+    class Handler:
+        pass
+
+    handler, found = Handler(), cache_control.marks(body)
+    handler.engine = engine
+    messages, tools, kwargs = prompt_of({"model": "tool-tiny", "max_tokens": 4, **body})
+    prompt = engine.chat_tokens(messages, True, tools, kwargs)
+    prompt_text = engine.chat_text(messages, tools, kwargs)
+    assert prompt_text is not None and len(found) == 4
+    encodes = []
+    real = token_memo.TokenMemo._encode
+    monkeypatch.setattr(token_memo.TokenMemo, "_encode", lambda memo, *a: (encodes.append(a), real(memo, *a))[1])
+    by_text = asyncio.run(cache_control.marked_ends(handler, found, prompt, prompt_text, cache_control.Cut(text, ids)))
+    assert encodes == []
+    by_ids = asyncio.run(cache_control.marked_ends(handler, found, prompt, None, cache_control.Cut(text, ids)))
+    assert len(encodes) == 4  # each cut encoded (the memo reusing what it can)
+    assert by_text == by_ids
+    alpha, system0, system1, last = by_text  # marks() lists tools, then system blocks, then messages
+    assert 0 < alpha < len(prompt) and 0 < system0 < system1 < len(prompt) and last == len(prompt)

@@ -18,8 +18,10 @@ from __future__ import annotations
 import json
 import threading
 import weakref
+from array import array
 from bisect import bisect_right
 from collections import OrderedDict
+from itertools import accumulate
 from typing import Any, NamedTuple
 
 MAX_ENTRIES = 8  # per model: a few live conversations
@@ -38,6 +40,7 @@ class Entry(NamedTuple):
     ids: list[int]
     ends: list[int]  # character offset just past each boundary token, ascending
     counts: list[int]  # number of ids up to and including that boundary token
+    token_ends: array[int]  # character offset just past each id (the most so far: ascending)
 
 
 class TokenMemo:
@@ -60,7 +63,7 @@ class TokenMemo:
             return self._encode(text, 0).ids
         base, end, count = self._longest(text, principal)
         rest = self._encode(text[end:], end)
-        head = Entry(text[:end], base.ids[:count], base.ends, base.counts) if base else None
+        head = Entry(text[:end], base.ids[:count], base.ends, base.counts, base.token_ends[:count]) if base else None
         entry = _joined(head, rest, end, count, text) if head else rest
         self._keep(principal, entry, base, count)
         return entry.ids
@@ -70,7 +73,18 @@ class TokenMemo:
         out = self.hf(text, add_special_tokens=False, return_offsets_mapping=True)
         ids, offsets = list(out["input_ids"]), out["offset_mapping"]
         marks = [(start + offsets[i][1], i + 1) for i, t in enumerate(ids) if t in self.boundary_ids]
-        return Entry(text, ids, [e for e, _ in marks], [c for _, c in marks])
+        token_ends = array("q", accumulate((start + e for _, e in offsets), max, initial=start))[1:]
+        return Entry(text, ids, [e for e, _ in marks], [c for _, c in marks], token_ends)
+
+    def tokens_within(self, text: str, ids: list[int], chars: int, principal: str = "") -> int | None:
+        """How many of `ids` lie wholly within the first `chars` characters of `text`, when `ids` is what
+        encode gave `text` and the memo still holds it (else None): a prefix of a prompt given in text
+        (a cache_control mark's) as tokens of the prompt, without encoding anything."""
+        with self.lock:
+            entry = self.entries.get((principal, text))
+        if entry is None or entry.ids != ids:
+            return None
+        return bisect_right(entry.token_ends, chars)
 
     def _longest(self, text: str, principal: str) -> tuple[Entry | None, int, int]:
         """The memoized entry sharing the most text up to a boundary with `text`: (entry, characters,
@@ -79,7 +93,7 @@ class TokenMemo:
         with self.lock:
             candidates = [e for (p, _), e in self.entries.items() if p == principal]
         for entry in candidates:
-            shared = _common_prefix(text, entry.text)
+            shared = common_prefix(text, entry.text)
             k = bisect_right(entry.ends, shared)
             if k and entry.ends[k - 1] > max(best[1], MIN_REUSE_CHARS - 1):
                 best = (entry, entry.ends[k - 1], entry.counts[k - 1])
@@ -107,10 +121,10 @@ def _joined(head: Entry, rest: Entry, end: int, count: int, text: str) -> Entry:
     """`head` (text[:end], whose boundaries up to `end` hold `count` ids) followed by `rest`."""
     k = bisect_right(head.ends, end)
     counts = head.counts[:k] + [count + c for c in rest.counts]
-    return Entry(text, head.ids + rest.ids, head.ends[:k] + rest.ends, counts)
+    return Entry(text, head.ids + rest.ids, head.ends[:k] + rest.ends, counts, head.token_ends + rest.token_ends)
 
 
-def _common_prefix(a: str, b: str) -> int:
+def common_prefix(a: str, b: str) -> int:
     """Length of the longest common prefix (binary search on C-speed slice compares)."""
     if a.startswith(b):
         return len(b)
@@ -169,6 +183,37 @@ def _plain_encode(hf: Any) -> bool:
 
 _MEMOS: weakref.WeakKeyDictionary[Any, TokenMemo | None] = weakref.WeakKeyDictionary()
 _MEMOS_LOCK = threading.Lock()
+
+
+def template_args(tools: list | None, template_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """The chat template's keyword arguments: `template_kwargs`, and `tools` only when given (a
+    template that takes no tools renders as before)."""
+    return dict(template_kwargs or {}) | ({"tools": tools} if tools else {})
+
+
+def chat_text(
+    tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: list | None, kwargs: Any
+) -> str | None:
+    """The chat template's text of `messages`, where the memo encodes it; None where the template
+    must encode it itself (no memo, or a template kwarg that changes how it encodes)."""
+    extra = template_args(tools, kwargs)
+    if memo_for(tokenizer) is None or TEMPLATE_PARAMS & extra.keys():
+        return None
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False, **extra)
+
+
+def chat_tokens(
+    tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: list | None, kwargs: Any,
+    principal: str,
+) -> list[int]:  # fmt: skip
+    """The ids of `messages` under the chat template, through `principal`'s memo where there is one."""
+    text = chat_text(tokenizer, messages, add_generation_prompt, tools, kwargs)
+    if text is None:
+        extra = template_args(tools, kwargs)
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra))
+    memo = memo_for(tokenizer)
+    assert memo is not None
+    return memo.encode(text, principal)
 
 
 def memo_for(tokenizer: Any) -> TokenMemo | None:

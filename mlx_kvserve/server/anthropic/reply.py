@@ -147,12 +147,14 @@ class BlockStream:
 
 
 async def stream_events(
-    handler: CompletionHandler, req: oa.CompletionRequest, gen_req, track, leased: int = 0, thinking: bool = True
+    handler: CompletionHandler, req: oa.CompletionRequest, gen_req, track, leases=None, thinking: bool = True
 ) -> AsyncIterator[str]:
     """message_start, ping, content blocks as the reply is written, message_delta (stop reason and
     final usage), message_stop; an `error` event ends a stream that fails after it started. A `ping`
     every sse.KEEP_ALIVE_S while the prompt prefills keeps clients and proxies from giving up on a
-    long one. Without `thinking`, thinking the model writes anyway is not sent."""
+    long one. Without `thinking`, thinking the model writes anyway is not sent. `leases`: the request's
+    cache_control leases (cache_control.PendingLeases), taken from its first event on; their count goes
+    in the final usage."""
     engine, out, blocks, pieces = handler.engine, handler.output(req, gen_req), BlockStream(), []
     start = message_body(new_message_id(), engine.model_name, [], None, None, Usage(len(gen_req.prompt_tokens), 0))
 
@@ -168,6 +170,8 @@ async def stream_events(
             except RequestTimeoutError as exc:
                 yield sse.event("error", {"error": error_body(exc)[0]["error"]})
                 return
+            if ev is not sse.KEEP_ALIVE and leases is not None:
+                leases.start()
             if ev is sse.KEEP_ALIVE:
                 yield sse.event("ping", {})
             elif isinstance(ev, TextDelta):
@@ -180,6 +184,7 @@ async def stream_events(
                     yield line
                 stop = matched_stop(engine.tokenizer, req, "".join(pieces), ev)
                 delta = {"stop_reason": stop_reason(ev.finish_reason, out.num_calls, stop), "stop_sequence": stop}
+                leased = await leases.leased() if leases is not None else 0
                 yield sse.event("message_delta", {"delta": delta, "usage": usage_body(ev.usage, leased)})
                 yield sse.event("message_stop", {})
                 return

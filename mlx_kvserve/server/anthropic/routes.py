@@ -68,42 +68,58 @@ def anthropic_routes(handler: CompletionHandler) -> list[Route]:
             response.headers["retry-after"] = "1"
         return response
 
-    async def render_cut(cut: dict[str, Any]) -> list[int]:
-        """A cache_control cut's prompt tokens, rendered as the request's own prompt is; not parsed as a
-        request (its tool_choice may name a tool past the cut)."""
+    def cut_prompt(cut: dict[str, Any]) -> tuple[list[dict[str, Any]], list | None, dict[str, Any]]:
+        """A cache_control cut's messages, tools and template kwargs, rendered as the request's own prompt
+        is; not parsed as a request (its tool_choice may name a tool past the cut)."""
         out = to_openai(cut, count_only=True)
-        messages, offered = parse_messages(out["messages"]), out.get("tools") or None
-        return await prompts.chat_tokens(engine, messages, True, offered, out.get("chat_template_kwargs", {}))
+        return parse_messages(out["messages"]), out.get("tools") or None, out.get("chat_template_kwargs", {})
+
+    async def cut_text(cut: dict[str, Any]) -> str | None:
+        messages, offered, kwargs = cut_prompt(cut)
+        return await prompts.chat_text(engine, messages, offered, kwargs)
+
+    async def cut_tokens(cut: dict[str, Any]) -> list[int]:
+        messages, offered, kwargs = cut_prompt(cut)
+        return await prompts.chat_tokens(engine, messages, True, offered, kwargs)
+
+    async def marked_ends(req: oa.CompletionRequest, found: list, prompt: list[int]) -> list[int]:
+        """Where each marked prefix ends among `prompt`'s tokens (cache_control.marked_ends)."""
+        offered = req.tools.tools if req.tools else None
+        text = None if req.images else await prompts.chat_text(engine, req.messages or [], offered, req.template_kwargs)
+        return await cache_control.marked_ends(handler, found, prompt, text, cache_control.Cut(cut_text, cut_tokens))
 
     async def messages(request: Request) -> Response:
         try:
             body, req = await parse(request)
-            found, cuts = cache_control.marks(body), None
-            if found and engine.keeps_checkpoints:  # hybrid and sliding-window models: a state kept where
-                cuts = await cache_control.render_cuts(handler, found, render_cut)  # each marked prefix ends
-                req = dataclasses.replace(req, checkpoint_at=tuple(len(cut) for cut in cuts if cut))
+            found, ends = cache_control.marks(body), None
+            if found and engine.keeps_checkpoints:  # hybrid and sliding-window models keep a state where
+                ends = await marked_ends(req, found, await handler.tokens(req))  # each marked prefix ends
+                req = dataclasses.replace(req, checkpoint_at=tuple(end for end in ends if end))
             thinking = thinking_wanted(body)
 
-            async def pin(gen_req: GenerationRequest) -> int:
-                """The markers' prefixes pinned: the longest one's length (0 for none). Their cuts render
-                here when no checkpoint waits for them, while the prompt prefills: a cut that shares no
-                special token with the prompt past its start (Claude Code's first system block, before
-                its tool list) is a whole encode, kept out of the time to the first token."""
-                marked = cuts if cuts is not None else await cache_control.render_cuts(handler, found, render_cut)
-                leased = await cache_control.apply(
-                    handler, found, marked, gen_req.prompt_tokens, gen_req.block_hashes or ()
-                )
+            async def lease(gen_req: GenerationRequest) -> int:
+                """The markers' prefixes pinned: the longest one's length (0 for none)."""
+                prompt = gen_req.prompt_tokens
+                marked = ends if ends is not None else await marked_ends(req, found, prompt)
+                leased = await cache_control.apply(handler, found, marked, prompt, gen_req.block_hashes or ())
                 return max(leased, default=0)
 
-            def events(gen_req: GenerationRequest, track: EventTracker, leased: int) -> AsyncIterator[str]:
-                return stream_events(handler, req, gen_req, track, leased, thinking)
+            async def pin(gen_req: GenerationRequest) -> cache_control.PendingLeases:
+                pending = cache_control.PendingLeases(lambda: lease(gen_req))
+                if not req.stream:  # beside the whole reply; a stream's after its first event
+                    pending.start()
+                return pending
+
+            def events(gen_req: GenerationRequest, track: EventTracker, leases: Any) -> AsyncIterator[str]:
+                return stream_events(handler, req, gen_req, track, leases, thinking)
 
             done = await handler.complete(request, req, events, pin)
         except KVServeError as exc:
             return failed(request, exc)
         if isinstance(done, Response):  # streamed, or the client left
             return done
-        gen_req, text, ev, leased = done
+        gen_req, text, ev, pending = done
+        leased = await pending.leased()
         out = handler.output(req, gen_req)
         segments = [seg for seg in out.feed(text) + out.finish() if thinking or seg.kind != REASONING]
         stop = matched_stop(engine.tokenizer, req, text, ev)
