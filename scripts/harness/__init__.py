@@ -14,7 +14,7 @@ No script imports another; they share these:
   diskio.py     raw disk reads and writes, page-cache drops: the floors the SSD scenarios compare with
   restart.py    requests sent to an in-process engine, timed to the first token
   hits.py, long_context.py  what the lengths scenario counts (arrays joined, peak RSS, compute-free attention)
-  agent_model.py, agent_workload.py  the agent session's model and workload; journey.py the hybrid restart's
+  agent_model.py  the agent session's model; agent_recorder.py the recorded session; journey.py the hybrid restart's
 """
 
 from __future__ import annotations

@@ -133,8 +133,8 @@ class Exchange(NamedTuple):
 
 
 class Proxy:
-    """Forwards each request to `upstream`, keeps an Exchange for it and saves its body under `folder` (a Claude Code
-    one is what `agents.py session --recording` reads). A response is passed on whole once the server has sent it:
+    """Forwards each request to `upstream`, keeps an Exchange for it and saves its body under `folder` (what
+    `agents.py session --session` replays of a run of `agents.py record`). A response is passed on whole once the server has sent it:
     a client reads a streamed reply that arrives at once just the same. `answer(path, body)`, when given, may answer
     a request itself instead: (content type, reply body), or None to forward it."""
 

@@ -10,9 +10,42 @@ from pathlib import Path
 from typing import Any
 
 from harness import default_model_dir
-from harness.agent_workload import TOOL_TEMPLATE
 
 MODEL_VERSION = "try-clients-1"  # bump when the model recipe below changes
+
+# Qwen2.5's layout: the tools go into the system turn, an assistant's calls are <tool_call> JSON, a tool
+# result is a user turn in <tool_response>. No thinking block (SmolLM2 has no think tokens). mlx-lm infers
+# its json_tools parser from "<tool_call>" and "tool_call.name" in the template. Text is written by
+# expressions: transformers renders with trim_blocks, which would eat a newline written after a tag.
+TOOL_TEMPLATE = r"""
+{%- if messages[0].role == 'system' %}{%- set system = messages[0].content %}{%- set rest = messages[1:] %}
+{%- else %}{%- set system = 'You are a helpful assistant.' %}{%- set rest = messages %}{%- endif %}
+{{- '<|im_start|>system\n' + system }}
+{%- if tools %}
+  {{- '\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n' }}
+  {{- 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}
+  {%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}
+  {{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments within ' }}
+  {{- '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}' }}
+  {{- '\n</tool_call>' }}
+{%- endif %}
+{{- '<|im_end|>\n' }}
+{%- for message in rest %}
+  {%- if message.role == 'assistant' and message.tool_calls %}
+    {{- '<|im_start|>assistant\n' + message.content }}
+    {%- for tool_call in message.tool_calls %}{%- set tool_call = tool_call.function %}
+      {{- '<tool_call>\n{"name": "' + tool_call.name + '", "arguments": ' + (tool_call.arguments | tojson) }}
+      {{- '}\n</tool_call>' }}
+    {%- endfor %}
+    {{- '<|im_end|>\n' }}
+  {%- elif message.role == 'tool' %}
+    {{- '<|im_start|>user\n<tool_response>\n' + message.content + '\n</tool_response><|im_end|>\n' }}
+  {%- else %}
+    {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+  {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
+""".strip()
 
 
 def bias_eos(model: Any, config: dict, eos_id: int, boost: float) -> None:
@@ -53,7 +86,7 @@ def cached_model(context: int = 131072, num_layers: int = 1, num_heads: int = 1)
 
 def build_model(folder: Path, context: int, boost: float, num_layers: int = 1, num_heads: int = 1) -> Path:
     """A random llama (float32; 64 dimensions per head) with SmolLM2's tokenizer and a Qwen-style tool
-    template (harness/agent_workload.py), reused when `folder` already holds this recipe. CPU
+    template (TOOL_TEMPLATE), reused when `folder` already holds this recipe. CPU
     attention cost grows with heads x layers x tokens^2, so one head and one layer keep 30k tokens fast."""
     recipe = {"version": MODEL_VERSION, "context": context, "boost": boost}
     if (num_layers, num_heads) != (1, 1):  # the default recipe keeps its marker: built folders stay valid

@@ -1,24 +1,22 @@
-"""A Claude Code-shaped session on three servers, one after the other, in one run (issue 24).
+"""A recorded Claude Code session replayed on several servers, one after the other, in one run (issues 24, 44).
 
-The session: Claude Code's system prompt and tool schemas (from a request body, `--recording`, as `agents.py
-clients` saves them in requests/, else a synthetic ~25k-token stand-in of the same shape), 10 turns; each
-turn appends the previous assistant part (a scripted reply, or a scripted tool_use and its tool_result, as
-Claude Code sends them) and a new user message. Every request opens its system prompt with Claude Code's billing
-line, `x-anthropic-billing-header: cc_version=…; cch=<random per request>;`. Streamed, greedy, 16 tokens.
+The session: its main requests as `agents.py record` kept them (`--session DIR`: the run's requests/), each sent
+as Claude Code sent it but for the reply (streamed, greedy, 16 tokens):
 
 - mlx-kvserve through `POST /v1/messages` (cached tokens: usage.cache_read_input_tokens), and again, fresh,
   through `POST /v1/chat/completions` with the chat form of the same conversation (as mlx_lm.server gets it);
 - vllm-mlx (a scratch venv, `--vllm-mlx`) through its `POST /v1/messages`, same bodies, then fresh over chat;
-- mlx_lm.server through `POST /v1/chat/completions`: the same conversation as chat messages, without the
-  billing line (a chat client sends no Anthropic billing line; with its per-request nonce at the start of
-  the prompt no server reuses anything: `--chat-billing` keeps it as the system message's first line).
+- mlx_lm.server through `POST /v1/chat/completions`: the same conversation as chat messages (a leading
+  Anthropic billing line, which `mlx-kvserve launch claude` turns off, is left out of the chat form).
 
 One server runs at a time (`--ours-config`: a config file for both of ours), on the same model folder (the
-random-weight long-context llama of harness/agent_model.py by default: a cold ~23k-token prefill takes seconds
-on the CPU), warmed up with a short unrelated request first. Per turn: prompt tokens, then per server cached tokens and TTFT (request to
-the first streamed content delta; the end of the stream when none came).
+random-weight long-context llama of harness/agent_model.py by default: its compute is negligible, so what shows
+is each server's own cost), warmed up with a short unrelated request first. Per turn: prompt tokens, then per
+server cached tokens and TTFT (request to the first streamed content delta; the end of the stream when none came).
+Earlier sessions (a recorded system prompt with scripted turns, a synthetic 25k-token shape) retired to git
+history with their figures in docs/benchmarks-history-2026-12-07.md.
 
-    python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/agents.py session \\
+    python -m mlx_kvserve.cpu.blas_exec .venv/bin/python scripts/agents.py session --session DIR \\
         --vllm-mlx /tmp/bench-venvs/vllm-mlx/bin/vllm-mlx [--model DIR] [--out DIR]
 """
 
@@ -27,12 +25,10 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import secrets
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -41,24 +37,15 @@ import httpx
 from harness import OURS, ROOT, VLLM
 from harness import THEIRS as MLX_LM
 from harness.agent_model import cached_model
-from harness.agent_workload import USER_TURNS, agent_instructions, tool_schemas
 from harness.clients import stream_turn
 from harness.reports import write_report
 from harness.servers import Server, free_port, server_env, vllm_mlx_server
 
-CC_VERSION = "2.1.197.123"
 OURS_CHAT, VLLM_CHAT = f"{OURS} (chat)", f"{VLLM} (chat)"  # again, over /v1/chat/completions
 BASE, BASE_CHAT = f"{OURS} (baseline)", f"{OURS} (baseline, chat)"  # ours from another source tree
 CHAT_SERVERS = (MLX_LM, OURS_CHAT, BASE_CHAT, VLLM_CHAT)
 OUR_SERVERS = (OURS, OURS_CHAT, BASE, BASE_CHAT)
 MAX_TOKENS = 16
-
-
-class Shape(NamedTuple):
-    system: list[dict]  # the system prompt's text blocks after the billing line
-    tools: list[dict]  # Anthropic tools: name, description, input_schema
-    opening: list[dict]  # the first user message's text blocks (Claude Code's reminders, then the task)
-    source: str  # the recorded request, or "synthetic"
 
 
 class Turn(NamedTuple):
@@ -70,139 +57,16 @@ class Turn(NamedTuple):
 # -- the session -------------------------------------------------------------------------------------
 
 
-def recorded_shape(files: list[Path]) -> Shape | None:
-    """System blocks, tools and opening of the first of `files` that is a request with tools."""
-    for path in files:
-        body = json.loads(path.read_text())
-        if not body.get("tools") or not isinstance(body.get("system"), list):
-            continue
-        system = [
-            {"type": "text", "text": b["text"]} for b in body["system"] if not b["text"].startswith("x-anthropic")
-        ]
-        opening = [{"type": "text", "text": b["text"]} for b in body["messages"][0]["content"]]
-        # Claude Code's mid-conversation system message (agent types) goes in as a reminder block, as
-        # earlier Claude Code versions sent it: every server here takes user text, not all a system turn.
-        for m in body["messages"][1:]:
-            if m["role"] == "system" and isinstance(m["content"], str):
-                opening.insert(-1, {"type": "text", "text": f"<system-reminder>\n{m['content']}\n</system-reminder>\n"})
-        tools = [{k: t[k] for k in ("name", "description", "input_schema")} for t in body["tools"]]
-        return Shape(system, tools, opening, str(path))
-    return None
-
-
-def synthetic_shape() -> Shape:
-    """~25k tokens like Claude Code's: ~6k-token instructions, 25 tools with long descriptions."""
-    tools = []
-    for i in range(25):
-        f = tool_schemas(20)[i % 20]["function"]
-        notes = agent_instructions(f"tool {i}", 500).split("\n", 1)[1]
-        description = f"{f['description']}\n\n{notes}"
-        tools.append({"name": f"{f['name']}_{i}", "description": description, "input_schema": f["parameters"]})
-    system = [
-        {"type": "text", "text": "You are a Claude agent."},
-        {"type": "text", "text": agent_instructions("", 4300)},
-    ]
-    opening = [{"type": "text", "text": "<system-reminder>\nToday's date is 2026-11-26.\n</system-reminder>\n"}]
-    return Shape(system, tools, opening, "synthetic")
-
-
-REFUND, INVOICE = "/repo/services/payments/refund.py", "/repo/services/payments/invoice.py"
-# The assistant part of turns 1-9: text, or (text, tool name, input, the tool's result). Scripted, so
-# every server gets the same requests.
-ASSISTANT = [
-    (
-        "I'll run the payments tests.",
-        "Bash",
-        {"command": "pytest services/payments -q", "description": "Run tests"},
-        "FAILED tests/test_refund.py::test_partial_refund - AssertionError: assert 39.99 == 40.0\n1 failed, 212 passed",
-    ),
-    "`tests/test_refund.py::test_partial_refund` fails: 40% of a 100.00 order should refund 40.00; it gives 39.99.",
-    (
-        "Reading the refund code.",
-        "Read",
-        {"file_path": "/repo/services/payments/refund.py", "limit": 30},
-        "1\tdef partial_refund(total, share):\n2\t    amount = total * share\n3\t    return math.floor(amount * 100) / 100",
-    ),
-    "`total * share` is a binary float: 100.00 * 0.4 is 39.99999..., and `math.floor` cuts it to 39.99.",
-    (
-        "Switching to Decimal.",
-        "Edit",
-        {
-            "file_path": REFUND,
-            "old_string": "amount = total * share",
-            "new_string": "amount = Decimal(total) * Decimal(str(share))",
-        },
-        f"The file {REFUND} has been updated.",
-    ),
-    (
-        "Running the refund tests.",
-        "Bash",
-        {"command": "pytest services/payments/tests/test_refund.py -q"},
-        "14 passed in 0.62s",
-    ),
-    (
-        "Searching for floats.",
-        "Bash",
-        {"command": "grep -rn 'float(' services/payments"},
-        "services/payments/invoice.py:41: total = float(subtotal) * (1 + tax_rate)",
-    ),
-    (
-        "Fixing the invoice.",
-        "Edit",
-        {"file_path": INVOICE, "old_string": "float(subtotal)", "new_string": "Decimal(subtotal)"},
-        f"The file {INVOICE} has been updated.",
-    ),
-    ("Running the suite.", "Bash", {"command": "pytest services/payments -q"}, "213 passed in 8.12s"),
-]
-
-
-def session_messages(shape: Shape, turn: int) -> list[dict]:
-    """Anthropic messages of turn `turn` (0-based): the opening, then per earlier turn its assistant
-    part and the next user message (a tool_result when the assistant called a tool)."""
-    messages = [{"role": "user", "content": [*shape.opening, {"type": "text", "text": USER_TURNS[0]}]}]
-    for i in range(turn):
-        part = ASSISTANT[i]
-        if isinstance(part, str):
-            messages.append({"role": "assistant", "content": [{"type": "text", "text": part}]})
-            messages.append({"role": "user", "content": [{"type": "text", "text": USER_TURNS[i + 1]}]})
-            continue
-        text, name, arguments, result = part
-        call_id = f"toolu_{i:02d}"
-        use = {"type": "tool_use", "id": call_id, "name": name, "input": arguments}
-        messages.append({"role": "assistant", "content": [{"type": "text", "text": text}, use]})
-        done = {"type": "tool_result", "tool_use_id": call_id, "content": result}
-        messages.append({"role": "user", "content": [done, {"type": "text", "text": USER_TURNS[i + 1]}]})
-    return messages
-
-
-def billing_line() -> str:
-    return f"x-anthropic-billing-header: cc_version={CC_VERSION}; cc_entrypoint=cli; cch={secrets.token_hex(3)};"
-
-
-def messages_body(shape: Shape, turn: int) -> dict:
-    """The /v1/messages body of turn `turn`, with a fresh billing nonce."""
-    return {
-        "model": "default",
-        "system": [{"type": "text", "text": billing_line()}, *shape.system],
-        "tools": shape.tools,
-        "messages": session_messages(shape, turn),
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0.0,
-        "stream": True,
-    }
-
-
 def text_of(content: str | list[dict]) -> str:
     return content if isinstance(content, str) else "".join(b["text"] for b in content if b["type"] == "text")
 
 
-def as_chat(body: dict, billing: bool = False) -> tuple[list[dict], list[dict]]:
-    """(chat messages, OpenAI tools) of a /v1/messages body; with `billing` the billing line (when the body
-    has one) stays the system's first line."""
+def as_chat(body: dict) -> tuple[list[dict], list[dict]]:
+    """(chat messages, OpenAI tools) of a /v1/messages body, less a leading billing line (a chat client
+    sends none; its per-request nonce at the prompt's start would leave no server anything to reuse)."""
     blocks = [body["system"]] if isinstance(body["system"], str) else [b["text"] for b in body["system"]]
-    line = blocks[0] if blocks and blocks[0].startswith("x-anthropic-billing-header") else None
-    opening = line + "\n" if line and billing else ""
-    messages = [{"role": "system", "content": opening + "".join(blocks[1:] if line else blocks)}]
+    billed = bool(blocks) and blocks[0].startswith("x-anthropic-billing-header")
+    messages = [{"role": "system", "content": "".join(blocks[1:] if billed else blocks)}]
     for m in body["messages"]:
         if isinstance(m["content"], str):
             messages.append({"role": m["role"], "content": m["content"]})
@@ -256,8 +120,8 @@ def stream_messages(url: str, body: dict) -> Turn:
     return Turn(ttft, prompt, cached)
 
 
-def chat_turn(server: Server, body: dict, billing: bool) -> Turn:
-    messages, tools = as_chat(body, billing)
+def chat_turn(server: Server, body: dict) -> Turn:
+    messages, tools = as_chat(body)
     reply = stream_turn(server, messages, tools, MAX_TOKENS)  # greedy, usage in the last chunk
     return Turn(reply.ttft_s, reply.prompt_tokens, reply.cached_tokens)
 
@@ -310,22 +174,18 @@ def start(name: str, args: argparse.Namespace, work: Path) -> Server:
     return server
 
 
-def run_server(name: str, bodies: Callable[[], list[dict]], args: argparse.Namespace, work: Path) -> dict:
-    """The session (`bodies()`: its /v1/messages bodies) on one server: {"turns": [Turn as dict]} or {"error": why
-    it could not run}."""
+def run_server(name: str, bodies: list[dict], args: argparse.Namespace, work: Path) -> dict:
+    """The session (its /v1/messages bodies) on one server: {"turns": [Turn as dict]} or {"error": why it could
+    not run}."""
     try:
         server = start(name, args, work)
     except Exception as exc:  # reported in the table: a peer that cannot start here
         return {"error": f"{type(exc).__name__}: {exc}"}
     rows = []
     try:
-        for turn, body in enumerate(bodies()):
+        for turn, body in enumerate(bodies):
             log_start = Path(server.log.name).stat().st_size
-            result = (
-                chat_turn(server, body, args.chat_billing)
-                if name in CHAT_SERVERS
-                else stream_messages(server.url, body)
-            )
+            result = chat_turn(server, body) if name in CHAT_SERVERS else stream_messages(server.url, body)
             if server.name == VLLM:  # both routes (its Server's name is VLLM: the model named in each body)
                 result = vllm_logged(result, Path(server.log.name), log_start)
             rows.append(result._asdict())
@@ -374,8 +234,7 @@ def report_lines(results: dict) -> list[str]:
     lines = [
         f"Shape: {results['source']}; {results['num_tools']} tools; {results['turns']} turns; {MAX_TOKENS} tokens "
         f"per reply, greedy; TTFT the median of {len(results.get('rounds', [1]))} rounds, servers rotated; "
-        f"a fresh `cch` nonce in the billing line of every /v1/messages request"
-        f"{' and chat request' if results.get('chat_billing') else ' (none in the chat form)'}. Wall time "
+        f"each request as recorded. Wall time "
         f"{results['wall_s'] / 60:.1f} min. Prompt tokens per server in column order where they differ.",
         "",
         "| turn | prompt tokens | " + " | ".join(f"{n} cached | {n} TTFT s" for n in names) + " |",
@@ -414,39 +273,29 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=1, help="layers of the built model")
     parser.add_argument("--heads", type=int, default=1, help="attention heads of the built model (64 dimensions each)")
     parser.add_argument("--vllm-mlx", help="the vllm-mlx executable of a scratch venv (left out: not run)")
-    parser.add_argument("--turns", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=1, help="sessions per server, in rotation; medians")
-    parser.add_argument("--synthetic", action="store_true", help="the synthetic shape even when a recording exists")
     parser.add_argument("--ours-config", type=Path, help="a config file for both of our servers")
     parser.add_argument("--baseline", type=Path, help="another source tree of ours (`git archive` of a commit)")
-    parser.add_argument("--recording", type=Path, help="a recorded Claude Code /v1/messages request body (JSON)")
     parser.add_argument(
         "--session", type=Path, help="a recorded session to replay as it was (`agents.py record`'s requests/)"
     )
     parser.add_argument("--no-chat", action="store_true", help="ours over /v1/messages only")
-    parser.add_argument("--chat-billing", action="store_true", help="the billing line in the chat requests too")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "claude_session")
 
 
 def run(args: argparse.Namespace) -> None:
     if args.model is None:
         args.model = cached_model(131072, args.layers, args.heads)
-    if args.session:  # the recorded requests as they were sent
-        recorded = recorded_session(args.session)
-        source, num_tools, turns, bodies = str(args.session), len(recorded[0]["tools"]), len(recorded), lambda: recorded
-    else:  # a scripted session on a recorded or synthetic system prompt and tools, a fresh billing nonce each time
-        files = [args.recording] if args.recording else []
-        shape = (None if args.synthetic else recorded_shape(files)) or synthetic_shape()
-        source, num_tools, turns = shape.source, len(shape.tools), args.turns
-        bodies = lambda: [messages_body(shape, turn) for turn in range(turns)]  # noqa: E731
+    recorded = recorded_session(args.session)
+    if not recorded:
+        raise SystemExit(f"{args.session}: no Claude Code request offering Bash (run `agents.py record` first)")
     pairs = [(OURS, OURS_CHAT)] + [(BASE, BASE_CHAT)] * bool(args.baseline) + [(VLLM, VLLM_CHAT)] * bool(args.vllm_mlx)
     names = [n for pair in pairs for n in pair[: 1 if args.no_chat else 2]] + [MLX_LM]
     work, start_s = Path(tempfile.mkdtemp(prefix="kvserve-claude-session-")), time.perf_counter()
     results: dict = {
-        "source": source,
-        "num_tools": num_tools,
-        "turns": turns,
-        "chat_billing": args.chat_billing,
+        "source": str(args.session),
+        "num_tools": len(recorded[0]["tools"]),
+        "turns": len(recorded),
         "model": str(args.model),
         "servers": {},
     }
@@ -454,7 +303,7 @@ def run(args: argparse.Namespace) -> None:
     for r in range(args.rounds):  # each round in another order, on fresh homes (turn 1 cold again)
         order = names[r % len(names) :] + names[: r % len(names)]
         (work / f"round-{r}").mkdir()
-        rounds.append({name: run_server(name, bodies, args, work / f"round-{r}") for name in order})
+        rounds.append({name: run_server(name, recorded, args, work / f"round-{r}") for name in order})
     results["rounds"] = rounds
     results["servers"] = {name: median_run([found[name] for found in rounds]) for name in names}
     results["wall_s"] = time.perf_counter() - start_s
