@@ -63,9 +63,17 @@ def conversations(rng: random.Random, num: int) -> list[str]:
 def check_same_ids(hf, texts: list[str], monkeypatch) -> token_memo.TokenMemo:
     monkeypatch.setattr(token_memo, "MIN_REUSE_CHARS", 1)  # reuse even short prefixes: more boundaries tried
     memo = token_memo.TokenMemo(hf, token_memo.boundary_ids(hf), max_entries=4)
+    rng = random.Random(7)
     for i, text in enumerate(texts):
-        full = hf(text, add_special_tokens=False)["input_ids"]
-        assert memo.encode(text, principal=f"p{i % 2}") == full, text
+        out = hf(text, add_special_tokens=False, return_offsets_mapping=True)
+        full, principal = out["input_ids"], f"p{i % 2}"
+        assert memo.encode(text, principal=principal) == full, text
+        # tokens_within: the ids wholly inside a prefix of the text, from the memo's offsets (joined or not)
+        for chars in {0, len(text), *(rng.randint(0, len(text)) for _ in range(3))}:
+            reach = [max(e for _, e in out["offset_mapping"][: n + 1]) for n in range(len(full))]
+            assert memo.tokens_within(text, full, chars, principal) == sum(r <= chars for r in reach), (text, chars)
+        assert memo.tokens_within(text, full[:-1], len(text), principal) is None  # not the ids of this text
+        assert memo.tokens_within(text + "?", full, len(text), principal) is None  # a text not memoized
     return memo
 
 

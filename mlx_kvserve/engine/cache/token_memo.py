@@ -9,6 +9,9 @@ reuses the ids up to the last boundary inside its common prefix with a memoized 
 only the rest. The result is always the ids a full encode gives (tests/engine/test_token_memo.py checks
 that on many prompt pairs); a tokenizer where that cannot be shown gets no memo (memo_for: None).
 
+Each entry also keeps where every token ends in its text, so a prefix given as text (a cache_control
+mark's) is known as the prompt's tokens without encoding anything (tokens_within).
+
 Entries are kept per principal (per_key isolation): a timing probe must not learn whether another
 key's prompt shares a prefix with one's own.
 """
@@ -25,7 +28,7 @@ from itertools import accumulate
 from typing import Any, NamedTuple
 
 MAX_ENTRIES = 8  # per model: a few live conversations
-MAX_CHARS = 4 * 2**20  # characters held over all entries (each costs ~1-4 B of text + ~9 B per token)
+MAX_CHARS = 4 * 2**20  # characters held over all entries (each costs ~1-4 B of text + ~13 B per token)
 MIN_REUSE_CHARS = 1024  # below this a full encode is as fast as the bookkeeping
 
 # apply_chat_template's own parameters: template kwargs naming one of them change how it encodes
@@ -73,7 +76,7 @@ class TokenMemo:
         out = self.hf(text, add_special_tokens=False, return_offsets_mapping=True)
         ids, offsets = list(out["input_ids"]), out["offset_mapping"]
         marks = [(start + offsets[i][1], i + 1) for i, t in enumerate(ids) if t in self.boundary_ids]
-        token_ends = array("q", accumulate((start + e for _, e in offsets), max, initial=start))[1:]
+        token_ends = array("i", accumulate((start + e for _, e in offsets), max, initial=start))[1:]
         return Entry(text, ids, [e for e, _ in marks], [c for _, c in marks], token_ends)
 
     def tokens_within(self, text: str, ids: list[int], chars: int, principal: str = "") -> int | None:
