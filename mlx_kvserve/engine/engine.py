@@ -174,7 +174,7 @@ class Engine:
 
     def router_view(self) -> RouterView | None:
         """What a router follows of this cache; None while block caching is off."""
-        return RouterView(self.prefix_cache.manager) if self.cache_enabled else None
+        return RouterView(manager) if (manager := self.prefix_cache.manager) is not None else None
 
     @property
     def is_alive(self) -> bool:  # whether the worker thread runs
