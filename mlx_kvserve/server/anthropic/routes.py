@@ -99,6 +99,8 @@ def anthropic_routes(handler: CompletionHandler) -> list[Route]:
 
             async def lease(gen_req: GenerationRequest) -> int:
                 """The markers' prefixes pinned: the longest one's length (0 for none)."""
+                if not found:
+                    return 0
                 prompt = gen_req.prompt_tokens
                 marked = ends if ends is not None else await marked_ends(req, found, prompt)
                 leased = await cache_control.apply(handler, found, marked, prompt, gen_req.block_hashes or ())
