@@ -293,3 +293,35 @@ def test_key_from_the_url_is_kept_in_session_storage_only(browser, keyed_server)
     assert browser.find_element(By.ID, "login").is_displayed()
     assert browser.execute_script("return sessionStorage.getItem('mlx-kvserve.key')") is None
     assert console_errors(browser) == []
+
+
+KEY_A, KEY_B = "alice-key-1", "bob-key-2"
+
+
+@pytest.fixture(scope="module")
+def two_key_server(start_module_server, tiny_model_dir, tmp_path_factory):
+    """Two keys caching apart (isolation "auto" with a key file of two) and no admin key."""
+    folder = tmp_path_factory.mktemp("ui-two-keys")
+    (folder / "keys").write_text(f"alice: {KEY_A}\nbob: {KEY_B}\n")
+    (folder / "config.toml").write_text(f'[server]\napi_key_file = "{folder / "keys"}"\n')
+    return start_module_server(tiny_model_dir, config=folder / "config.toml")
+
+
+def test_the_pins_tab_of_an_ordinary_key_says_the_list_is_the_admins_and_pins_its_own(browser, two_key_server):
+    """Under per_key without an admin key, GET /v1/cache/pins is 403 for every key (it lists every key's
+    blocks): the tab says so in place of the lists, shows no error, and still pins the key's own prompt."""
+    server = two_key_server
+    assert (
+        httpx.get(f"{server.base_url}/v1/cache/pins", headers={"Authorization": f"Bearer {KEY_A}"}).status_code == 403
+    )
+    browser.get(f"{server.base_url}/ui?key={KEY_A}#pins")
+    wait_for(browser, lambda d: d.find_element(By.ID, "pins-own").is_displayed())
+    assert "server.admin_api_key" in browser.find_element(By.ID, "pins-own").text
+    assert not browser.find_element(By.ID, "pins-table").is_displayed()
+    assert not browser.find_element(By.ID, "leases-table").is_displayed()
+    browser.find_element(By.ID, "pin-text").send_keys("Alice's own pinned instructions. " * 12)
+    browser.find_element(By.ID, "pin-button").click()
+    wait_for(browser, lambda d: "pinned" in d.find_element(By.ID, "pin-result").text)
+    assert "bad" not in browser.find_element(By.ID, "status").get_attribute("class").split()  # no error shown
+    assert console_errors(browser, allowed=("403",)) == []  # Chromium logs the refused list fetch itself
+    browser.get("about:blank")

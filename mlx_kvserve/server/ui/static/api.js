@@ -36,7 +36,11 @@ export async function api(path, { method = "GET", json, signal } = {}) {
 export async function apiJson(path, options) {
   const response = await api(path, options);
   const body = await response.json().catch(() => null);
-  if (!response.ok) throw new Error(body?.error?.message || `${path}: HTTP ${response.status}`);
+  if (!response.ok) {
+    const error = new Error(body?.error?.message || `${path}: HTTP ${response.status}`);
+    error.code = body?.error?.code; // e.g. "admin_key_required": a panel may say so instead of failing
+    throw error;
+  }
   return body;
 }
 

@@ -49,6 +49,11 @@ export class PinsPanel {
     document.getElementById("confirm-no").addEventListener("click", () => this.ask(null));
   }
 
+  showLists(shown) {
+    for (const id of ["pins-table", "leases-table"]) document.getElementById(id).hidden = !shown;
+    document.getElementById("pins-own").hidden = shown;
+  }
+
   /** POST the pasted prompt to /v1/cache/pin or unpin: the reply's body, or null (the error is shown). */
   async pinText(what) {
     const text = document.getElementById("pin-text").value;
@@ -95,7 +100,18 @@ export class PinsPanel {
   }
 
   async refresh() {
-    const { pins, leases } = await apiJson("/v1/cache/pins");
+    let listed;
+    try {
+      listed = await apiJson("/v1/cache/pins");
+    } catch (err) {
+      if (err.code !== "admin_key_required") throw err;
+      // Several keys caching apart and no admin key: the list holds every key's blocks, not this key's to
+      // see; pinning and unpinning this key's own prompts above still work.
+      this.showLists(false);
+      return;
+    }
+    this.showLists(true);
+    const { pins, leases } = listed;
     const known = labels();
     const mark = (b) => (b ? "yes" : "–");
     document.querySelector("#pins-table tbody").replaceChildren(...pins.map((p) => el("tr", { "data-hash": p.block_hash },
