@@ -115,6 +115,22 @@ def test_principals_never_share_entries(monkeypatch):
     assert memo.reused_tokens > 200
 
 
+def test_one_principals_many_prompts_push_out_its_own_entries_first():
+    hf = TokenizersBackend(tokenizer_object=byte_level_tokenizer())
+    memo = token_memo.TokenMemo(hf, token_memo.boundary_ids(hf), max_entries=4)
+    bobs = chatml([("system", "bob's agent " * 100), ("user", "go")])
+    memo.encode(bobs, principal="bob")
+    for i in range(10):  # alice's ten conversations, each newer than bob's one
+        memo.encode(chatml([("user", f"alice {i} " * 50)]), principal="alice")
+    assert ("bob", bobs) in memo.entries and len(memo.entries) == 4
+    assert sorted(p for p, _ in memo.entries) == ["alice", "alice", "alice", "bob"]
+    memo.encode(bobs + "more", principal="bob")
+    assert memo.reused_tokens > 100  # bob's next turn still reuses his
+    for i in range(3):  # more of alice's: hers go again, bob's one stays
+        memo.encode(chatml([("user", f"carol {i} " * 50)]), principal="alice")
+    assert [p for p, _ in memo.entries].count("bob") == 1
+
+
 def test_entries_bounded_in_count_and_chars():
     hf = TokenizersBackend(tokenizer_object=byte_level_tokenizer())
     memo = token_memo.TokenMemo(hf, token_memo.boundary_ids(hf), max_entries=3, max_chars=5000)

@@ -13,7 +13,8 @@ Each entry also keeps where every token ends in its text, so a prefix given as t
 mark's) is known as the prompt's tokens without encoding anything (tokens_within).
 
 Entries are kept per principal (per_key isolation): a timing probe must not learn whether another
-key's prompt shares a prefix with one's own.
+key's prompt shares a prefix with one's own. When the memo is full, the principal holding the most entries
+gives up its least recently used one, so one key's many prompts do not push out another's.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import threading
 import weakref
 from array import array
 from bisect import bisect_right
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from itertools import accumulate
 from typing import Any, NamedTuple
 
@@ -112,7 +113,14 @@ class TokenMemo:
             self.entries[key] = entry
             self.num_chars += len(entry.text)
             while self.entries and (len(self.entries) > self.max_entries or self.num_chars > self.max_chars):
-                self._drop(next(iter(self.entries)))
+                self._drop(self._victim())
+
+    def _victim(self) -> tuple[str, str]:
+        """The least recently used entry of the principal holding the most: one key's many conversations
+        push out its own entries before another key's (one principal: the least recently used)."""
+        held = Counter(principal for principal, _ in self.entries)
+        most = max(held.values())
+        return next(key for key in self.entries if held[key[0]] == most)
 
     def _drop(self, key: tuple[str, str]) -> None:
         gone = self.entries.pop(key, None)
